@@ -1,0 +1,74 @@
+"""Grouped-query causal self-attention with document-aware masking.
+
+Shape legend: B batch, S sequence, H hidden, N query heads, G key/value heads, D head_dim.
+Packed sequences carry ``doc_ids [B, S]``; a token attends only to earlier tokens of the
+same document, so packing never leaks context across documents.
+"""
+import math
+
+import numpy as np
+from mindspore import nn, ops
+import mindspore as ms
+
+from model.config import ModelConfig
+from model.linear import Linear
+from model.norm import RMSNorm
+from model.rope import apply_rope
+
+# Large negative instead of -inf: a fully masked row would otherwise give NaN in softmax.
+MASK_VALUE = -1e9
+
+
+def document_causal_mask(doc_ids_BS):
+    """Additive mask ``[B, 1, S, S]``: 0 where key j <= query i and both are in one document."""
+    seq_len = doc_ids_BS.shape[1]
+    causal_SS = ops.tril(ops.ones((seq_len, seq_len), ms.bool_))
+    same_doc_BSS = ops.equal(doc_ids_BS.expand_dims(2), doc_ids_BS.expand_dims(1))
+    allowed_BSS = ops.logical_and(same_doc_BSS, causal_SS)
+    mask_BSS = ops.select(allowed_BSS, ops.zeros_like(same_doc_BSS, dtype=ms.float32),
+                          ops.fill(ms.float32, allowed_BSS.shape, MASK_VALUE))
+    return mask_BSS.expand_dims(1)
+
+
+class Attention(nn.Cell):
+    """q/k/v projections (optional bias) -> optional QK RMSNorm -> partial RoPE -> softmax(qk/sqrt(D)) v."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.resolved_head_dim
+        self.interleaved = cfg.rope_interleaved
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        std = cfg.initializer_range
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, cfg.qkv_bias, std, rng)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, cfg.qkv_bias, std, rng)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, cfg.qkv_bias, std, rng)
+        self.o_proj = Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, False, std, rng)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
+        self.bmm_pv = ops.BatchMatMul()
+
+    def construct(self, x_BSH, cos, sin, mask_B1SS):
+        batch, seq_len, _ = x_BSH.shape
+        q_BNSD = self.q_proj(x_BSH).reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k_BGSD = self.k_proj(x_BSH).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v_BGSD = self.v_proj(x_BSH).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.qk_norm:
+            q_BNSD = self.q_norm(q_BNSD)
+            k_BGSD = self.k_norm(k_BGSD)
+        q_BNSD = apply_rope(q_BNSD, cos, sin, self.interleaved)
+        k_BGSD = apply_rope(k_BGSD, cos, sin, self.interleaved)
+        group = self.num_heads // self.num_kv_heads
+        if group > 1:
+            # Query head n uses key/value head n // group (HF repeat_kv order).
+            k_BGSD = ops.repeat_interleave(k_BGSD, group, 1)
+            v_BGSD = ops.repeat_interleave(v_BGSD, group, 1)
+        scores_BNSS = self.bmm_qk(q_BNSD, k_BGSD).astype(ms.float32) * self.scale + mask_B1SS
+        probs_BNSS = ops.softmax(scores_BNSS, -1).astype(v_BGSD.dtype)
+        out_BNSD = self.bmm_pv(probs_BNSS, v_BGSD)
+        out_BSH = out_BNSD.transpose(0, 2, 1, 3).reshape(batch, seq_len, self.num_heads * self.head_dim)
+        return self.o_proj(out_BSH)

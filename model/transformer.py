@@ -1,0 +1,124 @@
+"""The decoder-only MoE transformer (GLM-4.5 layout, HF ``glm4_moe`` parameter names).
+
+Parameter names are the checkpoint format (see README "Checkpoint format"):
+
+    embed_tokens.weight                                  [V, H]
+    layers.{i}.input_layernorm.weight                    [H]
+    layers.{i}.self_attn.{q,k,v}_proj.{weight,bias}      [N*D | G*D, H], bias if qkv_bias
+    layers.{i}.self_attn.{q,k}_norm.weight               [D] if qk_norm
+    layers.{i}.self_attn.o_proj.weight                   [H, N*D]
+    layers.{i}.post_attention_layernorm.weight           [H]
+    layers.{i}.mlp.{gate,up,down}_proj.weight            dense layers (i < first_k_dense)
+    layers.{i}.mlp.router.weight                         [E, H]            MoE layers
+    layers.{i}.mlp.experts.{gate,up}_proj                [E, I, H]
+    layers.{i}.mlp.experts.down_proj                     [E, H, I]
+    layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight
+    norm.weight                                          [H]
+    lm_head.weight                                       [V, H] unless tie_word_embeddings
+"""
+import numpy as np
+from mindspore import Parameter, nn, ops
+import mindspore as ms
+
+from model.attention import Attention, document_causal_mask
+from model.config import ModelConfig, validate_model_config
+from model.linear import normal_init
+from model.mlp import SwiGLU
+from model.moe.layer import MoELayer
+from model.norm import RMSNorm
+from model.rope import default_inv_freq, rope_tables
+
+
+class Embedding(nn.Cell):
+    def __init__(self, vocab_size: int, hidden_size: int, std: float, rng: np.random.Generator):
+        super().__init__()
+        self.weight = Parameter(normal_init((vocab_size, hidden_size), std, rng), name="weight")
+
+    def construct(self, input_ids_BS):
+        return ops.gather(self.weight, input_ids_BS, 0)
+
+
+class DecoderLayer(nn.Cell):
+    """Pre-RMSNorm residual block: attention, then a dense or MoE FFN."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rng: np.random.Generator):
+        super().__init__()
+        self.is_moe = layer_idx >= cfg.first_k_dense
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rng)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if self.is_moe:
+            self.mlp = MoELayer(cfg, rng)
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, rng)
+
+    def construct(self, x_BSH, cos, sin, mask_B1SS):
+        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_B1SS)
+        return x_BSH + self.mlp(self.post_attention_layernorm(x_BSH))
+
+
+class MoEDecoderLayer(DecoderLayer):
+    """A :class:`DecoderLayer` whose FFN is an MoE block; also returns the router statistics."""
+
+    def construct(self, x_BSH, cos, sin, mask_B1SS):
+        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_B1SS)
+        ffn_BSH, aux, router_z, counts_E, dropped = self.mlp(self.post_attention_layernorm(x_BSH))
+        return x_BSH + ffn_BSH, aux, router_z, counts_E, dropped
+
+
+class MoETransformer(nn.Cell):
+    """``construct(input_ids [B,S], doc_ids [B,S])`` -> ``(logits [B,S,V] fp32, aux_loss, z_loss,
+    expert_counts [L_moe, E], dropped [L_moe])``; aux and z losses are summed over MoE layers."""
+
+    def __init__(self, cfg: ModelConfig, seed: int = 0):
+        super().__init__()
+        validate_model_config(cfg)
+        if cfg.vocab_size <= 0:
+            raise ValueError("model.vocab_size must be set (the trainer takes it from the tokenizer)")
+        self.config = cfg
+        rng = np.random.default_rng(seed)
+        std = cfg.initializer_range
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, std, rng)
+        layers = []
+        for layer_idx in range(cfg.num_layers):
+            layer_cls = MoEDecoderLayer if layer_idx >= cfg.first_k_dense else DecoderLayer
+            layers.append(layer_cls(cfg, layer_idx, rng))
+        self.layers = nn.CellList(layers)
+        self.num_dense = cfg.first_k_dense
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie_word_embeddings = cfg.tie_word_embeddings
+        if not cfg.tie_word_embeddings:
+            self.lm_head = Embedding(cfg.vocab_size, cfg.hidden_size, std, rng)
+        self.cos, self.sin = rope_tables(default_inv_freq(cfg.rotary_dim, cfg.rope_theta),
+                                         cfg.max_position_embeddings, cfg.rope_interleaved)
+        self.logits_matmul = ops.MatMul(transpose_b=True)
+
+    def construct(self, input_ids_BS, doc_ids_BS):
+        batch, seq_len = input_ids_BS.shape
+        cos = self.cos[:seq_len]
+        sin = self.sin[:seq_len]
+        mask_B1SS = document_causal_mask(doc_ids_BS)
+        x_BSH = self.embed_tokens(input_ids_BS)
+        aux_losses = []
+        z_losses = []
+        counts = []
+        dropped = []
+        for layer_idx, layer in enumerate(self.layers):
+            if layer_idx < self.num_dense:
+                x_BSH = layer(x_BSH, cos, sin, mask_B1SS)
+            else:
+                x_BSH, aux, router_z, counts_E, dropped_count = layer(x_BSH, cos, sin, mask_B1SS)
+                aux_losses.append(aux)
+                z_losses.append(router_z)
+                counts.append(counts_E)
+                dropped.append(dropped_count)
+        x_BSH = self.norm(x_BSH)
+        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        logits = self.logits_matmul(x_BSH.reshape(batch * seq_len, -1), head).astype(ms.float32)
+        logits_BSV = logits.reshape(batch, seq_len, -1)
+        if not counts:
+            zero = ops.zeros((), ms.float32)
+            return (logits_BSV, zero, zero, ops.zeros((0, self.config.num_experts), ms.float32),
+                    ops.zeros((0,), ms.float32))
+        return (logits_BSV, ops.stack(aux_losses).sum(), ops.stack(z_losses).sum(),
+                ops.stack(counts), ops.stack(dropped))
