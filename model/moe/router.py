@@ -29,11 +29,14 @@ def topk_routing(scores_TE, top_k: int, norm_topk_prob: bool, routed_scaling_fac
 
     Returns ``(topk_idx_TK int32, topk_weight_TK fp32)``.
     """
-    topk_score_TK, topk_idx_TK = ops.topk(scores_TE, top_k, sorted=True)
-    weight_TK = topk_score_TK
+    # A stable descending sort, not ops.topk: topk orders ties arbitrarily, and expert locking
+    # compares top-K sets, so equal scores must resolve to the lower expert index.
+    _, order_TE = ops.sort(scores_TE, -1, True)
+    topk_idx_TK = order_TE[:, :top_k].astype(ms.int32)
+    weight_TK = ops.gather_elements(scores_TE, 1, topk_idx_TK)
     if norm_topk_prob:
         weight_TK = weight_TK / (weight_TK.sum(-1, keepdims=True) + NORM_EPS)
-    return topk_idx_TK.astype(ms.int32), weight_TK * routed_scaling_factor
+    return topk_idx_TK, weight_TK * routed_scaling_factor
 
 
 def expert_counts(topk_idx_TK, num_experts: int):
