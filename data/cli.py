@@ -1,0 +1,32 @@
+"""``mindmoe-data``: train/load the tokenizer and write the packed MindRecord shards ahead of training.
+
+Training does the same on demand; running it first (once per cluster node or shared cache)
+keeps workers from waiting on each other.
+"""
+import logging
+import sys
+
+import hydra
+
+from conf.schema import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+def _main(cfg) -> None:
+    from data.prepare import prepare_data
+    try:
+        prepared = prepare_data(cfg.data)
+    except (ValueError, FileNotFoundError) as error:
+        logging.getLogger("mindmoe").error("%s", error)
+        sys.exit(2)
+    print(f"tokenizer: {prepared.tokenizer_path} (vocab {prepared.vocab_size})")
+    print(f"train: {prepared.num_train_windows} windows in {len(prepared.train_shards)} shard(s)")
+    print(f"valid: {prepared.num_valid_windows} windows in {len(prepared.valid_shards)} shard(s)")
+    if prepared.unigram_val_loss is not None:
+        print(f"unigram validation loss: {prepared.unigram_val_loss:.4f} nats/token")
+
+
+def main() -> None:
+    _main()

@@ -1,0 +1,232 @@
+"""``prepare_data``: from the ``data.*`` config to a tokenizer and packed MindRecord shards, cached.
+
+Cache layout (``data.cache_dir``, else ``$MINDMOE_CACHE``, else ``~/.cache/mindmoe``)::
+
+    tokenizer/<key>/spm.model, meta.json       key: training files' content, text_field, vocab_size
+    data/<key>/train-*.mindrecord, valid-*.mindrecord, meta.json
+                                                key: files' content, text_field, seq_len, weights,
+                                                     shard_windows, the tokenizer file's content
+
+Keys hash file *contents*, so moving a file keeps its cache and editing it in
+place does not reuse a stale one. An entry is built in a staging directory
+beside it and renamed into place with its ``meta.json`` written last, under a
+``FileLock``; concurrent processes (all ``msrun`` workers call this) wait for
+the first one and reuse its result. An entry with a ``meta.json`` is complete.
+"""
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+import numpy as np
+from filelock import FileLock
+
+from data.config import DataConfig
+from data.mindrecord import write_shards
+from data.packing import PackedWindows, mix_sources, mixture_counts, pack_documents, unigram_loss
+from data.reader import DataInputError, Source, checked_file, concatenate, read_source, tokenize_documents
+from data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
+
+logger = logging.getLogger(__name__)
+
+# Bump when the content or layout of a cache entry changes, so old entries are not reused.
+FORMAT_VERSION = 1
+# The mixture belongs to the prepared data, not to a run: it must not change with train.seed.
+MIXTURE_SEED = 1234
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Everything training needs from the data side."""
+
+    tokenizer_path: str
+    vocab_size: int
+    train_shards: List[str]
+    valid_shards: List[str]
+    num_train_windows: int
+    num_valid_windows: int
+    #: Validation loss of a unigram model (nats per scored token); None without valid_files.
+    unigram_val_loss: Optional[float]
+    cache_key: str
+
+
+def cache_root(cfg: DataConfig) -> Path:
+    root = cfg.cache_dir or os.environ.get("MINDMOE_CACHE") or "~/.cache/mindmoe"
+    return Path(root).expanduser().resolve()
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _key(fields: Dict) -> str:
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode("utf-8")).hexdigest()[:20]
+
+
+def _check_config(cfg: DataConfig) -> None:
+    if not cfg.train_files:
+        raise ValueError("data.train_files is empty; list at least one training file")
+    if cfg.weights is not None:
+        if len(cfg.weights) != len(cfg.train_files):
+            raise ValueError(f"data.weights has {len(cfg.weights)} entries but data.train_files has "
+                             f"{len(cfg.train_files)}; give one weight per training file")
+        if any(w < 0 for w in cfg.weights) or sum(cfg.weights) <= 0:
+            raise ValueError(f"data.weights={list(cfg.weights)} must be non-negative with a positive sum")
+    for name in ("seq_len", "vocab_size", "shard_windows", "num_proc"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"data.{name}={getattr(cfg, name)} must be at least 1")
+
+
+def _weights(cfg: DataConfig) -> Optional[List[float]]:
+    """``data.weights`` as plain floats: Hydra passes an OmegaConf ListConfig, which JSON cannot encode."""
+    return None if cfg.weights is None else [float(w) for w in cfg.weights]
+
+
+def build_once(entry: Path, build: Callable[[Path], Dict]) -> Dict:
+    """The ``meta.json`` of cache ``entry``, calling ``build(staging_dir) -> meta`` if absent.
+
+    Safe across processes: the builder holds a file lock, later callers wait on it
+    and find the finished entry.
+    """
+    meta_path = entry / "meta.json"
+    if meta_path.exists():
+        logger.info("cache hit: %s", entry)
+        return json.loads(meta_path.read_text())
+    entry.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(entry) + ".lock"):
+        if meta_path.exists():
+            logger.info("cache hit (built by another process): %s", entry)
+            return json.loads(meta_path.read_text())
+        logger.info("cache miss, building: %s", entry)
+        # Staging directories of a crashed builder; only the lock holder creates them.
+        for stale in entry.parent.glob(f".{entry.name}.*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
+        try:
+            meta = build(staging)
+            (staging / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
+            if entry.exists():  # left without meta.json, e.g. partly deleted by hand
+                shutil.rmtree(entry)
+            os.rename(staging, entry)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return meta
+
+
+class _Corpus:
+    """Reads each configured file at most once per ``prepare_data`` call, on first use."""
+
+    def __init__(self, cfg: DataConfig, work_dir: Path):
+        self.cfg = cfg
+        self.work_dir = work_dir
+        self._sources: Dict[str, Source] = {}
+
+    def source(self, key: str, path: str) -> Source:
+        if key not in self._sources:
+            self._sources[key] = read_source(path, self.cfg.text_field, key, self.work_dir)
+        return self._sources[key]
+
+
+def prepare_data(cfg: DataConfig) -> PreparedData:
+    """Tokenizer and packed shards for ``cfg``, from the cache when it has them."""
+    _check_config(cfg)
+    train = {f"data.train_files[{i}]": checked_file(p, f"data.train_files[{i}]")
+             for i, p in enumerate(cfg.train_files)}
+    valid = {f"data.valid_files[{i}]": checked_file(p, f"data.valid_files[{i}]")
+             for i, p in enumerate(cfg.valid_files)}
+    hashes = {key: file_sha256(path) for key, path in {**train, **valid}.items()}
+    root = cache_root(cfg)
+    root.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".read-", dir=root) as work_dir:
+        corpus = _Corpus(cfg, Path(work_dir))
+        if cfg.tokenizer:
+            tokenizer_path = str(load_tokenizer(cfg.tokenizer).path)
+        else:
+            tokenizer_path = _cached_tokenizer(root, cfg, train, hashes, corpus)
+        key = _key({"format": FORMAT_VERSION, "mixture_seed": MIXTURE_SEED,
+                    "train": [hashes[k] for k in train], "valid": [hashes[k] for k in valid],
+                    "text_field": cfg.text_field, "seq_len": cfg.seq_len, "weights": _weights(cfg),
+                    "shard_windows": cfg.shard_windows, "tokenizer": file_sha256(Path(tokenizer_path))})
+        entry = root / "data" / key
+        meta = build_once(entry, lambda staging: _build_shards(staging, cfg, train, valid, tokenizer_path, corpus))
+    logger.info("data ready: %d train windows, %d valid windows, vocab %d, unigram val loss %s",
+                meta["num_train_windows"], meta["num_valid_windows"], meta["vocab_size"], meta["unigram_val_loss"])
+    return PreparedData(tokenizer_path=tokenizer_path, vocab_size=meta["vocab_size"],
+                        train_shards=[str(entry / name) for name in meta["train_shards"]],
+                        valid_shards=[str(entry / name) for name in meta["valid_shards"]],
+                        num_train_windows=meta["num_train_windows"], num_valid_windows=meta["num_valid_windows"],
+                        unigram_val_loss=meta["unigram_val_loss"], cache_key=key)
+
+
+def _cached_tokenizer(root: Path, cfg: DataConfig, train: Dict[str, Path], hashes: Dict[str, str],
+                      corpus: _Corpus) -> str:
+    key = _key({"format": FORMAT_VERSION, "train": [hashes[k] for k in train],
+                "text_field": cfg.text_field, "vocab_size": cfg.vocab_size})
+    entry = root / "tokenizer" / key
+
+    def build(staging: Path) -> Dict:
+        sources = [corpus.source(k, str(p)) for k, p in train.items()]
+        texts = (text for source in sources for text in source.dataset["text"])
+        try:
+            train_sentencepiece(texts, cfg.vocab_size, staging / "spm")
+        except ValueError as err:
+            raise ValueError(f"data.{err}") from None
+        return {"format": FORMAT_VERSION, "vocab_size": cfg.vocab_size, "train_files": [str(p) for p in train.values()]}
+
+    build_once(entry, build)
+    return str(entry / "spm.model")
+
+
+def _build_shards(staging: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path],
+                  tokenizer_path: str, corpus: _Corpus) -> Dict:
+    tokenizer = load_tokenizer(tokenizer_path)
+    sources, source_meta = [], []
+    for key, path in train.items():
+        dataset, stats = corpus.source(key, str(path))
+        tokens = tokenize_documents(dataset, tokenizer, cfg.num_proc)
+        windows = pack_documents(tokens.tokens, tokens.doc_lengths, cfg.seq_len)
+        if len(windows) == 0:
+            raise DataInputError(f"{key}: {path} has {len(tokens.tokens)} tokens, fewer than one window of "
+                                 f"data.seq_len + 1 = {cfg.seq_len + 1}; merge it into another file")
+        sources.append(windows)
+        source_meta.append({**asdict(stats), "tokens": int(len(tokens.tokens)), "windows": len(windows)})
+    counts = mixture_counts([len(s) for s in sources], _weights(cfg))
+    for meta, count in zip(source_meta, counts, strict=True):
+        meta["windows_used"] = count
+        logger.info("%s: %d documents, %d tokens, %d windows, %d used in the mixture",
+                    meta["file"], meta["documents"], meta["tokens"], meta["windows"], count)
+    train_windows = mix_sources(sources, counts, MIXTURE_SEED)
+    valid_windows = _valid_windows(cfg, valid, tokenizer, corpus)
+    val_loss = unigram_loss(train_windows, valid_windows, tokenizer.vocab_size) if valid else None
+    return {"format": FORMAT_VERSION, "vocab_size": tokenizer.vocab_size,
+            "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
+            "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows),
+            "num_train_windows": len(train_windows), "num_valid_windows": len(valid_windows),
+            "unigram_val_loss": val_loss, "sources": source_meta,
+            "valid_files": [str(p) for p in valid.values()], "tokenizer": tokenizer_path,
+            "seq_len": cfg.seq_len, "weights": _weights(cfg), "text_field": cfg.text_field}
+
+
+def _valid_windows(cfg: DataConfig, valid: Dict[str, Path], tokenizer: Tokenizer, corpus: _Corpus) -> PackedWindows:
+    """All validation files as one stream: small files need no window of their own."""
+    window = cfg.seq_len + 1
+    if not valid:
+        return PackedWindows(np.zeros((0, window), np.int32), np.zeros((0, window), np.int32))
+    streams = [tokenize_documents(corpus.source(key, str(path)).dataset, tokenizer, cfg.num_proc)
+               for key, path in valid.items()]
+    stream = concatenate(streams)
+    windows = pack_documents(stream.tokens, stream.doc_lengths, cfg.seq_len)
+    if len(windows) == 0:
+        raise DataInputError(f"data.valid_files: {len(stream.tokens)} tokens in all, fewer than one window of "
+                             f"data.seq_len + 1 = {window}")
+    return windows
