@@ -4,10 +4,13 @@ The field names follow GLM-4.5 / HF ``glm4_moe`` where one exists, so an importe
 config maps one to one. Every field is read by the model; :func:`validate_model_config`
 rejects values the model cannot honour before anything is built.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from model.rope_scaling import RopeScalingConfig, rope_scaling_config, validate_rope_scaling
 
 SCORE_FUNCS = ("softmax", "sigmoid")
-AUX_LOSS_TYPES = ("switch", "none")
+AUX_LOSS_TYPES = ("switch", "seq", "none")
+ISOLATION_MODES = ("expert_update", "token_grad")
 DISPATCH_MODES = ("capacity", "dropless")
 
 
@@ -39,6 +42,9 @@ class ModelConfig:
     rope_interleaved: bool = False
     #: Longest position the RoPE tables cover.
     max_position_embeddings: int = 4096
+    #: RoPE scaling beyond the trained context: type none|linear|ntk|dynamic_ntk|yarn, factor,
+    #: original_max_position, beta_fast, beta_slow, attention_factor (documented in model/rope_scaling.py).
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     #: Epsilon of every RMSNorm.
     rms_norm_eps: float = 1e-5
     #: Hidden width of the dense SwiGLU FFN of the first ``first_k_dense`` layers.
@@ -55,11 +61,22 @@ class ModelConfig:
     num_shared_experts: int = 1
     #: Router score function: softmax or sigmoid (GLM-4.5: sigmoid).
     score_func: str = "softmax"
+    #: Aux-loss-free balancing (DeepSeek-V3 / GLM-4.5 ``e_score_correction_bias``): a per-expert bias
+    #: added to the scores for selection only; the combine weights use the unbiased scores.
+    expert_bias: bool = False
+    #: Bias step per optimizer step, ``b += rate * sign(mean_load - load)`` from the effective routing
+    #: counts of the whole global batch; 0 keeps the bias fixed (e.g. an imported one).
+    bias_update_rate: float = 0.0
+    #: Expert groups for group-limited routing; 1 = no grouping.
+    n_group: int = 1
+    #: Groups a token may route into (group score = sum of its top-2 scores).
+    topk_group: int = 1
     #: Renormalise the k chosen weights to sum to one.
     norm_topk_prob: bool = True
     #: Multiplier on the routed output (GLM-4.5: 2.5).
     routed_scaling_factor: float = 1.0
-    #: Load-balancing loss: switch (coeff * E * sum_e f_e P_e, f_e = c_e / (k T)) or none.
+    #: Load-balancing loss: switch (coeff * E * sum_e f_e P_e, f_e = c_e / (k T), over the micro-batch),
+    #: seq (the same per sequence, averaged over sequences; DeepSeek-V3) or none.
     aux_loss: str = "switch"
     #: Coefficient of the aux loss; perfectly balanced routing gives exactly this value per layer.
     aux_loss_coeff: float = 1e-2
@@ -69,10 +86,27 @@ class ModelConfig:
     dispatch: str = "capacity"
     #: Expert capacity = ceil(capacity_factor * tokens * top_k / num_experts) per micro-batch.
     capacity_factor: float = 1.25
+    #: Expert locking: after ``lock_run_length`` consecutive tokens of a document with the same natural
+    #: top-k set, the next ``lock_span`` tokens are routed to that set (DESIGN §4).
+    expert_lock: bool = False
+    #: Identical consecutive routing decisions that start a lock.
+    lock_run_length: int = 5
+    #: Tokens after a qualifying run that stay locked.
+    lock_span: int = 10
+    #: lambda: how much locked tokens still train the experts they are locked to (1 = no isolation).
+    isolation_decay: float = 0.3
+    #: expert_update (scale expert e's optimizer update by 1-(1-lambda)*f_e, f_e = locked share of its
+    #: tokens; survives Adam's scale invariance) or token_grad (scale locked tokens' expert gradients).
+    isolation_mode: str = "expert_update"
     #: Share the input embedding with the LM head.
     tie_word_embeddings: bool = False
     #: Standard deviation of the normal initialisation of every matrix.
     initializer_range: float = 0.02
+
+    def __post_init__(self):
+        # A config read back from JSON (checkpoint state, HF import) carries the section as a dict.
+        if isinstance(self.rope_scaling, dict):
+            self.rope_scaling = rope_scaling_config(self.rope_scaling)
 
     @property
     def resolved_head_dim(self) -> int:
@@ -118,8 +152,29 @@ def validate_model_config(cfg: ModelConfig) -> None:
         fail("aux_loss", f"must be one of {AUX_LOSS_TYPES}")
     if cfg.dispatch not in DISPATCH_MODES:
         fail("dispatch", f"must be one of {DISPATCH_MODES}")
+    if cfg.isolation_mode not in ISOLATION_MODES:
+        fail("isolation_mode", f"must be one of {ISOLATION_MODES}")
+    if not 0.0 <= cfg.isolation_decay <= 1.0:
+        fail("isolation_decay", "must be in [0, 1]")
+    if cfg.lock_run_length < 1:
+        fail("lock_run_length", "must be >= 1")
+    if cfg.lock_span < 1:
+        fail("lock_span", "must be >= 1")
+    if cfg.n_group < 1 or cfg.num_experts % cfg.n_group:
+        fail("n_group", f"must divide model.num_experts={cfg.num_experts}")
+    if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
+        fail("n_group", "leaves fewer than 2 experts per group (the group score sums the top 2)")
+    if not 1 <= cfg.topk_group <= cfg.n_group:
+        fail("topk_group", f"must be between 1 and model.n_group={cfg.n_group}")
+    if cfg.n_group > 1 and cfg.top_k > cfg.topk_group * (cfg.num_experts // cfg.n_group):
+        fail("top_k", f"exceeds the experts in model.topk_group={cfg.topk_group} groups")
+    if cfg.bias_update_rate < 0:
+        fail("bias_update_rate", "must be >= 0")
+    if cfg.bias_update_rate > 0 and not cfg.expert_bias:
+        fail("bias_update_rate", "needs model.expert_bias=true (there is no bias to update)")
     if cfg.capacity_factor <= 0:
         fail("capacity_factor", "must be > 0")
     for key in ("aux_loss_coeff", "z_loss_coeff", "rms_norm_eps", "initializer_range", "rope_theta"):
         if getattr(cfg, key) < 0:
             fail(key, "must be >= 0")
+    validate_rope_scaling(cfg.rope_scaling, cfg.max_position_embeddings, cfg.rotary_dim)

@@ -10,6 +10,7 @@ Parameter names are the checkpoint format (see README "Checkpoint format"):
     layers.{i}.post_attention_layernorm.weight           [H]
     layers.{i}.mlp.{gate,up,down}_proj.weight            dense layers (i < first_k_dense)
     layers.{i}.mlp.router.weight                         [E, H]            MoE layers
+    layers.{i}.mlp.router.e_score_correction_bias        [E] if expert_bias (state, not trained)
     layers.{i}.mlp.experts.{gate,up}_proj                [E, I, H]
     layers.{i}.mlp.experts.down_proj                     [E, H, I]
     layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight
@@ -24,9 +25,9 @@ from model.attention import Attention, document_causal_mask
 from model.config import ModelConfig, validate_model_config
 from model.linear import normal_init
 from model.mlp import SwiGLU
-from model.moe.layer import MoELayer
+from model.moe.layer import ROUTING_STATS, LAYER_STATS, MoELayer
 from model.norm import RMSNorm
-from model.rope import default_inv_freq, rope_tables
+from model.rope import RotaryEmbedding
 
 
 class Embedding(nn.Cell):
@@ -58,17 +59,23 @@ class DecoderLayer(nn.Cell):
 
 
 class MoEDecoderLayer(DecoderLayer):
-    """A :class:`DecoderLayer` whose FFN is an MoE block; also returns the router statistics."""
+    """A :class:`DecoderLayer` whose FFN is an MoE block; also returns the router's losses and statistics."""
 
-    def construct(self, x_BSH, cos, sin, mask_B1SS):
+    def construct(self, x_BSH, cos, sin, mask_B1SS, doc_ids_BS):
         x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_B1SS)
-        ffn_BSH, aux, router_z, counts_E, dropped = self.mlp(self.post_attention_layernorm(x_BSH))
-        return x_BSH + ffn_BSH, aux, router_z, counts_E, dropped
+        ffn_BSH, aux, router_z, routing_stats, layer_stats = self.mlp(self.post_attention_layernorm(x_BSH),
+                                                                      doc_ids_BS)
+        return x_BSH + ffn_BSH, aux, router_z, routing_stats, layer_stats
 
 
 class MoETransformer(nn.Cell):
     """``construct(input_ids [B,S], doc_ids [B,S])`` -> ``(logits [B,S,V] fp32, aux_loss, z_loss,
-    expert_counts [L_moe, E], dropped [L_moe])``; aux and z losses are summed over MoE layers."""
+    routing_stats [L_moe, 3, E], layer_stats [L_moe, 5])``.
+
+    The aux and z losses are summed over MoE layers (each layer's balanced aux loss equals the
+    coefficient); the statistics rows are named by ``model.moe.layer.ROUTING_STATS`` /
+    ``LAYER_STATS``.
+    """
 
     def __init__(self, cfg: ModelConfig, seed: int = 0):
         super().__init__()
@@ -89,36 +96,35 @@ class MoETransformer(nn.Cell):
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if not cfg.tie_word_embeddings:
             self.lm_head = Embedding(cfg.vocab_size, cfg.hidden_size, std, rng)
-        self.cos, self.sin = rope_tables(default_inv_freq(cfg.rotary_dim, cfg.rope_theta),
-                                         cfg.max_position_embeddings, cfg.rope_interleaved)
+        self.rotary_emb = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings,
+                                          cfg.rope_scaling, cfg.rope_interleaved)
         self.logits_matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, input_ids_BS, doc_ids_BS):
         batch, seq_len = input_ids_BS.shape
-        cos = self.cos[:seq_len]
-        sin = self.sin[:seq_len]
+        cos, sin = self.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
         mask_B1SS = document_causal_mask(doc_ids_BS)
         x_BSH = self.embed_tokens(input_ids_BS)
         aux_losses = []
         z_losses = []
-        counts = []
-        dropped = []
+        routing_stats = []
+        layer_stats = []
         for layer_idx, layer in enumerate(self.layers):
             if layer_idx < self.num_dense:
                 x_BSH = layer(x_BSH, cos, sin, mask_B1SS)
             else:
-                x_BSH, aux, router_z, counts_E, dropped_count = layer(x_BSH, cos, sin, mask_B1SS)
+                x_BSH, aux, router_z, layer_routing, layer_scalars = layer(x_BSH, cos, sin, mask_B1SS, doc_ids_BS)
                 aux_losses.append(aux)
                 z_losses.append(router_z)
-                counts.append(counts_E)
-                dropped.append(dropped_count)
+                routing_stats.append(layer_routing)
+                layer_stats.append(layer_scalars)
         x_BSH = self.norm(x_BSH)
         head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         logits = self.logits_matmul(x_BSH.reshape(batch * seq_len, -1), head).astype(ms.float32)
         logits_BSV = logits.reshape(batch, seq_len, -1)
-        if not counts:
+        if not aux_losses:
             zero = ops.zeros((), ms.float32)
-            return (logits_BSV, zero, zero, ops.zeros((0, self.config.num_experts), ms.float32),
-                    ops.zeros((0,), ms.float32))
+            return (logits_BSV, zero, zero, ops.zeros((0, len(ROUTING_STATS), self.config.num_experts), ms.float32),
+                    ops.zeros((0, len(LAYER_STATS)), ms.float32))
         return (logits_BSV, ops.stack(aux_losses).sum(), ops.stack(z_losses).sum(),
-                ops.stack(counts), ops.stack(dropped))
+                ops.stack(routing_stats), ops.stack(layer_stats))

@@ -48,6 +48,11 @@ def layer_input(seed=11):
     return np.random.default_rng(seed).normal(size=(BATCH, SEQ, HIDDEN)).astype(np.float32)
 
 
+def single_document(x):
+    """Document ids ``[B, S]`` putting each row in one document (no locking is configured here)."""
+    return Tensor(np.zeros(x.shape[:2], np.int32))
+
+
 # ---- NumPy reference -----------------------------------------------------------------------------
 
 def np_silu(x):
@@ -185,7 +190,8 @@ def test_moe_layer_without_overflow_equals_naive_per_token_loop(layers, dispatch
     cfg = moe_config(dispatch, 4.0, score_func)
     assert expert_capacity(BATCH * SEQ, TOP_K, EXPERTS, 4.0) >= BATCH * SEQ  # nothing can overflow
     x = layer_input()
-    out, _, _, counts, dropped = layer(Tensor(x))
+    out, _, _, routing_stats, layer_stats = layer(Tensor(x), single_document(x))
+    counts, dropped = routing_stats[0], layer_stats[0]
     expected, expected_counts, _ = naive_moe(x, layer_weights(layer), cfg)
     np.testing.assert_allclose(out.asnumpy(), expected, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(counts.asnumpy(), expected_counts)
@@ -197,7 +203,8 @@ def test_moe_layer_drops_exactly_the_assignments_beyond_capacity_in_token_order(
     cfg = moe_config("capacity", 0.5, "softmax")
     capacity = expert_capacity(BATCH * SEQ, TOP_K, EXPERTS, 0.5)
     x = layer_input()
-    out, _, _, counts, dropped = layer(Tensor(x))
+    out, _, _, routing_stats, layer_stats = layer(Tensor(x), single_document(x))
+    counts, dropped = routing_stats[0], layer_stats[0]
     weights = layer_weights(layer)
     expected, expected_counts, expected_dropped = naive_moe(x, weights, cfg, capacity)
     assert 0 < expected_dropped < BATCH * SEQ * TOP_K, "the case must overflow some but not all"
@@ -258,7 +265,7 @@ def test_moe_layer_loss_and_gradients_under_jit_match_hf_glm4_moe_with_torch_aut
     params = [param for _, param in layer.parameters_and_names()]
 
     def loss_fn(x, probe):
-        out, aux, router_z, _, _ = layer(x)
+        out, aux, router_z, _, _ = layer(x, single_document(x))
         return (out * probe).sum() + aux + router_z
 
     grad_fn = ms.value_and_grad(loss_fn, None, params)

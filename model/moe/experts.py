@@ -3,11 +3,37 @@
 Weights use the per-expert HF layout ``[E, out, in]`` (``gate_proj``/``up_proj``
 ``[E, I, H]``, ``down_proj`` ``[E, H, I]``) so a HF ``mlp.experts.{e}.*_proj.weight``
 is row e of the stacked tensor.
+
+Shape legend: E experts, C rows per expert (capacity slots or all tokens), H hidden, I expert width.
 """
 import numpy as np
 from mindspore import Parameter, nn, ops
 
 from model.linear import normal_init
+
+
+class RowScaledWeightGradMatmul(nn.Cell):
+    """``x @ w^T`` per expert whose backward scales row c's share of ``dw`` by ``scale[e, c]``.
+
+    This is gradient isolation's ``token_grad`` mode: a locked token still passes its full
+    gradient back to the activations (and so to the router and earlier layers), but trains
+    the expert weights it was locked to only with weight lambda. ``Cell.bprop`` is used
+    because hooks are dropped under jit and ``ops.custom_vjp`` does not exist.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.forward_bmm = ops.BatchMatMul(transpose_b=True)
+        self.input_grad_bmm = ops.BatchMatMul()
+        self.weight_grad_bmm = ops.BatchMatMul(transpose_a=True)
+
+    def construct(self, x_ECI, w_EOI, scale_EC):
+        return self.forward_bmm(x_ECI, w_EOI)
+
+    def bprop(self, x_ECI, w_EOI, scale_EC, out, dout_ECO):
+        dx_ECI = self.input_grad_bmm(dout_ECO, w_EOI)
+        dw_EOI = self.weight_grad_bmm(dout_ECO * scale_EC.expand_dims(-1).astype(dout_ECO.dtype), x_ECI)
+        return dx_ECI, dw_EOI, ops.zeros_like(scale_EC)
 
 
 class RoutedExperts(nn.Cell):
@@ -23,7 +49,14 @@ class RoutedExperts(nn.Cell):
         self.down_proj = Parameter(normal_init((num_experts, hidden_size, intermediate_size), std, rng),
                                    name="down_proj")
         self.bmm = ops.BatchMatMul(transpose_b=True)
+        self.scaled_bmm = RowScaledWeightGradMatmul()
 
     def construct(self, x_ECH):
         hidden_ECI = ops.silu(self.bmm(x_ECH, self.gate_proj)) * self.bmm(x_ECH, self.up_proj)
         return self.bmm(hidden_ECI, self.down_proj)
+
+    def with_weight_grad_scale(self, x_ECH, scale_EC):
+        """Same forward; row c contributes ``scale[e, c]`` times its gradient to the weights."""
+        gate_ECI = self.scaled_bmm(x_ECH, self.gate_proj, scale_EC)
+        up_ECI = self.scaled_bmm(x_ECH, self.up_proj, scale_EC)
+        return self.scaled_bmm(ops.silu(gate_ECI) * up_ECI, self.down_proj, scale_EC)

@@ -14,6 +14,8 @@ import mindspore as ms
 
 # Keeps the renormalisation finite when every chosen sigmoid score underflows (HF uses the same).
 NORM_EPS = 1e-20
+# Score of experts outside the chosen groups: below any sigmoid/softmax score plus a sane bias.
+MASKED_SCORE = -1e30
 
 
 def router_scores(logits_TE, score_func: str):
@@ -24,19 +26,44 @@ def router_scores(logits_TE, score_func: str):
     return ops.softmax(logits_TE, -1)
 
 
-def topk_routing(scores_TE, top_k: int, norm_topk_prob: bool, routed_scaling_factor: float):
-    """Top-K experts by score (ties to the lower index) and their combine weights.
+def select_experts(scores_TE, top_k: int, bias_E=None, n_group: int = 1, topk_group: int = 1):
+    """Natural top-K expert indices ``[T, K]`` int32, best first, ties to the lower index.
 
-    Returns ``(topk_idx_TK int32, topk_weight_TK fp32)``.
+    The correction bias shifts *selection* only (DeepSeek-V3 aux-loss-free balancing): it
+    steers tokens towards under-loaded experts without changing how much an expert's output
+    counts, which stays the router's own score. With ``n_group > 1`` a token may only pick
+    from the ``topk_group`` groups whose two best (biased) scores sum highest.
     """
+    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(ms.float32)
+    if n_group > 1:
+        num_tokens, num_experts = choice_TE.shape
+        per_group = num_experts // n_group
+        grouped_TGE = choice_TE.reshape(num_tokens, n_group, per_group)
+        group_score_TG = ops.sort(grouped_TGE, -1, True)[0][:, :, :2].sum(-1)
+        _, group_order_TG = ops.sort(group_score_TG, -1, True)
+        keep_TG = ops.one_hot(group_order_TG[:, :topk_group], n_group, ops.ones((), ms.float32),
+                              ops.zeros((), ms.float32)).sum(1) > 0
+        keep_TE = ops.broadcast_to(keep_TG.expand_dims(-1), grouped_TGE.shape).reshape(num_tokens, num_experts)
+        choice_TE = ops.select(keep_TE, choice_TE, ops.full_like(choice_TE, MASKED_SCORE))
     # A stable descending sort, not ops.topk: topk orders ties arbitrarily, and expert locking
     # compares top-K sets, so equal scores must resolve to the lower expert index.
-    _, order_TE = ops.sort(scores_TE, -1, True)
-    topk_idx_TK = order_TE[:, :top_k].astype(ms.int32)
+    _, order_TE = ops.sort(choice_TE, -1, True)
+    return order_TE[:, :top_k].astype(ms.int32)
+
+
+def gather_weights(scores_TE, topk_idx_TK, norm_topk_prob: bool, routed_scaling_factor: float):
+    """Combine weights: the unbiased scores at the chosen experts, renormalised and scaled."""
     weight_TK = ops.gather_elements(scores_TE, 1, topk_idx_TK)
     if norm_topk_prob:
         weight_TK = weight_TK / (weight_TK.sum(-1, keepdims=True) + NORM_EPS)
-    return topk_idx_TK, weight_TK * routed_scaling_factor
+    return weight_TK * routed_scaling_factor
+
+
+def topk_routing(scores_TE, top_k: int, norm_topk_prob: bool, routed_scaling_factor: float,
+                 bias_E=None, n_group: int = 1, topk_group: int = 1):
+    """Selection and weights in one call: ``(topk_idx_TK int32, topk_weight_TK fp32)``."""
+    topk_idx_TK = select_experts(scores_TE, top_k, bias_E, n_group, topk_group)
+    return topk_idx_TK, gather_weights(scores_TE, topk_idx_TK, norm_topk_prob, routed_scaling_factor)
 
 
 def expert_counts(topk_idx_TK, num_experts: int):
@@ -65,3 +92,19 @@ def z_loss(logits_TE, coeff: float):
     """Router z-loss (ST-MoE): ``coeff * mean_t logsumexp(logits_t)^2``."""
     lse_T = ops.logsumexp(logits_TE.astype(ms.float32), -1)
     return coeff * (lse_T * lse_T).mean()
+
+
+def seq_aux_loss(probs_BSE, topk_idx_BSK, coeff: float):
+    """Sequence-wise balance loss (DeepSeek-V3): the switch loss of each sequence, averaged."""
+    batch, seq_len, num_experts = probs_BSE.shape
+    top_k = topk_idx_BSK.shape[-1]
+    one_hot_BSKE = ops.one_hot(topk_idx_BSK, num_experts, ops.ones((), ms.float32), ops.zeros((), ms.float32))
+    fraction_BE = one_hot_BSKE.sum((1, 2)) / (top_k * seq_len)
+    mean_prob_BE = probs_BSE.mean(1)
+    return coeff * num_experts * (fraction_BE * mean_prob_BE).sum(-1).mean()
+
+
+def updated_bias(bias_E, load_E, rate: float):
+    """Aux-loss-free bias step: ``b + rate * sign(mean_load - load)`` (no change at the mean)."""
+    mean_load = load_E.mean(-1, keep_dims=True)
+    return bias_E + rate * ops.sign(mean_load - load_E)
