@@ -1,0 +1,40 @@
+"""The structured config behind ``conf/``: one dataclass per group, registered with Hydra.
+
+Registering the dataclasses makes every YAML file and command-line override type-checked:
+an unknown key or a value of the wrong type fails before anything runs, naming the key.
+"""
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import OmegaConf
+
+from data.config import DataConfig
+from launch.config import ParallelConfig
+from model.config import ModelConfig
+from train.config import TrainConfig
+
+SAMPLES_DIR = Path(__file__).resolve().parent.parent / "data" / "samples"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    #: Input checkpoint directory for commands that read one (export, eval).
+    checkpoint: Optional[str] = None
+
+
+def register_configs() -> None:
+    if not OmegaConf.has_resolver("samples"):
+        # The bundled sample data, wherever the package is installed.
+        OmegaConf.register_new_resolver("samples", lambda: str(SAMPLES_DIR))
+    store = ConfigStore.instance()
+    store.store(name="base_config", node=Config)
+    store.store(group="model", name="base_model", node=ModelConfig)
+    store.store(group="data", name="base_data", node=DataConfig)
+    store.store(group="train", name="base_train", node=TrainConfig)
+    store.store(group="parallel", name="base_parallel", node=ParallelConfig)

@@ -1,0 +1,109 @@
+"""Checkpoints: a directory per step with safetensors files, written atomically.
+
+    <run dir>/checkpoints/step_000300/
+        model.safetensors       parameters by their model names (the checkpoint format)
+        optimizer.safetensors   AdamW moments (``adam_m.*``, ``adam_v.*``) and ``global_step``
+        state.json              step, data position, seed, config; written last
+
+A checkpoint is assembled in a hidden temporary directory and renamed into place only when
+complete, so a crash while saving leaves the previous checkpoints untouched and never a
+half-written one under a ``step_*`` name.
+"""
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+
+from mindspore import Tensor
+from safetensors.numpy import load_file, save_file
+
+STEP_DIR = re.compile(r"^step_(\d{6,})$")
+MODEL_FILE = "model.safetensors"
+OPTIMIZER_FILE = "optimizer.safetensors"
+STATE_FILE = "state.json"
+
+
+def parameters_to_numpy(params) -> dict:
+    return {p.name: p.asnumpy() for p in params}
+
+
+def load_parameters(params, tensors: dict, source: str) -> None:
+    """Copy ``tensors`` into ``params`` by name; every name and shape must match exactly.
+
+    MindSpore's own ``strict_load`` does not report missing or unexpected names, so the
+    check is done here and lists every mismatch.
+    """
+    params = list(params)
+    by_name = {p.name: p for p in params}
+    missing = sorted(set(by_name) - set(tensors))
+    unexpected = sorted(set(tensors) - set(by_name))
+    wrong_shape = [f"{name}: checkpoint {tuple(tensors[name].shape)} vs model {tuple(by_name[name].shape)}"
+                   for name in sorted(set(by_name) & set(tensors))
+                   if tuple(tensors[name].shape) != tuple(by_name[name].shape)]
+    if missing or unexpected or wrong_shape:
+        lines = [f"{source} does not match the model:"]
+        lines += [f"  missing: {name}" for name in missing]
+        lines += [f"  unexpected: {name}" for name in unexpected]
+        lines += [f"  shape: {line}" for line in wrong_shape]
+        raise ValueError("\n".join(lines))
+    for name, array in tensors.items():
+        param = by_name[name]
+        param.set_data(Tensor(array, dtype=param.dtype))
+
+
+def save_checkpoint(checkpoint_root: Path, step: int, model_params, optimizer_params, state: dict,
+                    keep_last: int) -> Path:
+    """Write ``step_{step:06d}`` under ``checkpoint_root`` atomically and prune to ``keep_last``."""
+    checkpoint_root.mkdir(parents=True, exist_ok=True)
+    final = checkpoint_root / f"step_{step:06d}"
+    tmp = checkpoint_root / f".step_{step:06d}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_file(parameters_to_numpy(model_params), str(tmp / MODEL_FILE))
+    save_file(parameters_to_numpy(optimizer_params), str(tmp / OPTIMIZER_FILE))
+    with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
+        json.dump(dict(state, step=step), handle, indent=2, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    for old in list_checkpoints(checkpoint_root)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old)
+    return final
+
+
+def list_checkpoints(checkpoint_root: Path) -> list:
+    """Complete checkpoints under ``checkpoint_root``, oldest first."""
+    if not checkpoint_root.is_dir():
+        return []
+    found = [path for path in checkpoint_root.iterdir()
+             if path.is_dir() and STEP_DIR.match(path.name) and (path / STATE_FILE).is_file()]
+    return sorted(found, key=lambda path: int(STEP_DIR.match(path.name).group(1)))
+
+
+def resolve_checkpoint(path: str) -> Path:
+    """Accept a checkpoint directory or its ``model.safetensors``; fail clearly otherwise."""
+    candidate = Path(path).expanduser()
+    if candidate.is_file() and candidate.name == MODEL_FILE:
+        candidate = candidate.parent
+    if not (candidate / MODEL_FILE).is_file():
+        raise FileNotFoundError(f"checkpoint {path}: no {MODEL_FILE} found (expected a checkpoint directory "
+                                f"such as <run dir>/checkpoints/step_000300)")
+    return candidate
+
+
+def read_state(checkpoint_dir: Path) -> dict:
+    with open(checkpoint_dir / STATE_FILE, encoding="utf-8") as handle:
+        return json.load(handle)
+
+
+def load_model_weights(model_params, checkpoint_dir: Path) -> None:
+    load_parameters(model_params, load_file(str(checkpoint_dir / MODEL_FILE)), str(checkpoint_dir / MODEL_FILE))
+
+
+def load_optimizer_state(optimizer_params, checkpoint_dir: Path) -> None:
+    load_parameters(optimizer_params, load_file(str(checkpoint_dir / OPTIMIZER_FILE)),
+                    str(checkpoint_dir / OPTIMIZER_FILE))

@@ -1,0 +1,29 @@
+"""``mindmoe-train``: the Hydra entry point (overrides like ``train.max_steps=40``)."""
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+from conf.schema import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+def _main(cfg) -> None:
+    from train.loop import run
+    try:
+        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except (ValueError, FileNotFoundError) as error:
+        logging.getLogger("mindmoe").error("%s", error)
+        sys.exit(2)
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

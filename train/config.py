@@ -1,0 +1,43 @@
+"""Training section of the run config (``train.*`` keys)."""
+from dataclasses import dataclass, field
+from typing import List
+
+
+@dataclass
+class TrainConfig:
+    """Optimisation, schedule, logging and checkpointing of one run."""
+
+    #: Optimizer steps to run.
+    max_steps: int = 200
+    #: Peak learning rate (AdamW).
+    lr: float = 3e-3
+    #: Share of ``max_steps`` spent in linear warmup from 0 to ``lr``.
+    warmup_ratio: float = 0.05
+    #: Final learning rate of the cosine decay as a share of ``lr``.
+    min_lr_ratio: float = 0.1
+    #: AdamW decoupled weight decay (never applied to norms, biases or router biases).
+    weight_decay: float = 0.1
+    #: AdamW (beta1, beta2).
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    #: AdamW epsilon.
+    eps: float = 1e-8
+    #: Clip the global gradient norm to this value; 0 disables clipping.
+    grad_clip: float = 1.0
+    #: Write a metrics row (and a TensorBoard point) every this many steps.
+    log_every: int = 10
+    #: Validation interval in steps (0 = only at the end).
+    eval_every: int = 100
+    #: Cap on validation micro-batches per evaluation (0 = the whole validation split).
+    eval_batches: int = 0
+    #: Checkpoint interval in steps (a checkpoint is always written at the last step).
+    save_every: int = 100
+    #: Checkpoints kept in ``<run dir>/checkpoints``; older ones are deleted.
+    keep_last: int = 2
+    #: ``auto`` (newest complete checkpoint of this run dir), ``none`` or a checkpoint directory.
+    resume: str = "auto"
+    #: Seed of parameter initialisation and data order.
+    seed: int = 1234
+    #: Peak fp32 GFLOP/s used for MFU; 0 = measure a large MatMul at start-up.
+    peak_gflops: float = 0.0
+    #: Show a tqdm progress bar.
+    progress_bar: bool = True

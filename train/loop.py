@@ -1,0 +1,195 @@
+"""The training run: data -> model -> compiled step -> logs, validation and checkpoints.
+
+Reads top to bottom: :func:`run` is the whole job of ``mindmoe-train``.
+"""
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from data.mindrecord import EvalLoader, WindowLoader
+from data.prepare import prepare_data
+from model.config import validate_model_config
+from model.moe.layer import LAYER_STATS
+from model.transformer import MoETransformer
+from train.checkpoint import (list_checkpoints, load_model_weights, load_optimizer_state, read_state,
+                              resolve_checkpoint, save_checkpoint)
+from train.metrics import MetricsWriter, load_imbalance, measure_peak_gflops, train_flops_per_token
+from train.optim import build_optimizer
+from train.heatmap import render_expert_load, save_png
+from train.routing import RouterStepUpdates
+from train.step import Trainer
+
+log = logging.getLogger("mindmoe.train")
+
+
+def validate_run_config(cfg) -> None:
+    """Checks across sections that the dataclasses alone cannot express, naming the key."""
+    data, train, parallel = cfg.data, cfg.train, cfg.parallel
+    if parallel.dp != 1 or parallel.ep != 1:
+        raise ValueError(f"parallel.dp={parallel.dp}, parallel.ep={parallel.ep}: this build trains in one "
+                         "process; data and expert parallelism come with mindmoe-launch")
+    if data.micro_batch_size < 1 or data.global_batch_size % data.micro_batch_size:
+        raise ValueError(f"data.global_batch_size={data.global_batch_size} must be a positive multiple of "
+                         f"data.micro_batch_size={data.micro_batch_size}")
+    for key in ("max_steps", "log_every", "save_every"):
+        if getattr(train, key) < 1:
+            raise ValueError(f"train.{key}={getattr(train, key)} must be >= 1")
+    if not 0 <= train.warmup_ratio < 1:
+        raise ValueError(f"train.warmup_ratio={train.warmup_ratio} must be in [0, 1)")
+    if train.resume not in ("auto", "none") and not Path(train.resume).expanduser().exists():
+        raise ValueError(f"train.resume={train.resume!r}: not 'auto', 'none' or an existing checkpoint directory")
+    if data.seq_len > cfg.model.max_position_embeddings:
+        raise ValueError(f"data.seq_len={data.seq_len} exceeds model.max_position_embeddings="
+                         f"{cfg.model.max_position_embeddings}")
+
+
+def per_layer_metrics(routing_L3E: np.ndarray, layer_means_L5: np.ndarray) -> dict:
+    """Lists with one entry per MoE layer, as they appear in metrics.jsonl."""
+    chosen_LE, kept_LE = routing_L3E[:, 0], routing_L3E[:, 1]
+    column = {name: layer_means_L5[:, LAYER_STATS.index(name)] for name in LAYER_STATS}
+    return {
+        "load_imbalance": load_imbalance(chosen_LE),
+        "dropped_tokens": [float(d) for d in chosen_LE.sum(-1) - kept_LE.sum(-1)],
+        "layer_lock_rate": [float(v) for v in column["lock_rate"]],
+        "layer_flip_rate": [float(v) for v in column["flip_rate"]],
+        "layer_aux_loss": [float(v) for v in column["aux_loss"]],
+        "layer_z_loss": [float(v) for v in column["z_loss"]],
+    }
+
+
+def pick_resume_checkpoint(resume: str, checkpoint_root: Path):
+    if resume == "none":
+        return None
+    if resume == "auto":
+        found = list_checkpoints(checkpoint_root)
+        return found[-1] if found else None
+    return resolve_checkpoint(resume)
+
+
+def run(cfg, run_dir: Path) -> dict:
+    """Train as configured, writing everything into ``run_dir``; returns the final summary."""
+    validate_run_config(cfg)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ms.set_context(mode=ms.GRAPH_MODE)
+    ms.set_seed(cfg.train.seed)
+
+    prepared = prepare_data(cfg.data)
+    model_cfg = dataclasses.replace(OmegaConf.to_object(cfg.model))
+    if model_cfg.vocab_size == 0:
+        model_cfg.vocab_size = prepared.vocab_size
+    elif model_cfg.vocab_size < prepared.vocab_size:
+        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+                         f"{prepared.vocab_size} ({prepared.tokenizer_path})")
+    validate_model_config(model_cfg)
+    train_cfg = OmegaConf.to_object(cfg.train)
+
+    model = MoETransformer(model_cfg, seed=cfg.train.seed)
+    optimizer = build_optimizer(model.trainable_params(), train_cfg)
+    optimizer_state = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq) + [optimizer.global_step]
+    accum_steps = cfg.data.global_batch_size // cfg.data.micro_batch_size
+    trainer = Trainer(model, optimizer, cfg.train.grad_clip, accum_steps, RouterStepUpdates(model, model_cfg))
+    # Checkpoints hold every parameter, including state the optimizer never sees (router biases).
+    model_state = list(model.get_parameters())
+    moe_layer_ids = [idx for idx, layer in enumerate(model.layers) if layer.is_moe]
+
+    checkpoint_root = run_dir / "checkpoints"
+    start_step = 0
+    resume_from = pick_resume_checkpoint(cfg.train.resume, checkpoint_root)
+    if resume_from is not None:
+        load_model_weights(model_state, resume_from)
+        load_optimizer_state(optimizer_state, resume_from)
+        start_step = read_state(resume_from)["step"]
+        log.info("resumed from %s at step %d", resume_from, start_step)
+
+    loader = WindowLoader(prepared.train_shards, micro_batch_size=cfg.data.micro_batch_size,
+                          global_batch_size=cfg.data.global_batch_size, seed=cfg.train.seed,
+                          start_step=start_step)
+    batches = iter(loader)
+
+    n_params = sum(int(np.prod(p.shape)) for p in model.trainable_params())
+    tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+    flops_per_token = train_flops_per_token(model_cfg, cfg.data.seq_len)
+    peak_gflops = cfg.train.peak_gflops or measure_peak_gflops()
+    log.info("model: %d parameters, %.2f MFLOP/token (train), peak %.1f GFLOP/s; %d train windows, "
+             "accumulation %d", n_params, flops_per_token / 1e6, peak_gflops, prepared.num_train_windows,
+             accum_steps)
+    metrics = MetricsWriter(run_dir)
+    OmegaConf.save(cfg, run_dir / "resolved_config.yaml", resolve=True)
+
+    def checkpoint(step):
+        state = {"data_seed": cfg.train.seed, "tokens_seen": step * tokens_per_step,
+                 "tokenizer": prepared.tokenizer_path, "model_config": dataclasses.asdict(model_cfg)}
+        return save_checkpoint(checkpoint_root, step, model_state, optimizer_state, state,
+                               cfg.train.keep_last)
+
+    def validate(step):
+        if not prepared.valid_shards:
+            return None
+        val_batches = EvalLoader(prepared.valid_shards, cfg.data.micro_batch_size,
+                                 max_batches=cfg.train.eval_batches)
+        val_loss, val_tokens = trainer.evaluate(val_batches)
+        metrics.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
+                       "val_tokens": int(val_tokens)})
+        return val_loss
+
+    window = []
+    window_seconds = 0.0
+    first_loss = None
+    val_loss = None
+    progress = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not cfg.train.progress_bar,
+                    unit="step", dynamic_ncols=True)
+    for step in range(start_step + 1, cfg.train.max_steps + 1):
+        step_start = time.perf_counter()
+        stats = trainer.step([next(batches) for _ in range(accum_steps)])
+        window_seconds += time.perf_counter() - step_start
+        window.append(stats)
+        first_loss = stats.lm_loss if first_loss is None else first_loss
+        if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+            # Step time only: validation and checkpoint writes are not training throughput.
+            tokens_per_s = len(window) * tokens_per_step / window_seconds
+            routing = np.sum([s.routing_stats for s in window], axis=0)
+            layer_means = np.mean([s.layer_stats for s in window], axis=0)
+            row = {
+                "step": step,
+                "loss": float(np.mean([s.loss for s in window])),
+                "lm_loss": float(np.mean([s.lm_loss for s in window])),
+                "aux_loss": float(np.mean([s.aux_loss for s in window])),
+                "z_loss": float(np.mean([s.z_loss for s in window])),
+                "lr": window[-1].lr,
+                "grad_norm": float(np.mean([s.grad_norm for s in window])),
+                "tokens_per_s": tokens_per_s,
+                "mfu": tokens_per_s * flops_per_token / (peak_gflops * 1e9),
+                "lock_rate": float(layer_means[:, LAYER_STATS.index("lock_rate")].mean()) if len(layer_means) else 0.0,
+            }
+            row.update(per_layer_metrics(routing, layer_means))
+            if moe_layer_ids:
+                heatmap = render_expert_load(routing[:, 0], moe_layer_ids, f"expert load share, to step {step}")
+                save_png(heatmap, run_dir / "expert_load.png")
+                metrics.image("expert_load", heatmap, step)
+            metrics.write(row)
+            progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:.0f}")
+            window = []
+            window_seconds = 0.0
+        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.max_steps:
+            val_loss = validate(step)
+        if step % cfg.train.save_every == 0 or step == cfg.train.max_steps:
+            checkpoint(step)
+        progress.update(1)
+    progress.close()
+    val_loss = validate(cfg.train.max_steps)
+    metrics.close()
+    summary = {"steps": cfg.train.max_steps, "first_lm_loss": first_loss, "final_val_loss": val_loss,
+               "unigram_val_loss": prepared.unigram_val_loss, "run_dir": str(run_dir)}
+    if val_loss is not None and prepared.unigram_val_loss is not None:
+        print(f"validation loss {val_loss:.4f} nats/token vs unigram baseline "
+              f"{prepared.unigram_val_loss:.4f} (better by {prepared.unigram_val_loss - val_loss:.4f})")
+    print(f"run dir: {run_dir}")
+    return summary

@@ -1,0 +1,40 @@
+"""AdamW and the warmup + cosine schedule, both from mindformers.
+
+Weight decay skips every 1-D parameter (RMSNorm weights, biases) and router biases: decaying
+a norm gain or a bias towards zero only fights the model.
+"""
+import os
+
+from train.config import TrainConfig
+
+
+def _import_mindformers():
+    # mindformers writes its logs to ./output/log unless told otherwise; keep them out of the cwd.
+    os.environ.setdefault("LOG_MF_PATH", os.path.join(os.path.expanduser("~"), ".cache", "mindmoe", "mindformers_log"))
+    from mindformers.core.lr import CosineWithWarmUpLR
+    from mindformers.core.optim import AdamW
+    return CosineWithWarmUpLR, AdamW
+
+
+def decays(param) -> bool:
+    return len(param.shape) > 1 and "bias" not in param.name.rsplit(".", 1)[-1]
+
+
+def build_lr_schedule(cfg: TrainConfig):
+    CosineWithWarmUpLR, _ = _import_mindformers()
+    warmup_steps = int(round(cfg.warmup_ratio * cfg.max_steps))
+    return CosineWithWarmUpLR(learning_rate=cfg.lr, warmup_steps=warmup_steps, total_steps=cfg.max_steps,
+                              lr_end=cfg.lr * cfg.min_lr_ratio)
+
+
+def build_optimizer(params, cfg: TrainConfig):
+    """mindformers AdamW over ``params`` with two weight-decay groups."""
+    _, AdamW = _import_mindformers()
+    params = list(params)
+    decay = [p for p in params if decays(p)]
+    no_decay = [p for p in params if not decays(p)]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0},
+              {"order_params": params}]
+    return AdamW(groups, learning_rate=build_lr_schedule(cfg), betas=tuple(cfg.betas), eps=cfg.eps,
+                 weight_decay=cfg.weight_decay)
