@@ -12,6 +12,7 @@ from omegaconf import OmegaConf
 
 from data.config import DataConfig
 from launch.config import ParallelConfig
+from launch.plan import PlanConfig
 from model.config import ModelConfig
 from train.config import TrainConfig
 
@@ -24,6 +25,8 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    #: Planner-only keys of ``mindmoe-plan`` (tensor/pipeline degrees, ZeRO, recompute, device memory).
+    plan: PlanConfig = field(default_factory=PlanConfig)
     #: Input checkpoint directory for commands that read one (export, eval).
     checkpoint: Optional[str] = None
 
@@ -38,3 +41,4 @@ def register_configs() -> None:
     store.store(group="data", name="base_data", node=DataConfig)
     store.store(group="train", name="base_train", node=TrainConfig)
     store.store(group="parallel", name="base_parallel", node=ParallelConfig)
+    store.store(group="plan", name="base_plan", node=PlanConfig)
