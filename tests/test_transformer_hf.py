@@ -14,6 +14,7 @@ from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
 from model.config import ModelConfig
+from model.hf.export import hf_named_tensors
 from model.transformer import MoETransformer
 
 VOCAB, HIDDEN, LAYERS, FIRST_DENSE, EXPERTS, TOP_K = 64, 32, 3, 1, 4, 2
@@ -46,23 +47,10 @@ def hf_config(cfg):
 
 
 def to_hf_state_dict(model):
-    """Our parameter names -> HF glm4_moe 4.57.1 names (experts as a ModuleList)."""
-    state = {}
-    for name, param in model.parameters_and_names():
-        value = torch.from_numpy(param.asnumpy().copy())
-        if name == "lm_head.weight":
-            state[name] = value
-        elif name.endswith("mlp.router.weight"):
-            prefix = name[:-len("router.weight")]
-            state[f"model.{prefix}gate.weight"] = value
-            state[f"model.{prefix}gate.e_score_correction_bias"] = torch.zeros(value.shape[0])
-        elif ".mlp.experts." in name:
-            prefix, proj = name.rsplit(".", 1)
-            for expert in range(value.shape[0]):
-                state[f"model.{prefix}.{expert}.{proj}.weight"] = value[expert]
-        else:
-            state[f"model.{name}"] = value
-    return state
+    """Our parameters under HF glm4_moe 4.57.1 names, by the mapping ``mindmoe-export`` uses."""
+    named = ((param.name, param.asnumpy()) for param in model.get_parameters())
+    return {name: torch.from_numpy(array.copy())
+            for name, array in hf_named_tensors(model.config, "glm4_moe", named)}
 
 
 def randomize(model, seed):

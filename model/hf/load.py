@@ -1,0 +1,262 @@
+"""Load a local HF checkpoint directory (``config.json`` + safetensors) into a :class:`MoETransformer`.
+
+Order of work, so that a broken directory fails before anything large is built:
+
+1. ``config.json`` -> :class:`ModelConfig` (:mod:`model.hf.config_map`);
+2. the weight files (``model.safetensors``, or the shards ``model.safetensors.index.json`` lists)
+   and their headers -> a plan: every HF tensor mapped to a mindmoe parameter (or a row of a
+   stacked expert parameter), every parameter covered, every shape and dtype checked. All problems
+   are reported together;
+3. the model is built and the tensors are streamed in, one at a time, in file order.
+
+Memory while streaming: the model, plus the tensor being read, plus at most the stacked expert
+parameters whose rows are still arriving (one per projection being filled; with HF's per-layer
+tensor order that is three ``[E, out, in]`` buffers at a time).
+"""
+import json
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+from mindspore import Tensor
+
+from model.hf.config_map import HFCheckpointError, ImportedConfig, apply_overrides, read_hf_config
+from model.hf.safetensors_io import INDEX_FILE, READABLE_DTYPES, SINGLE_FILE, read_header, read_tensor
+from model.hf.weights import NameMap, expected_parameter_shapes, hf_layer_index, is_stacked_expert
+
+CONFIG_FILE = "config.json"
+# Listing every one of 10,000 missing expert rows helps nobody; each kind of problem is cut here.
+MAX_LINES_PER_PROBLEM = 20
+
+
+def read_pretrained_config(path, overrides: dict = None, max_seq_len: int = 0) -> ImportedConfig:
+    """``config.json`` of a HF directory -> :class:`ImportedConfig` with ``overrides`` applied."""
+    directory = _directory(path)
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise HFCheckpointError(f"{directory}: no {CONFIG_FILE}; a HF checkpoint directory needs config.json, "
+                                "the *.safetensors weights and the tokenizer files")
+    try:
+        hf = json.loads(config_path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFCheckpointError(f"{config_path}: not valid JSON ({err})") from None
+    imported = read_hf_config(hf, str(config_path), max_seq_len)
+    if overrides:
+        imported.model_config = apply_overrides(imported, overrides, str(config_path))
+    if imported.model_config.dispatch == "dropless":
+        imported.notes.append("MoE layers use dispatch=dropless (capacity dropping would change the "
+                              "pretrained model's logits)")
+    return imported
+
+
+def load_hf_pretrained(path, overrides: dict = None, max_seq_len: int = 0):
+    """``(ModelConfig, MoETransformer with the HF weights, notes)`` from a local HF directory.
+
+    ``overrides``: ``model.*`` settings the user gave (see :func:`model.hf.config_map.apply_overrides`);
+    ``max_seq_len``: the longest sequence that will be run (checked against sliding windows).
+    """
+    from model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
+
+    imported = read_pretrained_config(path, overrides, max_seq_len)
+    plan = plan_hf_weights(path, imported)
+    model = MoETransformer(imported.model_config)
+    notes = imported.notes + load_hf_weights(model, plan)
+    return imported.model_config, model, notes
+
+
+class WeightPlan:
+    """Validated mapping of a directory's tensors onto a model's parameters."""
+
+    def __init__(self, imported: ImportedConfig, shapes: dict, assignments: list, notes: list):
+        self.imported = imported
+        self.shapes = shapes  # our name -> shape
+        self.assignments = assignments  # (TensorEntry, our name, expert row or None), in file order
+        self.notes = notes
+
+
+def weight_files(path) -> list:
+    """The safetensors files of a HF directory (the index's shards, or ``model.safetensors``)."""
+    directory = _directory(path)
+    index_path = directory / INDEX_FILE
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+            files = sorted(set(weight_map.values()))
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AttributeError) as err:
+            raise HFCheckpointError(f"{index_path}: not a safetensors index with a weight_map ({err!r})") from None
+        missing = [name for name in files if not (directory / name).is_file()]
+        if missing:
+            raise HFCheckpointError(f"{index_path} lists shards that are not in {directory}: "
+                                    f"{', '.join(missing)} (incomplete download?)")
+        return [directory / name for name in files]
+    if (directory / SINGLE_FILE).is_file():
+        return [directory / SINGLE_FILE]
+    found = sorted(p.name for p in directory.iterdir() if p.suffix in (".safetensors", ".bin", ".pt", ".pth"))
+    if any(name.endswith(".safetensors") for name in found):
+        why = f"has {', '.join(found)} but neither {SINGLE_FILE} nor {INDEX_FILE} to say which are the model"
+    elif found:
+        why = (f"has only {', '.join(found)}; mindmoe reads safetensors and never unpickles checkpoints "
+               "(convert them with save_pretrained(safe_serialization=True))")
+    else:
+        why = f"has no weights ({SINGLE_FILE} or {INDEX_FILE} with its shards)"
+    raise HFCheckpointError(f"{directory}: {why}")
+
+
+def plan_hf_weights(path, imported: ImportedConfig) -> WeightPlan:
+    """Check every tensor of the directory against the config; raise one error listing all problems."""
+    cfg = imported.model_config
+    files = weight_files(path)
+    index_names = _index_names(path)
+    shapes = expected_parameter_shapes(cfg)
+    names = NameMap(imported.model_type)
+    problems = defaultdict(list)
+    assignments, filled = [], defaultdict(set)
+    seen, skipped_mtp, skipped_rope, converted, notes = {}, [], [], defaultdict(int), []
+    for file in files:
+        try:
+            entries = read_header(file)
+        except ValueError as err:
+            raise HFCheckpointError(str(err)) from None
+        for entry in entries:
+            where = f"{entry.name} ({file.name})"
+            if entry.name in seen:
+                problems["duplicate"].append(f"{where}: also in {seen[entry.name]}")
+                continue
+            seen[entry.name] = file.name
+            layer = hf_layer_index(entry.name)
+            if layer is not None and cfg.num_layers <= layer < cfg.num_layers + imported.mtp_layers:
+                skipped_mtp.append(entry.name)
+                continue
+            if entry.name.endswith(".rotary_emb.inv_freq"):
+                skipped_rope.append(entry.name)  # a cache some old checkpoints saved; derived from config.json
+                continue
+            if entry.name == "lm_head.weight" and cfg.tie_word_embeddings:
+                notes.append("lm_head.weight ignored: tie_word_embeddings=true uses embed_tokens")
+                continue
+            target = names.to_ours(entry.name)
+            if target is None or target[0] not in shapes:
+                why = "no mindmoe parameter" if target is None else \
+                    f"would be {target[0]}, which this config does not have"
+                problems["unexpected"].append(f"{where}: {entry.dtype}{list(entry.shape)}, {why}")
+                continue
+            our_name, row = target
+            expected = shapes[our_name] if row is None else shapes[our_name][1:]
+            if row is not None and row >= shapes[our_name][0]:
+                problems["unexpected"].append(f"{where}: expert {row}, but the config has "
+                                              f"{shapes[our_name][0]} experts")
+                continue
+            if entry.dtype not in READABLE_DTYPES:
+                problems["dtype"].append(f"{where}: dtype {entry.dtype}; readable: {', '.join(READABLE_DTYPES)}")
+                continue
+            if tuple(entry.shape) != tuple(expected):
+                problems["shape"].append(f"{where}: checkpoint {list(entry.shape)} vs {list(expected)} "
+                                         f"expected from config.json")
+                continue
+            if entry.dtype != "F32":
+                converted[entry.dtype] += 1
+            filled[our_name].add(row)
+            assignments.append((entry, our_name, row))
+    _check_index(index_names, seen, problems)
+    _check_coverage(shapes, filled, names, problems)
+    if problems:
+        raise HFCheckpointError(_problem_report(path, imported.model_type, problems))
+    if skipped_mtp:
+        notes.append(f"skipped {len(skipped_mtp)} multi-token-prediction tensors of layer(s) "
+                     f"{sorted({hf_layer_index(n) for n in skipped_mtp})} (model.layers.{cfg.num_layers}.*): "
+                     "mindmoe does not train the MTP head")
+    if skipped_rope:
+        notes.append(f"skipped {len(skipped_rope)} saved rotary_emb.inv_freq caches (recomputed from config.json)")
+    for dtype, count in sorted(converted.items()):
+        notes.append(f"{count} {dtype} tensors converted to float32")
+    return WeightPlan(imported, shapes, assignments, notes)
+
+
+def load_hf_weights(model, plan: WeightPlan) -> list:
+    """Stream the planned tensors into ``model``'s parameters; returns notes."""
+    params = {param.name: param for param in model.get_parameters()}
+    model_shapes = {name: tuple(param.shape) for name, param in params.items()}
+    if model_shapes != {name: tuple(shape) for name, shape in plan.shapes.items()}:
+        raise HFCheckpointError("the model's parameters differ from those its config implies "
+                                f"({sorted(set(model_shapes) ^ set(plan.shapes))[:5]}); a model built "
+                                "from another config?")
+    by_file = defaultdict(list)
+    for assignment in plan.assignments:
+        by_file[assignment[0].file].append(assignment)
+    rows_wanted = {name: shape[0] for name, shape in plan.shapes.items() if len(shape) == 3}
+    buffers = {}  # stacked name -> [array, rows filled]
+    for file, assignments in by_file.items():
+        with open(file, "rb") as handle:
+            for entry, our_name, row in sorted(assignments, key=lambda a: a[0].offset):
+                try:
+                    array = read_tensor(handle, entry)
+                except ValueError as err:
+                    raise HFCheckpointError(str(err)) from None
+                param = params[our_name]
+                if row is None:
+                    _set(param, array)
+                    continue
+                if our_name not in buffers:
+                    buffers[our_name] = [np.empty(plan.shapes[our_name], np.float32), 0]
+                buffer = buffers[our_name]
+                buffer[0][row] = array
+                buffer[1] += 1
+                del array
+                if buffer[1] == rows_wanted[our_name]:
+                    _set(param, buffers.pop(our_name)[0])
+    return list(plan.notes)
+
+
+def _set(param, array: np.ndarray):
+    target = param.dtype
+    param.set_data(Tensor(np.ascontiguousarray(array), dtype=target))
+
+
+def _check_index(index_names: dict, seen: dict, problems: dict):
+    """Every tensor the index lists is in the shard it names."""
+    for name, file_name in index_names.items():
+        if name not in seen:
+            problems["index"].append(f"{name}: the index puts it in {file_name}, which does not contain it")
+        elif seen[name] != file_name:
+            problems["index"].append(f"{name}: the index puts it in {file_name}, found in {seen[name]}")
+
+
+def _check_coverage(shapes: dict, filled: dict, names: NameMap, problems: dict):
+    """Every parameter, and every row of a stacked expert parameter, has a tensor (named the HF way)."""
+    for our_name, shape in shapes.items():
+        rows = filled.get(our_name, set())
+        for hf_name, row in names.to_hf(our_name, shape[0] if is_stacked_expert(our_name) else 0):
+            if row not in rows:
+                problems["missing"].append(f"{hf_name} (for {our_name}{'' if row is None else f'[{row}]'})")
+
+
+def _directory(path) -> Path:
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise HFCheckpointError(f"{directory}: not a directory (model.pretrained must be a local HF "
+                                "checkpoint directory; hub ids are not downloaded)")
+    return directory
+
+
+def _index_names(path) -> dict:
+    index_path = _directory(path) / INDEX_FILE
+    if not index_path.is_file():
+        return {}
+    weight_map = json.loads(index_path.read_text(encoding="utf-8"))["weight_map"]
+    return dict(weight_map)
+
+
+def _problem_report(path, model_type: str, problems: dict) -> str:
+    titles = {"missing": "missing (the config needs them, no file has them)",
+              "unexpected": "unmapped tensors (not part of a mindmoe model with this config)",
+              "shape": "shape mismatches", "dtype": "unsupported dtypes", "duplicate": "duplicated tensors",
+              "index": "index disagrees with the shards"}
+    lines = [f"{path}: the {model_type} weights do not match config.json:"]
+    for kind, title in titles.items():
+        items = problems.get(kind)
+        if not items:
+            continue
+        lines.append(f"  {title}: {len(items)}")
+        lines += [f"    {item}" for item in items[:MAX_LINES_PER_PROBLEM]]
+        if len(items) > MAX_LINES_PER_PROBLEM:
+            lines.append(f"    ... and {len(items) - MAX_LINES_PER_PROBLEM} more")
+    return "\n".join(lines)
