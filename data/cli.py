@@ -3,7 +3,6 @@
 Training does the same on demand; running it first (once per cluster node or shared cache)
 keeps workers from waiting on each other.
 """
-import logging
 import sys
 
 import hydra
@@ -19,7 +18,7 @@ def _main(cfg) -> None:
     try:
         prepared = prepare_data(cfg.data)
     except (ValueError, FileNotFoundError) as error:
-        logging.getLogger("mindmoe").error("%s", error)
+        print(f"mindmoe-data: error: {error}", file=sys.stderr)
         sys.exit(2)
     print(f"tokenizer: {prepared.tokenizer_path} (vocab {prepared.vocab_size})")
     print(f"train: {prepared.num_train_windows} windows in {len(prepared.train_shards)} shard(s)")

@@ -7,8 +7,10 @@
 
 A checkpoint is assembled in a hidden temporary directory and renamed into place only when
 complete, so a crash while saving leaves the previous checkpoints untouched and never a
-half-written one under a ``step_*`` name.
+half-written one under a ``step_*`` name. ``state.json`` records the sha256 of the other files,
+so a checkpoint truncated or altered afterwards is detected before it is loaded.
 """
+import hashlib
 import json
 import os
 import re
@@ -32,7 +34,8 @@ def load_parameters(params, tensors: dict, source: str) -> None:
     """Copy ``tensors`` into ``params`` by name; every name and shape must match exactly.
 
     MindSpore's own ``strict_load`` does not report missing or unexpected names, so the
-    check is done here and lists every mismatch.
+    check is done here and lists every mismatch. Call it before the parameters are used by a
+    compiled graph: MindSpore 2.9 graphs keep reading their own copy after a later ``set_data``.
     """
     params = list(params)
     by_name = {p.name: p for p in params}
@@ -63,8 +66,11 @@ def save_checkpoint(checkpoint_root: Path, step: int, model_params, optimizer_pa
     tmp.mkdir()
     save_file(parameters_to_numpy(model_params), str(tmp / MODEL_FILE))
     save_file(parameters_to_numpy(optimizer_params), str(tmp / OPTIMIZER_FILE))
+    for name in (MODEL_FILE, OPTIMIZER_FILE):
+        _fsync(tmp / name)
+    files = {name: sha256_file(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
-        json.dump(dict(state, step=step), handle, indent=2, sort_keys=True)
+        json.dump(dict(state, step=step, files=files), handle, indent=2, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
     if final.exists():
@@ -73,6 +79,40 @@ def save_checkpoint(checkpoint_root: Path, step: int, model_params, optimizer_pa
     for old in list_checkpoints(checkpoint_root)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old)
     return final
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class CorruptCheckpointError(ValueError):
+    """A checkpoint whose files do not match the hashes recorded when it was written."""
+
+
+def verify_checkpoint(checkpoint_dir: Path) -> None:
+    """Raise :class:`CorruptCheckpointError` naming every file that is missing or altered."""
+    try:
+        expected = read_state(checkpoint_dir)["files"]
+    except (OSError, ValueError, KeyError) as error:
+        raise CorruptCheckpointError(f"checkpoint {checkpoint_dir}: unreadable {STATE_FILE} ({error})") from error
+    problems = []
+    for name, digest in sorted(expected.items()):
+        path = checkpoint_dir / name
+        if not path.is_file():
+            problems.append(f"{name} is missing")
+        elif sha256_file(path) != digest:
+            problems.append(f"{name} does not match its recorded sha256 (truncated or modified)")
+    if problems:
+        raise CorruptCheckpointError(f"checkpoint {checkpoint_dir}: " + "; ".join(problems))
 
 
 def list_checkpoints(checkpoint_root: Path) -> list:

@@ -1,5 +1,4 @@
 """``mindmoe-train``: the Hydra entry point (overrides like ``train.max_steps=40``)."""
-import logging
 import sys
 from pathlib import Path
 
@@ -14,11 +13,15 @@ register_configs()
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 def _main(cfg) -> None:
     from train.loop import run
+    from train.resume import TrainingStopped
     try:
         run(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except (ValueError, FileNotFoundError) as error:
-        logging.getLogger("mindmoe").error("%s", error)
+    except (ValueError, FileNotFoundError, FloatingPointError) as error:
+        print(f"mindmoe-train: error: {error}", file=sys.stderr)
         sys.exit(2)
+    except TrainingStopped as stopped:
+        print(f"mindmoe-train: stopped: {stopped}", file=sys.stderr)
+        sys.exit(3)
 
 
 def main() -> None:

@@ -37,6 +37,12 @@ class TrainConfig:
     resume: str = "auto"
     #: Seed of parameter initialisation and data order.
     seed: int = 1234
+    #: Stop with an error after this many consecutive steps with a non-finite loss or gradient
+    #: (each such step is skipped: no parameter or optimizer state changes).
+    max_bad_steps: int = 5
+    #: What resume does with a checkpoint whose files fail their hash check: ``error`` or
+    #: ``previous`` (fall back to the newest older checkpoint that verifies).
+    on_corrupt_checkpoint: str = "error"
     #: Peak fp32 GFLOP/s used for MFU; 0 = measure a large MatMul at start-up.
     peak_gflops: float = 0.0
     #: Show a tqdm progress bar.

@@ -16,11 +16,10 @@ from tqdm import tqdm
 from data.mindrecord import EvalLoader, WindowLoader
 from data.prepare import prepare_data
 from model.config import validate_model_config
-from model.moe.layer import LAYER_STATS
 from model.transformer import MoETransformer
-from train.checkpoint import (list_checkpoints, load_model_weights, load_optimizer_state, read_state,
-                              resolve_checkpoint, save_checkpoint)
-from train.metrics import MetricsWriter, load_imbalance, measure_peak_gflops, train_flops_per_token
+from train.checkpoint import load_model_weights, load_optimizer_state, read_state, save_checkpoint
+from train.metrics import MetricsWriter, measure_peak_gflops, train_flops_per_token, window_row
+from train.resume import StopRequest, TrainingStopped, pick_resume_checkpoint
 from train.optim import build_optimizer
 from train.heatmap import render_expert_load, save_png
 from train.routing import RouterStepUpdates
@@ -43,34 +42,15 @@ def validate_run_config(cfg) -> None:
             raise ValueError(f"train.{key}={getattr(train, key)} must be >= 1")
     if not 0 <= train.warmup_ratio < 1:
         raise ValueError(f"train.warmup_ratio={train.warmup_ratio} must be in [0, 1)")
+    if train.max_bad_steps < 1:
+        raise ValueError(f"train.max_bad_steps={train.max_bad_steps} must be >= 1")
+    if train.on_corrupt_checkpoint not in ("error", "previous"):
+        raise ValueError(f"train.on_corrupt_checkpoint={train.on_corrupt_checkpoint!r} must be 'error' or 'previous'")
     if train.resume not in ("auto", "none") and not Path(train.resume).expanduser().exists():
         raise ValueError(f"train.resume={train.resume!r}: not 'auto', 'none' or an existing checkpoint directory")
     if data.seq_len > cfg.model.max_position_embeddings:
         raise ValueError(f"data.seq_len={data.seq_len} exceeds model.max_position_embeddings="
                          f"{cfg.model.max_position_embeddings}")
-
-
-def per_layer_metrics(routing_L3E: np.ndarray, layer_means_L5: np.ndarray) -> dict:
-    """Lists with one entry per MoE layer, as they appear in metrics.jsonl."""
-    chosen_LE, kept_LE = routing_L3E[:, 0], routing_L3E[:, 1]
-    column = {name: layer_means_L5[:, LAYER_STATS.index(name)] for name in LAYER_STATS}
-    return {
-        "load_imbalance": load_imbalance(chosen_LE),
-        "dropped_tokens": [float(d) for d in chosen_LE.sum(-1) - kept_LE.sum(-1)],
-        "layer_lock_rate": [float(v) for v in column["lock_rate"]],
-        "layer_flip_rate": [float(v) for v in column["flip_rate"]],
-        "layer_aux_loss": [float(v) for v in column["aux_loss"]],
-        "layer_z_loss": [float(v) for v in column["z_loss"]],
-    }
-
-
-def pick_resume_checkpoint(resume: str, checkpoint_root: Path):
-    if resume == "none":
-        return None
-    if resume == "auto":
-        found = list_checkpoints(checkpoint_root)
-        return found[-1] if found else None
-    return resolve_checkpoint(resume)
 
 
 def run(cfg, run_dir: Path) -> dict:
@@ -102,7 +82,7 @@ def run(cfg, run_dir: Path) -> dict:
 
     checkpoint_root = run_dir / "checkpoints"
     start_step = 0
-    resume_from = pick_resume_checkpoint(cfg.train.resume, checkpoint_root)
+    resume_from = pick_resume_checkpoint(cfg.train.resume, checkpoint_root, cfg.train.on_corrupt_checkpoint)
     if resume_from is not None:
         load_model_weights(model_state, resume_from)
         load_optimizer_state(optimizer_state, resume_from)
@@ -140,49 +120,52 @@ def run(cfg, run_dir: Path) -> dict:
                        "val_tokens": int(val_tokens)})
         return val_loss
 
-    window = []
-    window_seconds = 0.0
+    def log_window(step, window, seconds, skipped_steps):
+        row = window_row(step, window, seconds, tokens_per_step, flops_per_token, peak_gflops, skipped_steps)
+        if moe_layer_ids:
+            routing_L3E = np.sum([s.routing_stats for s in window], axis=0)
+            heatmap = render_expert_load(routing_L3E[:, 0], moe_layer_ids, f"expert load share, to step {step}")
+            save_png(heatmap, run_dir / "expert_load.png")
+            metrics.image("expert_load", heatmap, step)
+        metrics.write(row)
+        return row
+
+    window, window_seconds = [], 0.0
     first_loss = None
-    val_loss = None
+    bad_steps_in_row = skipped_steps = 0
     progress = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not cfg.train.progress_bar,
                     unit="step", dynamic_ncols=True)
-    for step in range(start_step + 1, cfg.train.max_steps + 1):
-        step_start = time.perf_counter()
-        stats = trainer.step([next(batches) for _ in range(accum_steps)])
-        window_seconds += time.perf_counter() - step_start
-        window.append(stats)
-        first_loss = stats.lm_loss if first_loss is None else first_loss
-        if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+    with StopRequest() as stop:
+        for step in range(start_step + 1, cfg.train.max_steps + 1):
+            step_start = time.perf_counter()
+            stats = trainer.step([next(batches) for _ in range(accum_steps)])
             # Step time only: validation and checkpoint writes are not training throughput.
-            tokens_per_s = len(window) * tokens_per_step / window_seconds
-            routing = np.sum([s.routing_stats for s in window], axis=0)
-            layer_means = np.mean([s.layer_stats for s in window], axis=0)
-            row = {
-                "step": step,
-                "loss": float(np.mean([s.loss for s in window])),
-                "lm_loss": float(np.mean([s.lm_loss for s in window])),
-                "aux_loss": float(np.mean([s.aux_loss for s in window])),
-                "z_loss": float(np.mean([s.z_loss for s in window])),
-                "lr": window[-1].lr,
-                "grad_norm": float(np.mean([s.grad_norm for s in window])),
-                "tokens_per_s": tokens_per_s,
-                "mfu": tokens_per_s * flops_per_token / (peak_gflops * 1e9),
-                "lock_rate": float(layer_means[:, LAYER_STATS.index("lock_rate")].mean()) if len(layer_means) else 0.0,
-            }
-            row.update(per_layer_metrics(routing, layer_means))
-            if moe_layer_ids:
-                heatmap = render_expert_load(routing[:, 0], moe_layer_ids, f"expert load share, to step {step}")
-                save_png(heatmap, run_dir / "expert_load.png")
-                metrics.image("expert_load", heatmap, step)
-            metrics.write(row)
-            progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{tokens_per_s:.0f}")
-            window = []
-            window_seconds = 0.0
-        if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.max_steps:
-            val_loss = validate(step)
-        if step % cfg.train.save_every == 0 or step == cfg.train.max_steps:
-            checkpoint(step)
-        progress.update(1)
+            window_seconds += time.perf_counter() - step_start
+            window.append(stats)
+            first_loss = stats.lm_loss if first_loss is None else first_loss
+            bad_steps_in_row = bad_steps_in_row + 1 if stats.skipped else 0
+            skipped_steps += int(stats.skipped)
+            if stats.skipped:
+                log.warning("step %d: non-finite loss %.4g or gradient norm %.4g; update skipped (%d in a row)",
+                            step, stats.loss, stats.grad_norm, bad_steps_in_row)
+            if bad_steps_in_row >= cfg.train.max_bad_steps:
+                raise FloatingPointError(
+                    f"{bad_steps_in_row} consecutive steps up to step {step} had a non-finite loss or gradient "
+                    f"(train.max_bad_steps={cfg.train.max_bad_steps}); last loss {stats.loss}, gradient norm "
+                    f"{stats.grad_norm}. Lower train.lr, check the data, or resume from an earlier checkpoint.")
+            if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+                row = log_window(step, window, window_seconds, skipped_steps)
+                progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                window, window_seconds = [], 0.0
+            if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.max_steps:
+                validate(step)
+            if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop.signal_name:
+                saved = checkpoint(step)
+                if stop.signal_name:
+                    metrics.close()
+                    raise TrainingStopped(f"received {stop.signal_name}: checkpoint of step {step} written to "
+                                          f"{saved}; run the same command again (train.resume=auto) to continue")
+            progress.update(1)
     progress.close()
     val_loss = validate(cfg.train.max_steps)
     metrics.close()

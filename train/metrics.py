@@ -12,6 +12,7 @@ from mindspore import Tensor, ops
 
 
 from model.config import ModelConfig
+from model.moe.layer import LAYER_STATS
 
 
 class MetricsWriter:
@@ -85,3 +86,43 @@ def load_imbalance(counts_LE: np.ndarray) -> list:
     return [float(m) for m in np.where(mean > 0, counts_LE.max(-1) / np.maximum(mean, 1e-12), 1.0)]
 
 
+
+
+def window_row(step: int, window: list, seconds: float, tokens_per_step: int, flops_per_token: float,
+               peak_gflops: float, skipped_steps: int) -> dict:
+    """One ``metrics.jsonl`` training row from the ``StepStats`` of the steps since the last row."""
+    tokens_per_s = len(window) * tokens_per_step / max(seconds, 1e-9)
+    routing_L3E = np.sum([s.routing_stats for s in window], axis=0)
+    layer_means_L5 = np.mean([s.layer_stats for s in window], axis=0)
+    row = {
+        "step": step,
+        "loss": float(np.mean([s.loss for s in window])),
+        "lm_loss": float(np.mean([s.lm_loss for s in window])),
+        "aux_loss": float(np.mean([s.aux_loss for s in window])),
+        "z_loss": float(np.mean([s.z_loss for s in window])),
+        "lr": window[-1].lr,
+        "grad_norm": float(np.mean([s.grad_norm for s in window])),
+        "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * flops_per_token / (peak_gflops * 1e9),
+        "skipped_steps": skipped_steps,
+    }
+    row.update(per_layer_metrics(routing_L3E, layer_means_L5))
+    row["lock_rate"] = float(np.mean(row["layer_lock_rate"])) if row["layer_lock_rate"] else 0.0
+    return row
+
+
+def per_layer_metrics(routing_L3E: np.ndarray, layer_means_L5: np.ndarray) -> dict:
+    """Lists with one entry per MoE layer, as they appear in metrics.jsonl."""
+    if len(routing_L3E) == 0:
+        return {key: [] for key in ("load_imbalance", "dropped_tokens", "layer_lock_rate", "layer_flip_rate",
+                                    "layer_aux_loss", "layer_z_loss")}
+    chosen_LE, kept_LE = routing_L3E[:, 0], routing_L3E[:, 1]
+    column = {name: layer_means_L5[:, LAYER_STATS.index(name)] for name in LAYER_STATS}
+    return {
+        "load_imbalance": load_imbalance(chosen_LE),
+        "dropped_tokens": [float(d) for d in chosen_LE.sum(-1) - kept_LE.sum(-1)],
+        "layer_lock_rate": [float(v) for v in column["lock_rate"]],
+        "layer_flip_rate": [float(v) for v in column["flip_rate"]],
+        "layer_aux_loss": [float(v) for v in column["aux_loss"]],
+        "layer_z_loss": [float(v) for v in column["z_loss"]],
+    }

@@ -37,6 +37,7 @@ def split_window(batch: dict):
 @dataclass
 class StepStats:
     """Host-side results of one optimizer step (losses are means over its micro-batches)."""
+    skipped: bool               # loss or gradient norm not finite: no parameter changed
     loss: float
     lm_loss: float
     aux_loss: float
@@ -68,20 +69,27 @@ class Trainer:
             self.grad_buffers = None
         buffers = self.grad_buffers
 
-        def clip_and_apply(grads):
+        def clip_and_apply(grads, loss):
+            """Clip to the global norm and update, unless loss or gradients are not finite.
+
+            A non-finite step is skipped whole (no moment update either), as loss-scaled training
+            does on overflow; the caller counts it.
+            """
             norm = ops.sqrt(ops.stack([ops.square(g).sum() for g in grads]).sum())
             if clip > 0:
                 factor = ops.minimum(clip / (norm + 1e-6), 1.0)
                 grads = tuple(g * factor for g in grads)
             lr = optimizer.get_lr()
-            optimizer(grads)
-            return norm, lr
+            finite = ops.logical_and(ops.isfinite(norm), ops.isfinite(loss))
+            if finite:
+                optimizer(grads)
+            return norm, lr, finite
 
         @ms.jit
         def fused_step(input_ids, doc_ids, labels, loss_mask):
             (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
-            norm, lr = clip_and_apply(grads)
-            return loss, aux, norm, lr
+            norm, lr, finite = clip_and_apply(grads, loss)
+            return loss, aux, norm, lr, finite
 
         @ms.jit
         def accumulate(input_ids, doc_ids, labels, loss_mask):
@@ -91,12 +99,12 @@ class Trainer:
             return loss, aux
 
         @ms.jit
-        def apply_accumulated():
+        def apply_accumulated(mean_loss):
             grads = tuple(buffer * 1.0 for buffer in buffers)
-            norm, lr = clip_and_apply(grads)
+            norm, lr, finite = clip_and_apply(grads, mean_loss)
             for buffer in buffers:
                 ops.assign(buffer, ops.zeros_like(buffer))
-            return norm, lr
+            return norm, lr, finite
 
         @ms.jit
         def evaluate(input_ids, doc_ids, labels, loss_mask):
@@ -123,13 +131,15 @@ class Trainer:
             self.router_updates.before_optimizer()
         losses = []
         if self.accum_steps == 1:
-            loss, aux, norm, lr = self._fused_step(*split_window(micro_batches[0]))
+            loss, aux, norm, lr, finite = self._fused_step(*split_window(micro_batches[0]))
             losses.append((loss, aux))
         else:
             for batch in micro_batches:
                 losses.append(self._accumulate(*split_window(batch)))
-            norm, lr = self._apply_accumulated()
+            mean_loss = float(np.mean([l.asnumpy() for l, _ in losses]))
+            norm, lr, finite = self._apply_accumulated(Tensor(np.float32(mean_loss)))
         stats = StepStats(
+            skipped=not bool(finite.asnumpy()),
             loss=float(np.mean([l.asnumpy() for l, _ in losses])),
             lm_loss=float(np.mean([a[0].asnumpy() for _, a in losses])),
             aux_loss=float(np.mean([a[1].asnumpy() for _, a in losses])),
@@ -139,7 +149,7 @@ class Trainer:
             routing_stats=np.sum([a[3].asnumpy() for _, a in losses], axis=0),
             layer_stats=np.mean([a[4].asnumpy() for _, a in losses], axis=0),
         )
-        if self.router_updates is not None:
+        if self.router_updates is not None and not stats.skipped:
             self.router_updates.after_optimizer(stats.routing_stats)
         return stats
 
