@@ -15,6 +15,7 @@ from launch.config import ParallelConfig
 from launch.plan import PlanConfig
 from model.config import ModelConfig
 from train.config import TrainConfig
+from train.eval_config import EvalConfig
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "data" / "samples"
 
@@ -27,6 +28,8 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     #: Planner-only keys of ``mindmoe-plan`` (tensor/pipeline degrees, ZeRO, recompute, device memory).
     plan: PlanConfig = field(default_factory=PlanConfig)
+    #: Keys of ``mindmoe-eval`` (context lengths, RoPE scaling types, attention mode, output).
+    eval: EvalConfig = field(default_factory=EvalConfig)
     #: Input checkpoint directory for commands that read one (export, eval).
     checkpoint: Optional[str] = None
 
@@ -42,3 +45,4 @@ def register_configs() -> None:
     store.store(group="train", name="base_train", node=TrainConfig)
     store.store(group="parallel", name="base_parallel", node=ParallelConfig)
     store.store(group="plan", name="base_plan", node=PlanConfig)
+    store.store(group="eval", name="base_eval", node=EvalConfig)

@@ -1,0 +1,40 @@
+"""``mindmoe-eval``: validation perplexity of a checkpoint at several context lengths under each RoPE scaling.
+
+    mindmoe-eval checkpoint=<run dir>/checkpoints/step_000200 eval.context_lengths=[128,512,1024]
+
+Prints the table and writes ``long_context.json`` and ``long_context.md`` into ``eval.out``
+(default: the Hydra run dir). Keys: ``eval.*`` (conf/eval/default.yaml), ``data.valid_files``.
+"""
+import logging
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+from conf.schema import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+def _main(cfg) -> None:
+    from train.evaluate import evaluate_checkpoint
+    from train.eval_report import markdown, write_report
+    try:
+        report = evaluate_checkpoint(cfg)
+    except (ValueError, FileNotFoundError) as error:
+        logging.getLogger("mindmoe").error("%s", error)
+        sys.exit(2)
+    out_dir = Path(cfg.eval.out) if cfg.eval.out else Path(HydraConfig.get().runtime.output_dir)
+    json_path, markdown_path = write_report(report, out_dir)
+    print(markdown(report))
+    print(f"written: {json_path}, {markdown_path}")
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()
