@@ -10,7 +10,6 @@ complete, so a crash while saving leaves the previous checkpoints untouched and 
 half-written one under a ``step_*`` name. ``state.json`` records the sha256 of the other files,
 so a checkpoint truncated or altered afterwards is detected before it is loaded.
 """
-import hashlib
 import json
 import os
 import re
@@ -19,6 +18,8 @@ from pathlib import Path
 
 from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
+
+from data.prepare import file_sha256
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MODEL_FILE = "model.safetensors"
@@ -68,7 +69,7 @@ def save_checkpoint(checkpoint_root: Path, step: int, model_params, optimizer_pa
     save_file(parameters_to_numpy(optimizer_params), str(tmp / OPTIMIZER_FILE))
     for name in (MODEL_FILE, OPTIMIZER_FILE):
         _fsync(tmp / name)
-    files = {name: sha256_file(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
+    files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
         json.dump(dict(state, step=step, files=files), handle, indent=2, sort_keys=True)
         handle.flush()
@@ -86,14 +87,6 @@ def _fsync(path: Path) -> None:
         os.fsync(handle.fileno())
 
 
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class CorruptCheckpointError(ValueError):
     """A checkpoint whose files do not match the hashes recorded when it was written."""
 
@@ -109,7 +102,7 @@ def verify_checkpoint(checkpoint_dir: Path) -> None:
         path = checkpoint_dir / name
         if not path.is_file():
             problems.append(f"{name} is missing")
-        elif sha256_file(path) != digest:
+        elif file_sha256(path) != digest:
             problems.append(f"{name} does not match its recorded sha256 (truncated or modified)")
     if problems:
         raise CorruptCheckpointError(f"checkpoint {checkpoint_dir}: " + "; ".join(problems))
