@@ -22,7 +22,9 @@ def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
     log_probs_BSV = ops.log_softmax(logits_BSV.astype(ms.float32), -1)
     nll_BS = -ops.gather_elements(log_probs_BSV, 2, labels_BS.expand_dims(-1)).squeeze(-1)
     mask_BS = loss_mask_BS.astype(ms.float32)
-    return (nll_BS * mask_BS).sum() / ops.maximum(mask_BS.sum(), 1.0), (nll_BS * mask_BS).sum(), mask_BS.sum()
+    nll_sum = (nll_BS * mask_BS).sum()
+    count = mask_BS.sum()
+    return nll_sum / ops.maximum(count, 1.0), nll_sum, count
 
 
 def split_window(batch: dict):

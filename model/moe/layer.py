@@ -14,7 +14,7 @@ from model.moe.dispatch import (capacity_slots, combine_from_slots, dense_combin
                                 expert_capacity, gather_to_slots)
 from model.moe.experts import RoutedExperts
 from model.moe.locking import flip_rate, lock_routing
-from model.moe.router import (aux_probs, expert_counts, gather_weights, router_scores, select_experts,
+from model.moe.router import (aux_probs, gather_weights, router_scores, select_experts,
                               seq_aux_loss, switch_aux_loss, z_loss)
 
 #: Rows of the ``routing_stats`` output ``[ROUTING_STATS, E]`` of every MoE layer.
@@ -151,7 +151,7 @@ class MoELayer(nn.Cell):
                                  ops.zeros((), ms.float32))
         kept_E = (one_hot_AE * kept_A.expand_dims(-1)).sum(0)
         locked_kept_E = (one_hot_AE * (kept_A * locked_A).expand_dims(-1)).sum(0)
-        routing_stats = ops.stack((expert_counts(topk_idx_TK, self.num_experts), kept_E, locked_kept_E))
+        routing_stats = ops.stack((one_hot_AE.sum(0), kept_E, locked_kept_E))
         layer_stats = ops.stack((num_tokens * self.top_k - kept_A.sum(), locked_T.mean(),
                                  flip_rate(natural_TK.reshape(batch, seq_len, self.top_k), doc_ids_BS),
                                  aux, router_z))
