@@ -14,9 +14,9 @@ register_configs()
 
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 def _main(cfg) -> None:
-    from data.prepare import prepare_data
+    from data.prepare import prepare_data, with_pretrained_tokenizer
     try:
-        prepared = prepare_data(cfg.data)
+        prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
     except (ValueError, FileNotFoundError) as error:
         print(f"mindmoe-data: error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -25,7 +25,8 @@ class DataConfig:
     global_batch_size: int = 16
     #: Sequences per forward/backward on one rank; accumulation = global / (micro * dp).
     micro_batch_size: int = 16
-    #: A sentencepiece ``.model`` to use; null = train one on ``train_files``.
+    #: A sentencepiece ``.model`` file or a HF checkpoint directory (``tokenizer.json`` or ``tokenizer.model``)
+    #: to use; null = the ``model.pretrained`` directory's tokenizer if set, else train one on ``train_files``.
     tokenizer: Optional[str] = None
     #: Vocabulary size when the tokenizer is trained here.
     vocab_size: int = 4096

@@ -105,6 +105,23 @@ def load_hf_tokenizer(path: Union[str, Path], config_key: str = "model.pretraine
     raise FileNotFoundError(f"{config_key}: {directory} has neither {TOKENIZER_JSON} nor {SENTENCEPIECE_FILE}")
 
 
+def open_tokenizer(path: Union[str, Path], config_key: str = "data.tokenizer"):
+    """A sentencepiece ``.model`` file, or a HF checkpoint directory's tokenizer."""
+    if Path(path).expanduser().is_dir():
+        return load_hf_tokenizer(path, config_key)
+    return load_tokenizer(path, config_key)
+
+
+def tokenizer_files(path: Union[str, Path]) -> List[Path]:
+    """The files that define a tokenizer (what a cache key must hash): the ``.model`` file itself, or a
+    directory's tokenizer, special-token config and chat template files."""
+    path = Path(path).expanduser()
+    if not path.is_dir():
+        return [path]
+    names = (TOKENIZER_JSON, SENTENCEPIECE_FILE, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE, "config.json")
+    return [path / name for name in names if (path / name).is_file()]
+
+
 def render_chat_template(template: Optional[str], messages: Sequence[dict], add_generation_prompt: bool = False,
                          **special_tokens) -> str:
     """Render a HF chat template (Jinja, sandboxed) for ``messages`` (``[{"role", "content"}, ...]``)."""

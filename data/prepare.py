@@ -5,7 +5,7 @@ Cache layout (``data.cache_dir``, else ``$MINDMOE_CACHE``, else ``~/.cache/mindm
     tokenizer/<key>/spm.model, meta.json       key: training files' content, text_field, vocab_size
     data/<key>/train-*.mindrecord, valid-*.mindrecord, meta.json
                                                 key: files' content, text_field, seq_len, weights,
-                                                     shard_windows, the tokenizer file's content
+                                                     shard_windows, the tokenizer files' content
 
 Keys hash file *contents*, so moving a file keeps its cache and editing it in
 place does not reuse a stale one. An entry is built in a staging directory
@@ -19,7 +19,7 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
@@ -29,8 +29,9 @@ from filelock import FileLock
 from data.config import DataConfig
 from data.mindrecord import write_shards
 from data.packing import PackedWindows, mix_sources, mixture_counts, pack_documents, unigram_loss
+from data.hf_tokenizer import open_tokenizer, tokenizer_files
 from data.reader import DataInputError, Source, checked_file, concatenate, read_source, tokenize_documents
-from data.tokenizer import Tokenizer, load_tokenizer, train_sentencepiece
+from data.tokenizer import Tokenizer, train_sentencepiece
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +138,17 @@ class _Corpus:
         return self._sources[key]
 
 
+def with_pretrained_tokenizer(cfg: DataConfig, pretrained: Optional[str]) -> DataConfig:
+    """``cfg`` as a plain :class:`DataConfig`, with ``tokenizer`` set to the ``model.pretrained``
+    directory when the user gave none: a pretrained model only understands its own token ids."""
+    if not isinstance(cfg, DataConfig):
+        from omegaconf import OmegaConf
+        cfg = OmegaConf.to_object(cfg)
+    if pretrained and not cfg.tokenizer:
+        cfg = replace(cfg, tokenizer=str(pretrained))
+    return cfg
+
+
 def prepare_data(cfg: DataConfig) -> PreparedData:
     """Tokenizer and packed shards for ``cfg``, from the cache when it has them."""
     _check_config(cfg)
@@ -150,13 +162,15 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     with tempfile.TemporaryDirectory(prefix=".read-", dir=root) as work_dir:
         corpus = _Corpus(cfg, Path(work_dir))
         if cfg.tokenizer:
-            tokenizer_path = str(load_tokenizer(cfg.tokenizer).path)
+            open_tokenizer(cfg.tokenizer)  # fails here, naming data.tokenizer, if it cannot be loaded
+            tokenizer_path = str(Path(cfg.tokenizer).expanduser().resolve())
         else:
             tokenizer_path = _cached_tokenizer(root, cfg, train, hashes, corpus)
         key = _key({"format": FORMAT_VERSION, "mixture_seed": MIXTURE_SEED,
                     "train": [hashes[k] for k in train], "valid": [hashes[k] for k in valid],
                     "text_field": cfg.text_field, "seq_len": cfg.seq_len, "weights": _weights(cfg),
-                    "shard_windows": cfg.shard_windows, "tokenizer": file_sha256(Path(tokenizer_path))})
+                    "shard_windows": cfg.shard_windows,
+                    "tokenizer": [file_sha256(path) for path in tokenizer_files(tokenizer_path)]})
         entry = root / "data" / key
         meta = build_once(entry, lambda staging: _build_shards(staging, cfg, train, valid, tokenizer_path, corpus))
     logger.info("data ready: %d train windows, %d valid windows, vocab %d, unigram val loss %s",
@@ -189,7 +203,7 @@ def _cached_tokenizer(root: Path, cfg: DataConfig, train: Dict[str, Path], hashe
 
 def _build_shards(staging: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path],
                   tokenizer_path: str, corpus: _Corpus) -> Dict:
-    tokenizer = load_tokenizer(tokenizer_path)
+    tokenizer = open_tokenizer(tokenizer_path)
     sources, source_meta = [], []
     for key, path in train.items():
         dataset, stats = corpus.source(key, str(path))

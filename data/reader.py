@@ -225,8 +225,10 @@ def _read_parquet(path: Path, text_field: str, config_key: str, work_dir: Path,
 
 
 def _encode_batch(batch: dict, tokenizer: Tokenizer) -> dict:
-    bos, eos = tokenizer.bos_id, tokenizer.eos_id
-    return {"ids": [[bos] + ids + [eos] for ids in tokenizer.encode_batch(batch["text"])]}
+    # Tokenizers without a BOS (GLM-4.5's) or EOS token report -1: nothing is added for them.
+    bos = [tokenizer.bos_id] if tokenizer.bos_id >= 0 else []
+    eos = [tokenizer.eos_id] if tokenizer.eos_id >= 0 else []
+    return {"ids": [bos + ids + eos for ids in tokenizer.encode_batch(batch["text"])]}
 
 
 def tokenize_documents(dataset: datasets.Dataset, tokenizer: Tokenizer, num_proc: int) -> DocumentTokens:

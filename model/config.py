@@ -5,6 +5,7 @@ config maps one to one. Every field is read by the model; :func:`validate_model_
 rejects values the model cannot honour before anything is built.
 """
 from dataclasses import dataclass, field
+from typing import Optional
 
 from model.rope_scaling import RopeScalingConfig, rope_scaling_config, validate_rope_scaling
 
@@ -17,6 +18,12 @@ DISPATCH_MODES = ("capacity", "dropless")
 @dataclass
 class ModelConfig:
     """Architecture of the decoder-only MoE transformer."""
+
+    #: A local HF checkpoint directory (config.json, *.safetensors, tokenizer files) to start from:
+    #: its config.json gives the architecture, its weights the initial parameters and its tokenizer the
+    #: data's. ``model.*`` keys given on the command line may change training settings (dispatch,
+    #: capacity, balancing, locking, RoPE scaling); architecture keys must agree with config.json.
+    pretrained: Optional[str] = None
 
     #: Vocabulary size; 0 = take it from the tokenizer.
     vocab_size: int = 0

@@ -12,10 +12,12 @@ register_configs()
 
 @hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
 def _main(cfg) -> None:
+    from train.init_model import explicit_model_keys
     from train.loop import run
     from train.resume import TrainingStopped
+    hydra_cfg = HydraConfig.get()
     try:
-        run(cfg, Path(HydraConfig.get().runtime.output_dir))
+        run(cfg, Path(hydra_cfg.runtime.output_dir), explicit_model_keys(hydra_cfg.overrides.task))
     except (ValueError, FileNotFoundError, FloatingPointError) as error:
         print(f"mindmoe-train: error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -14,14 +14,13 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from data.mindrecord import EvalLoader, WindowLoader
-from data.prepare import prepare_data
-from model.config import validate_model_config
-from model.transformer import MoETransformer
+from data.prepare import prepare_data, with_pretrained_tokenizer
 from train.checkpoint import load_model_weights, load_optimizer_state, read_state, save_checkpoint
 from train.metrics import MetricsWriter, measure_peak_gflops, train_flops_per_token, window_row
 from train.resume import StopRequest, TrainingStopped, pick_resume_checkpoint
 from train.optim import build_optimizer
 from train.heatmap import render_expert_load, save_png
+from train.init_model import build_model
 from train.routing import RouterStepUpdates
 from train.step import Trainer
 
@@ -48,30 +47,29 @@ def validate_run_config(cfg) -> None:
         raise ValueError(f"train.on_corrupt_checkpoint={train.on_corrupt_checkpoint!r} must be 'error' or 'previous'")
     if train.resume not in ("auto", "none") and not Path(train.resume).expanduser().exists():
         raise ValueError(f"train.resume={train.resume!r}: not 'auto', 'none' or an existing checkpoint directory")
-    if data.seq_len > cfg.model.max_position_embeddings:
-        raise ValueError(f"data.seq_len={data.seq_len} exceeds model.max_position_embeddings="
-                         f"{cfg.model.max_position_embeddings}")
 
 
-def run(cfg, run_dir: Path) -> dict:
-    """Train as configured, writing everything into ``run_dir``; returns the final summary."""
+def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
+    """Train as configured, writing everything into ``run_dir``; returns the final summary.
+
+    ``explicit_model_keys``: the ``model.*`` fields set on the command line, which are the only
+    model keys that apply on top of a ``model.pretrained`` config.json.
+    """
     validate_run_config(cfg)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(cfg.train.seed)
 
-    prepared = prepare_data(cfg.data)
-    model_cfg = dataclasses.replace(OmegaConf.to_object(cfg.model))
-    if model_cfg.vocab_size == 0:
-        model_cfg.vocab_size = prepared.vocab_size
-    elif model_cfg.vocab_size < prepared.vocab_size:
-        raise ValueError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-                         f"{prepared.vocab_size} ({prepared.tokenizer_path})")
-    validate_model_config(model_cfg)
+    prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
+    checkpoint_root = run_dir / "checkpoints"
+    resume_from = pick_resume_checkpoint(cfg.train.resume, checkpoint_root, cfg.train.on_corrupt_checkpoint)
+    model_cfg, model = build_model(cfg, prepared.vocab_size, explicit_model_keys, load_weights=resume_from is None)
+    if cfg.data.seq_len > model_cfg.max_position_embeddings:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
+                         f"{model_cfg.max_position_embeddings}")
     train_cfg = OmegaConf.to_object(cfg.train)
 
-    model = MoETransformer(model_cfg, seed=cfg.train.seed)
     optimizer = build_optimizer(model.trainable_params(), train_cfg)
     optimizer_state = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq) + [optimizer.global_step]
     accum_steps = cfg.data.global_batch_size // cfg.data.micro_batch_size
@@ -80,9 +78,7 @@ def run(cfg, run_dir: Path) -> dict:
     model_state = list(model.get_parameters())
     moe_layer_ids = [idx for idx, layer in enumerate(model.layers) if layer.is_moe]
 
-    checkpoint_root = run_dir / "checkpoints"
     start_step = 0
-    resume_from = pick_resume_checkpoint(cfg.train.resume, checkpoint_root, cfg.train.on_corrupt_checkpoint)
     if resume_from is not None:
         load_model_weights(model_state, resume_from)
         load_optimizer_state(optimizer_state, resume_from)
