@@ -14,6 +14,7 @@ from data.config import DataConfig
 from launch.config import ParallelConfig
 from launch.plan import PlanConfig
 from model.config import ModelConfig
+from model.lora import LoraConfig
 from train.config import TrainConfig
 from train.eval_config import EvalConfig
 
@@ -30,6 +31,8 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     #: Keys of ``mindmoe-eval`` (context lengths, RoPE scaling types, attention mode, output).
     eval: EvalConfig = field(default_factory=EvalConfig)
+    #: LoRA fine-tuning: adapters on a frozen base (r, alpha, dropout, rslora, target_modules, ...).
+    lora: LoraConfig = field(default_factory=LoraConfig)
     #: Input checkpoint directory for commands that read one (export, eval).
     checkpoint: Optional[str] = None
 
@@ -46,3 +49,4 @@ def register_configs() -> None:
     store.store(group="parallel", name="base_parallel", node=ParallelConfig)
     store.store(group="plan", name="base_plan", node=PlanConfig)
     store.store(group="eval", name="base_eval", node=EvalConfig)
+    store.store(group="lora", name="base_lora", node=LoraConfig)
