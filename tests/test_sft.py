@@ -164,3 +164,20 @@ def test_loss_mask_survives_mindrecord_shards_and_both_loaders(tmp_path):
     eval_batches = list(EvalLoader(shards, batch_size=4))
     assert [b["loss_mask"].shape for b in eval_batches] == [(4, packed.input_ids.shape[1])] * 2
     np.testing.assert_array_equal(eval_batches[1]["loss_mask"][2:], 0)  # padding windows score nothing
+
+
+def test_bundled_business_sample_is_reproducible_and_valid(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+    samples = Path(__file__).resolve().parent.parent / "data" / "samples"
+    subprocess.run([sys.executable, str(samples / "generate_sft.py"), "--out-dir", str(tmp_path)], check=True)
+    for name in ("business_sft_train.jsonl", "business_sft_valid.jsonl"):
+        assert (tmp_path / name).read_bytes() == (samples / name).read_bytes(), name
+    train = read_conversations(samples / "business_sft_train.jsonl", "train")
+    valid = read_conversations(samples / "business_sft_valid.jsonl", "valid")
+    assert len(train) >= 300 and len(valid) >= 50
+    chinese = sum(any("\u4e00" <= ch <= "\u9fff" for m in c for ch in m["content"]) for c in train)
+    assert 0.3 < chinese / len(train) < 0.7
+    train_texts = {json.dumps(c, ensure_ascii=False) for c in train}
+    assert not any(json.dumps(c, ensure_ascii=False) in train_texts for c in valid), "valid must be held out"
