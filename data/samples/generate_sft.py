@@ -222,17 +222,23 @@ def order_conversation(rng, lang):
     return {"messages": messages}
 
 
-def conversations(seed, count):
+def conversations(seed, count, exclude=frozenset()):
+    """``count`` distinct JSONL lines, none of them in ``exclude`` (short FAQ exchanges repeat by chance)."""
     rng = random.Random(seed)
-    for number in range(count):
-        lang = "en" if number % 2 == 0 else "zh"
-        yield order_conversation(rng, lang) if rng.random() < 0.5 else {"messages": faq_conversation(rng, lang)}
+    lines, seen = [], set(exclude)
+    while len(lines) < count:
+        lang = "en" if len(lines) % 2 == 0 else "zh"
+        row = order_conversation(rng, lang) if rng.random() < 0.5 else {"messages": faq_conversation(rng, lang)}
+        line = json.dumps(row, ensure_ascii=False)
+        if line not in seen:
+            seen.add(line)
+            lines.append(line)
+    return lines
 
 
-def write(path: Path, seed: int, count: int) -> None:
+def write(path: Path, lines) -> None:
     with open(path, "w", encoding="utf-8", newline="\n") as handle:
-        for row in conversations(seed, count):
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+        handle.write("".join(line + "\n" for line in lines))
 
 
 def main() -> None:
@@ -240,8 +246,9 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent)
     out_dir = parser.parse_args().out_dir
     out_dir.mkdir(parents=True, exist_ok=True)
-    write(out_dir / TRAIN_FILE, TRAIN_SEED, TRAIN_CONVERSATIONS)
-    write(out_dir / VALID_FILE, VALID_SEED, VALID_CONVERSATIONS)
+    train = conversations(TRAIN_SEED, TRAIN_CONVERSATIONS)
+    write(out_dir / TRAIN_FILE, train)
+    write(out_dir / VALID_FILE, conversations(VALID_SEED, VALID_CONVERSATIONS, exclude=frozenset(train)))
 
 
 if __name__ == "__main__":
