@@ -4,7 +4,8 @@
     python data/samples/build_tiny_base.py --out DIR --steps 400
 
 It pretrains a small GLM-4.5-style MoE (hidden 128, 4 layers with the first dense, 4 routed experts
-+ 1 shared, tied embeddings, 4k sentencepiece vocabulary trained on the bundled corpus) with
++ 1 shared, sigmoid router with aux-loss-free bias balancing, dropless dispatch, tied embeddings,
+4k sentencepiece vocabulary trained on the bundled corpus) with
 ``recipe=pretrain_tiny`` on ``corpus_train.jsonl``, exports the last checkpoint as a HF ``glm4_moe``
 directory (``model.hf.export_hf``) with the sentencepiece model as ``tokenizer.model``, and stores
 the weights as float16 to keep the sample small (mindmoe converts them to float32 when loading).
@@ -21,9 +22,13 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 REPO = Path(__file__).resolve().parents[2]
+# A glm4_moe-shaped model (sigmoid router with a correction bias, as HF glm4_moe has) trained without
+# token dropping, so the exported directory computes in transformers what was trained here.
 MODEL_OVERRIDES = ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2",
                    "model.intermediate_size=384", "model.num_experts=4", "model.moe_intermediate_size=96",
-                   "model.tie_word_embeddings=true"]
+                   "model.tie_word_embeddings=true", "model.score_func=sigmoid", "model.expert_bias=true",
+                   "model.bias_update_rate=0.002", "model.aux_loss=seq", "model.aux_loss_coeff=0.0001",
+                   "model.dispatch=dropless"]
 
 
 def main() -> None:
