@@ -121,3 +121,27 @@ def test_adapters_for_another_model_are_rejected(trained, tmp_path):
     from model.peft_adapter import load_adapter
     with pytest.raises(AdapterError, match=r"unexpected base_model\.model\.model\.layers\.0\.mlp"):
         load_adapter(model, adapter_dir)
+
+
+def test_modules_to_save_round_trip_through_peft(trained, tmp_path):
+    hf_dir = trained[0]
+    _, model, _ = load_hf_pretrained(hf_dir)
+    lora = LoraConfig(enabled=True, r=2, alpha=4.0, rslora=True, target_modules=r".*\.self_attn\.(q|v)_proj",
+                      modules_to_save=["lm_head"])
+    apply_lora(model, lora, seed=1)
+    rng = np.random.default_rng(8)
+    for param in model.trainable_params():  # stand-ins for trained values
+        param.set_data(Tensor((param.asnumpy() + rng.normal(0, 0.3, size=param.shape)).astype(np.float32)))
+    save_adapter(model, tmp_path, lora, "glm4_moe", str(hf_dir))
+    assert "base_model.model.lm_head.weight" in load_file(str(tmp_path / ADAPTER_WEIGHTS))
+    peft = PeftModel.from_pretrained(Glm4MoeForCausalLM.from_pretrained(hf_dir), str(tmp_path)).eval()
+    _, merged, _ = load_hf_pretrained(hf_dir)
+    merge_adapters(merged, tmp_path)
+
+    @ms.jit
+    def forward(input_ids, doc_ids):
+        return merged(input_ids, doc_ids)[0]
+
+    ids = token_ids(9, seed=5)
+    np.testing.assert_allclose(forward(Tensor(ids), Tensor(np.zeros_like(ids))).asnumpy(), hf_logits(peft, ids),
+                               atol=1e-4, rtol=0)

@@ -13,6 +13,7 @@ the weights as float16 to keep the sample small (mindmoe converts them to float3
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,14 +52,18 @@ def export(checkpoint: Path, out: Path) -> None:
     from model.hf import export_hf
     from train.checkpoint import read_state
 
-    tokenizer = read_state(checkpoint)["tokenizer"]
-    export_hf(checkpoint, out_dir=out, tokenizer_dir=tokenizer)
+    from data.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(read_state(checkpoint)["tokenizer"])
+    export_hf(checkpoint, out_dir=out)
+    shutil.copyfile(tokenizer.path, out / "tokenizer.model")
     for path in out.glob("*.safetensors"):
         tensors = {name: value.astype(np.float16) for name, value in load_file(str(path)).items()}
         save_file(tensors, str(path), metadata={"format": "pt"})
     config_path = out / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    config["torch_dtype"] = "float16"
+    config.update(torch_dtype="float16", bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
+                  pad_token_id=tokenizer.pad_id)
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 
