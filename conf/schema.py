@@ -49,4 +49,3 @@ def register_configs() -> None:
     store.store(group="parallel", name="base_parallel", node=ParallelConfig)
     store.store(group="plan", name="base_plan", node=PlanConfig)
     store.store(group="eval", name="base_eval", node=EvalConfig)
-    store.store(group="lora", name="base_lora", node=LoraConfig)

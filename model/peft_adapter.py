@@ -20,7 +20,7 @@ from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
 
 from model.hf.weights import NameMap, is_stacked_expert
-from model.lora import LoraConfig, apply_lora, lora_parameters, merge_and_unload
+from model.lora import LoraConfig, apply_lora, merge_and_unload
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -147,5 +147,5 @@ def merge_adapters(model, adapter_dir, model_type: str = "glm4_moe", seed: int =
     return merge_and_unload(model)
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "load_adapter", "lora_parameters",
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "load_adapter",
            "merge_adapters", "peft_config_dict", "peft_tensor_names", "read_adapter_config", "save_adapter"]

@@ -14,7 +14,6 @@ import json
 import mindspore as ms
 import numpy as np
 import pytest
-import torch
 from mindspore import Tensor
 from peft import LoraConfig as PeftLoraConfig
 from peft import PeftModel, get_peft_model
