@@ -5,6 +5,7 @@ config maps one to one. Every field is read by the model; :func:`validate_model_
 rejects values the model cannot honour before anything is built.
 """
 from dataclasses import dataclass, field
+from typing import Optional
 
 from model.rope_scaling import RopeScalingConfig, rope_scaling_config, validate_rope_scaling
 
@@ -102,6 +103,9 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     #: Standard deviation of the normal initialisation of every matrix.
     initializer_range: float = 0.02
+    #: Local HF checkpoint directory (config.json, *.safetensors, tokenizer) whose architecture and weights
+    #: to use instead of the fields above (``mindmoe-export``); null = none.
+    pretrained: Optional[str] = None
 
     def __post_init__(self):
         # A config read back from JSON (checkpoint state, HF import) carries the section as a dict.

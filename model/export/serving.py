@@ -1,18 +1,22 @@
 """Prefill and decode graphs for serving, built on the cells (and weights) of a :class:`MoETransformer`.
 
-Shape legend: B batch, S prompt length, P tokens already cached, H hidden, G key/value heads,
+Shape legend: B batch, S prompt length, C cache capacity, H hidden, G key/value heads,
 D head_dim, V vocabulary, L layers, M MoE layers, T tokens, E experts, K experts per token,
 W lock-state columns (:mod:`model.export.lock_state`).
 
 Both graphs call the training model's own submodules (norms, :meth:`Attention.project_qkv` /
 :meth:`Attention.attend`, router, experts, LM head), so there is one definition of the math;
 only the order of calls differs: keys/values are kept instead of recomputed, and MoE routing can
-be overridden by the carried lock state.
+be overridden by the carried lock state. ``construct`` arguments carry no shape suffix because
+MindIR names the graph inputs after them (``<graph>:input_ids``), which converters refer to.
 
 - ``PrefillGraph(input_ids [B, S] int32)`` -> ``(logits [B, V] fp32 of the last position,
   kv_cache [L, 2, B, G, S, D], lock_state [M, B, W] int32 if expert locking)``.
-- ``DecodeGraph(input_ids [B, 1] int32, kv_cache [L, 2, B, G, P, D], position [B] int32 (= P),
-  lock_state)`` -> ``(logits [B, V], kv_cache [L, 2, B, G, P + 1, D], lock_state)``.
+- ``DecodeGraph(input_ids [B, 1] int32, kv_cache [L, 2, B, G, C, D], position [B] int32, lock_state)``
+  -> ``(logits [B, V], kv_cache [L, 2, B, G, C, D], lock_state)``: the token at ``position`` (the
+  number of tokens already cached for that sequence) attends to cache slots ``0..position`` and its
+  keys/values are written into slot ``position``; C is any capacity above the last position
+  (the prefill cache padded with zeros).
 
 Every prompt is one document and the prompts of a batch have one length (no padding). MoE layers
 run dropless: which tokens an expert drops under a capacity would depend on the other requests
@@ -21,7 +25,7 @@ in the batch, and a served token's logits must not.
 from mindspore import nn, ops
 import mindspore as ms
 
-from model.attention import document_causal_mask
+from model.attention import MASK_VALUE, document_causal_mask
 from model.export.lock_state import decode_lock_step, prefill_lock_state
 from model.moe.dispatch import dense_combine_weights
 from model.moe.router import gather_weights, router_scores, select_experts
@@ -82,12 +86,12 @@ class _ServingGraph(nn.Cell):
 class PrefillGraph(_ServingGraph):
     """``construct(input_ids [B, S])`` -> last-position logits, KV cache (and lock state)."""
 
-    def construct(self, input_ids_BS):
-        batch, seq_len = input_ids_BS.shape
+    def construct(self, input_ids):
+        batch, seq_len = input_ids.shape
         model = self.model
         cos, sin = model.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
-        mask_B1SS = document_causal_mask(ops.zeros_like(input_ids_BS))
-        x_BSH = model.embed_tokens(input_ids_BS)
+        mask_B1SS = document_causal_mask(ops.zeros_like(input_ids))
+        x_BSH = model.embed_tokens(input_ids)
         kv_cache = []
         lock_states = []
         for layer_idx, layer in enumerate(model.layers):
@@ -114,25 +118,36 @@ class PrefillGraph(_ServingGraph):
 
 
 class DecodeGraph(_ServingGraph):
-    """``construct(input_ids [B, 1], kv_cache, position [B])`` -> logits, the cache with one more position."""
+    """``construct(input_ids [B, 1], kv_cache [L, 2, B, G, C, D], position [B])`` -> logits, the cache with the
+    new token's keys/values written at ``position``.
+
+    The cache has a fixed capacity C (any size > every position, chosen by the caller): slots past a
+    sequence's position are masked out, so each step has the same shapes and a converter for Ascend
+    only has to compile batch sizes, not every cache length.
+    """
 
     def step(self, input_ids_B1, kv_cache, position_B, lock_state_MBW):
         model = self.model
         batch = input_ids_B1.shape[0]
+        capacity = kv_cache.shape[4]
         cos_BR, sin_BR = model.rotary_emb(position_B)
         # [B, 1, 1, R] broadcasts over heads and the single query of each sequence.
         cos = cos_BR.expand_dims(1).expand_dims(1)
         sin = sin_BR.expand_dims(1).expand_dims(1)
-        no_mask = ops.zeros((1, 1, 1, 1), ms.float32)  # a new token sees its whole cache and itself
+        slots_BC = ops.arange(capacity, dtype=ms.int32).expand_dims(0)
+        position_B1 = position_B.expand_dims(1)
+        write_B1C1 = ops.equal(slots_BC, position_B1).astype(kv_cache.dtype).reshape(batch, 1, capacity, 1)
+        visible_B11C = ops.select(slots_BC <= position_B1, ops.zeros((batch, capacity), ms.float32),
+                                  ops.fill(ms.float32, (batch, capacity), MASK_VALUE)).reshape(batch, 1, 1, capacity)
         x_B1H = model.embed_tokens(input_ids_B1)
         new_cache = []
         new_states = []
         for layer_idx, layer in enumerate(model.layers):
             q_BN1D, k_BG1D, v_BG1D = layer.self_attn.project_qkv(layer.input_layernorm(x_B1H), cos, sin)
-            k_BGKD = ops.concat((kv_cache[layer_idx, 0], k_BG1D), 2)
-            v_BGKD = ops.concat((kv_cache[layer_idx, 1], v_BG1D), 2)
-            x_B1H = x_B1H + layer.self_attn.attend(q_BN1D, k_BGKD, v_BGKD, no_mask)
-            new_cache.append(ops.stack((k_BGKD, v_BGKD)))
+            k_BGCD = kv_cache[layer_idx, 0] * (1 - write_B1C1) + k_BG1D * write_B1C1
+            v_BGCD = kv_cache[layer_idx, 1] * (1 - write_B1C1) + v_BG1D * write_B1C1
+            x_B1H = x_B1H + layer.self_attn.attend(q_BN1D, k_BGCD, v_BGCD, visible_B11C)
+            new_cache.append(ops.stack((k_BGCD, v_BGCD)))
             h_BH = layer.post_attention_layernorm(x_B1H).reshape(batch, -1)
             if layer_idx < self.num_dense:
                 x_B1H = x_B1H + layer.mlp(h_BH).expand_dims(1)
@@ -150,15 +165,15 @@ class DecodeGraph(_ServingGraph):
             return logits_BV, stack_layers(new_cache), stack_layers(new_states)
         return logits_BV, stack_layers(new_cache)
 
-    def construct(self, input_ids_B1, kv_cache, position_B):
-        return self.step(input_ids_B1, kv_cache, position_B, None)
+    def construct(self, input_ids, kv_cache, position):
+        return self.step(input_ids, kv_cache, position, None)
 
 
 class LockedDecodeGraph(DecodeGraph):
     """:class:`DecodeGraph` that also carries the expert-lock state ``[M, B, W]`` in and out."""
 
-    def construct(self, input_ids_B1, kv_cache, position_B, lock_state_MBW):
-        return self.step(input_ids_B1, kv_cache, position_B, lock_state_MBW)
+    def construct(self, input_ids, kv_cache, position, lock_state):
+        return self.step(input_ids, kv_cache, position, lock_state)
 
 
 def decode_graph(model):
