@@ -19,9 +19,11 @@ class ExportConfig:
     dtype: str = "fp32"
     #: Batch sizes written into the Ascend converter configs beside the graphs (ge.dynamicDims gears).
     ascend_batch_sizes: List[int] = field(default_factory=lambda: [1, 4, 8])
-    #: Prompt lengths of the prefill gears; every (batch size, length) pair is one gear (100 at most).
+    #: Prompt lengths of the prefill gears, capped at model.max_position_embeddings; every (batch size, length)
+    #: pair is one gear (100 at most).
     ascend_prompt_lengths: List[int] = field(default_factory=lambda: [128, 512, 2048])
-    #: Fixed KV-cache capacity of the decode graph on Ascend (prompt + generated tokens); 0 = model.max_position_embeddings.
+    #: Fixed KV-cache capacity of the decode graph on Ascend (prompt + generated tokens);
+    #: 0 = model.max_position_embeddings.
     ascend_cache_len: int = 0
 
 
@@ -36,12 +38,13 @@ def validate_export_config(cfg: ExportConfig, max_position_embeddings: int) -> N
         fail("dtype", f"must be one of {EXPORT_DTYPES}")
     if cfg.format == "hf" and cfg.dtype != "fp32":
         fail("dtype", "export.format=hf writes fp32 safetensors; dtype applies to export.format=mindir")
+    if cfg.format != "mindir":
+        return
     batch_sizes, lengths = list(cfg.ascend_batch_sizes), list(cfg.ascend_prompt_lengths)
     if not batch_sizes or any(size < 1 for size in batch_sizes):
         fail("ascend_batch_sizes", "must list batch sizes >= 1")
-    if not lengths or any(not 1 <= length <= max_position_embeddings for length in lengths):
-        fail("ascend_prompt_lengths", f"must list lengths in [1, model.max_position_embeddings="
-                                      f"{max_position_embeddings}]")
+    if not lengths or any(length < 1 for length in lengths):
+        fail("ascend_prompt_lengths", "must list prompt lengths >= 1")
     if len(batch_sizes) * len(lengths) > 100:
         fail("ascend_prompt_lengths", "times export.ascend_batch_sizes gives more than the converter's 100 gears")
     if not 0 <= cfg.ascend_cache_len <= max_position_embeddings:

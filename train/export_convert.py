@@ -49,7 +49,7 @@ def decode_config(graph: dict, batch_sizes, cache_len: int) -> str:
             f"dynamic_dims={';'.join([profiles] * len(graph['inputs']))}\n")
 
 
-def conversion_guide(manifest: dict, export_cfg: ExportConfig, cache_len: int) -> str:
+def conversion_guide(manifest: dict, batch_sizes: list, lengths: list, cache_len: int) -> str:
     graphs = manifest["graphs"]
     prefill, decode = graphs["prefill"]["file"], graphs["decode"]["file"]
     weights = [name for graph in graphs.values() for name in graph["weight_files"]]
@@ -76,9 +76,8 @@ def conversion_guide(manifest: dict, export_cfg: ExportConfig, cache_len: int) -
         "```",
         "",
         f"`{PREFILL_CONFIG}` compiles `input_ids [batch, prompt_len]` as ND dynamic dimensions with one gear per "
-        f"(batch, prompt_len) pair of batch sizes {list(export_cfg.ascend_batch_sizes)} and prompt lengths "
-        f"{list(export_cfg.ascend_prompt_lengths)}. `{DECODE_CONFIG}` compiles a dynamic batch "
-        f"({list(export_cfg.ascend_batch_sizes)}) with the KV cache fixed at cache_len={cache_len} slots. Edit "
+        f"(batch, prompt_len) pair of batch sizes {batch_sizes} and prompt lengths {lengths}. `{DECODE_CONFIG}` "
+        f"compiles a dynamic batch ({batch_sizes}) with the KV cache fixed at cache_len={cache_len} slots. Edit "
         "the gears (at most 100) or re-export with `export.ascend_batch_sizes`, `export.ascend_prompt_lengths`, "
         "`export.ascend_cache_len`. Inputs are addressed by the names stored in the graphs (`mindir_name` in "
         f"`manifest.json`). `precision_mode={PRECISION}` keeps the exported dtype (the converter defaults to "
@@ -106,7 +105,7 @@ def conversion_guide(manifest: dict, export_cfg: ExportConfig, cache_len: int) -
         "```bash",
         "atc --model=prefill.air --framework=1 --output=prefill --soc_version=<your SoC, e.g. Ascend910B1> "
         "--input_format=ND --input_shape=\"input_ids:-1,-1\" "
-        f"--dynamic_dims=\"{';'.join(f'{b},{s}' for b in export_cfg.ascend_batch_sizes for s in export_cfg.ascend_prompt_lengths)}\"",
+        f"--dynamic_dims=\"{';'.join(f'{batch},{length}' for batch in batch_sizes for length in lengths)}\"",
         "```",
         "",
         "Limits stated by that documentation: MindSpore-framework inputs are listed as FP32/FP16/UINT8 (input_ids "
@@ -120,10 +119,11 @@ def conversion_guide(manifest: dict, export_cfg: ExportConfig, cache_len: int) -
 
 
 def write_conversion_files(out: Path, manifest: dict, export_cfg: ExportConfig) -> None:
-    cache_len = export_cfg.ascend_cache_len or manifest["model_config"]["max_position_embeddings"]
+    max_positions = manifest["model_config"]["max_position_embeddings"]
+    cache_len = export_cfg.ascend_cache_len or max_positions
+    batch_sizes = sorted(set(export_cfg.ascend_batch_sizes))
+    lengths = sorted({min(length, max_positions) for length in export_cfg.ascend_prompt_lengths})
     graphs = manifest["graphs"]
-    (out / PREFILL_CONFIG).write_text(prefill_config(graphs["prefill"], export_cfg.ascend_batch_sizes,
-                                                     export_cfg.ascend_prompt_lengths), encoding="utf-8")
-    (out / DECODE_CONFIG).write_text(decode_config(graphs["decode"], export_cfg.ascend_batch_sizes, cache_len),
-                                     encoding="utf-8")
-    (out / CONVERT_FILE).write_text(conversion_guide(manifest, export_cfg, cache_len), encoding="utf-8")
+    (out / PREFILL_CONFIG).write_text(prefill_config(graphs["prefill"], batch_sizes, lengths), encoding="utf-8")
+    (out / DECODE_CONFIG).write_text(decode_config(graphs["decode"], batch_sizes, cache_len), encoding="utf-8")
+    (out / CONVERT_FILE).write_text(conversion_guide(manifest, batch_sizes, lengths, cache_len), encoding="utf-8")
