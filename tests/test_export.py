@@ -242,4 +242,4 @@ def test_fp16_graphs_with_weights_beside_them_run_on_cpu(monkeypatch, tmp_path, 
     ids = np.random.default_rng(5).integers(0, VOCAB, (2, 2)).astype(np.int32)  # too short to lock
     logits, kv_cache = prefill(Tensor(ids))
     assert kv_cache.dtype == ms.float16
-    np.testing.assert_allclose(logits.asnumpy(), training_model(ids)[:, -1], rtol=0, atol=2e-2)
+    np.testing.assert_allclose(logits.asnumpy(), training_model(ids)[:, -1], rtol=0, atol=2e-3)  # logits have std ~0.1; fp16 rounding gives ~2e-4

@@ -101,7 +101,8 @@ def merge_adapters(model, adapter_dir: Optional[str] = None):
 
     ``adapter_dir`` None: the model is exported as it is. Merging (PEFT's ``W + B A * scaling`` per
     target, experts included) belongs here once adapters exist; until then an adapter directory is refused
-    rather than silently ignored.
+    rather than silently ignored. ``export.format=hf`` of a checkpoint streams tensors without building a
+    model; with adapters it would have to build one and come through here.
     """
     if adapter_dir is not None:
         raise NotImplementedError(f"{adapter_dir}: merging LoRA adapters is not available in this version")
