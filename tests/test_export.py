@@ -177,16 +177,21 @@ def test_sampling_filters_follow_top_k_then_top_p():
     assert int(sample_next(logits, 0.0, 0, 1.0, rng)[0]) == 0
 
 
-def test_export_format_hf_from_checkpoint_loads_in_transformers(checkpoint, tmp_path):
+@pytest.fixture(scope="module")
+def hf_dir(checkpoint, tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_export") / "hf"
+    result = run_cli("train.export_cli", f"checkpoint={checkpoint}", "export.format=hf", f"export.out={out}",
+                     f"hydra.run.dir={out.parent / 'hydra'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def test_export_format_hf_from_checkpoint_loads_in_transformers(hf_dir, checkpoint):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "hf"
-    result = run_cli("train.export_cli", f"checkpoint={checkpoint}", "export.format=hf", f"export.out={out}",
-                     f"hydra.run.dir={tmp_path / 'hydra'}")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert (out / "tokenizer.model").is_file()
-    hf = AutoModelForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    assert (hf_dir / "tokenizer.model").is_file()
+    hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     ids = np.random.default_rng(4).integers(0, VOCAB, (2, 9)).astype(np.int32)
     with torch.no_grad():
         hf_logits = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
@@ -195,6 +200,24 @@ def test_export_format_hf_from_checkpoint_loads_in_transformers(checkpoint, tmp_
     load_model_weights(list(model.get_parameters()), checkpoint)
     expected = model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
     np.testing.assert_allclose(hf_logits, expected, rtol=0, atol=1e-4)
+
+
+def test_pretrained_hf_directory_exports_with_routing_overrides(hf_dir, tmp_path, training_model):
+    """``model.pretrained`` instead of ``checkpoint``; expert locking switched on from the command line."""
+    out = tmp_path / "serving"
+    result = run_cli("train.export_cli", f"model.pretrained={hf_dir}", "model.expert_lock=true",
+                     "model.lock_run_length=2", "model.lock_span=3", f"export.out={out}",
+                     "export.ascend_prompt_lengths=[16]", f"hydra.run.dir={tmp_path / 'hydra'}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    exported = ExportedModel(out)
+    assert exported.manifest["source"]["kind"] == "pretrained" and exported.carries_lock_state
+    assert (out / "tokenizer.model").read_bytes() == (hf_dir / "tokenizer.model").read_bytes()
+    prompt = np.random.default_rng(6).integers(0, VOCAB, (1, 5)).astype(np.int32)
+    generated = exported.generate(prompt, max_new_tokens=16)
+    sequence = prompt
+    for _ in range(16):
+        sequence = np.concatenate([sequence, training_model(sequence)[:, -1:].argmax(-1).astype(np.int32)], 1)
+    np.testing.assert_array_equal(generated, sequence[:, prompt.shape[1]:])
 
 
 @pytest.mark.parametrize("args, expected", [
