@@ -220,6 +220,16 @@ def test_pretrained_hf_directory_exports_with_routing_overrides(hf_dir, tmp_path
     np.testing.assert_array_equal(generated, sequence[:, prompt.shape[1]:])
 
 
+def compose_config(args):
+    from hydra import compose, initialize_config_module
+
+    from conf.schema import register_configs
+
+    register_configs()
+    with initialize_config_module(config_module="conf", version_base="1.3"):
+        return compose("config", overrides=args)
+
+
 @pytest.mark.parametrize("args, expected", [
     ([], "nothing to export: pass checkpoint="),
     (["checkpoint=/nonexistent/step_000001"], "checkpoint=/nonexistent/step_000001"),
@@ -227,16 +237,24 @@ def test_pretrained_hf_directory_exports_with_routing_overrides(hf_dir, tmp_path
      "checkpoint=/nonexistent/step_000001 and model.pretrained=/nonexistent/hf are both set"),
 ])
 def test_export_errors_name_the_key(args, expected, tmp_path):
-    from hydra import compose, initialize_config_module
-
-    from conf.schema import register_configs
     from train.export import run_export
 
-    register_configs()
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        cfg = compose("config", overrides=args)
     with pytest.raises((ValueError, FileNotFoundError)) as error:
-        run_export(cfg, tmp_path, args)
+        run_export(compose_config(args), tmp_path, args)
+    assert expected in str(error.value)
+
+
+@pytest.mark.parametrize("arg, expected", [
+    ("model.dispatch=capacity", "model.dispatch='capacity': exported graphs always use dropless"),
+    ("model.hidden_size=64", "model.hidden_size=64 conflicts with"),
+    ("export.dtype=fp8", "export.dtype='fp8': must be one of"),
+])
+def test_export_refuses_settings_it_cannot_honour(arg, expected, checkpoint, tmp_path):
+    from train.export import run_export
+
+    args = [f"checkpoint={checkpoint}", arg]
+    with pytest.raises(ValueError) as error:
+        run_export(compose_config(args), tmp_path, args)
     assert expected in str(error.value)
 
 

@@ -192,6 +192,9 @@ def run_export(cfg, run_dir: Path, override_args=None) -> Path:
         for note in notes:
             log.info("note: %s", note)
         return out
+    if model_overrides.get("dispatch", "dropless") != "dropless":
+        raise ValueError(f"model.dispatch={model_overrides['dispatch']!r}: exported graphs always use dropless "
+                         "dispatch (under a capacity a token's logits would depend on the rest of the batch)")
     ms.set_context(mode=ms.GRAPH_MODE)
     model = merge_adapters(build_serving_model(source, model_overrides))
     model_config = model.config

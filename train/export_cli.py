@@ -6,7 +6,6 @@
 
 Keys: ``export.*`` (conf/export/default.yaml), ``checkpoint``, ``model.pretrained``, ``data.tokenizer``.
 """
-import logging
 import sys
 from pathlib import Path
 
@@ -25,7 +24,6 @@ def _main(cfg) -> None:
     try:
         out = run_export(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task))
     except (ValueError, FileNotFoundError, NotImplementedError) as error:
-        logging.getLogger("mindmoe").error("%s", error)
         print(f"mindmoe-export: error: {error}", file=sys.stderr)
         sys.exit(2)
     print(f"exported ({cfg.export.format}): {out}")

@@ -20,7 +20,9 @@ MindIR names the graph inputs after them (``<graph>:input_ids``), which converte
 
 Every prompt is one document and the prompts of a batch have one length (no padding). MoE layers
 run dropless: which tokens an expert drops under a capacity would depend on the other requests
-in the batch, and a served token's logits must not.
+in the batch, and a served token's logits must not. The dropless form is the dense one of
+:mod:`model.moe.dispatch` (every expert on every token, E/K times the routed FLOPs): exact, static
+shapes, one graph for any token count; a grouped-matmul kernel is the Ascend-side improvement.
 """
 from mindspore import nn, ops
 import mindspore as ms
