@@ -16,6 +16,7 @@ from launch.plan import PlanConfig
 from model.config import ModelConfig
 from train.config import TrainConfig
 from train.eval_config import EvalConfig
+from train.export_config import ExportConfig
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "data" / "samples"
 
@@ -30,6 +31,8 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     #: Keys of ``mindmoe-eval`` (context lengths, RoPE scaling types, attention mode, output).
     eval: EvalConfig = field(default_factory=EvalConfig)
+    #: Keys of ``mindmoe-export`` (format, output directory, dtype, Ascend converter gears).
+    export: ExportConfig = field(default_factory=ExportConfig)
     #: Input checkpoint directory for commands that read one (export, eval).
     checkpoint: Optional[str] = None
 
@@ -46,3 +49,4 @@ def register_configs() -> None:
     store.store(group="parallel", name="base_parallel", node=ParallelConfig)
     store.store(group="plan", name="base_plan", node=PlanConfig)
     store.store(group="eval", name="base_eval", node=EvalConfig)
+    store.store(group="export", name="base_export", node=ExportConfig)
