@@ -109,9 +109,6 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     #: Standard deviation of the normal initialisation of every matrix.
     initializer_range: float = 0.02
-    #: Local HF checkpoint directory (config.json, *.safetensors, tokenizer) whose architecture and weights
-    #: to use instead of the fields above (``mindmoe-export``); null = none.
-    pretrained: Optional[str] = None
 
     def __post_init__(self):
         # A config read back from JSON (checkpoint state, HF import) carries the section as a dict.
