@@ -17,6 +17,7 @@ from model.config import ModelConfig
 from model.lora import LoraConfig
 from train.config import TrainConfig
 from train.eval_config import EvalConfig
+from train.export_config import ExportConfig
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "data" / "samples"
 
@@ -31,6 +32,8 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     #: Keys of ``mindmoe-eval`` (context lengths, RoPE scaling types, attention mode, output).
     eval: EvalConfig = field(default_factory=EvalConfig)
+    #: Keys of ``mindmoe-export`` (format, output directory, dtype, Ascend converter gears).
+    export: ExportConfig = field(default_factory=ExportConfig)
     #: LoRA fine-tuning: adapters on a frozen base (r, alpha, dropout, rslora, target_modules, ...).
     lora: LoraConfig = field(default_factory=LoraConfig)
     #: Input checkpoint directory for commands that read one (export, eval).
@@ -49,3 +52,4 @@ def register_configs() -> None:
     store.store(group="parallel", name="base_parallel", node=ParallelConfig)
     store.store(group="plan", name="base_plan", node=PlanConfig)
     store.store(group="eval", name="base_eval", node=EvalConfig)
+    store.store(group="export", name="base_export", node=ExportConfig)

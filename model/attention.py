@@ -1,6 +1,7 @@
 """Grouped-query causal self-attention with document-aware masking.
 
-Shape legend: B batch, S sequence, H hidden, N query heads, G key/value heads, D head_dim.
+Shape legend: B batch, S sequence (queries), K keys attended (S in training, cached + new when decoding),
+H hidden, N query heads, G key/value heads, D head_dim.
 Packed sequences carry ``doc_ids [B, S]``; a token attends only to earlier tokens of the
 same document, so packing never leaks context across documents.
 """
@@ -53,6 +54,11 @@ class Attention(nn.Cell):
         self.bmm_pv = ops.BatchMatMul()
 
     def construct(self, x_BSH, cos, sin, mask_B1SS):
+        q_BNSD, k_BGSD, v_BGSD = self.project_qkv(x_BSH, cos, sin)
+        return self.attend(q_BNSD, k_BGSD, v_BGSD, mask_B1SS)
+
+    def project_qkv(self, x_BSH, cos, sin):
+        """Queries ``[B, N, S, D]`` and keys/values ``[B, G, S, D]`` after QK-norm and RoPE (what a KV cache holds)."""
         batch, seq_len, _ = x_BSH.shape
         q_BNSD = self.q_proj(x_BSH).reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
         k_BGSD = self.k_proj(x_BSH).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
@@ -62,13 +68,19 @@ class Attention(nn.Cell):
             k_BGSD = self.k_norm(k_BGSD)
         q_BNSD = apply_rope(q_BNSD, cos, sin, self.interleaved)
         k_BGSD = apply_rope(k_BGSD, cos, sin, self.interleaved)
+        return q_BNSD, k_BGSD, v_BGSD
+
+    def attend(self, q_BNSD, k_BGKD, v_BGKD, mask_B1SK):
+        """``softmax(q k^T / sqrt(D) + mask) v`` projected back to ``[B, S, H]``; K keys (K = S in training,
+        cached + new ones when decoding)."""
+        batch, _, seq_len, _ = q_BNSD.shape
         group = self.num_heads // self.num_kv_heads
         if group > 1:
             # Query head n uses key/value head n // group (HF repeat_kv order).
-            k_BGSD = ops.repeat_interleave(k_BGSD, group, 1)
-            v_BGSD = ops.repeat_interleave(v_BGSD, group, 1)
-        scores_BNSS = self.bmm_qk(q_BNSD, k_BGSD).astype(ms.float32) * self.scale + mask_B1SS
-        probs_BNSS = ops.softmax(scores_BNSS, -1).astype(v_BGSD.dtype)
-        out_BNSD = self.bmm_pv(probs_BNSS, v_BGSD)
+            k_BGKD = ops.repeat_interleave(k_BGKD, group, 1)
+            v_BGKD = ops.repeat_interleave(v_BGKD, group, 1)
+        scores_BNSK = self.bmm_qk(q_BNSD, k_BGKD).astype(ms.float32) * self.scale + mask_B1SK
+        probs_BNSK = ops.softmax(scores_BNSK, -1).astype(v_BGKD.dtype)
+        out_BNSD = self.bmm_pv(probs_BNSK, v_BGKD)
         out_BSH = out_BNSD.transpose(0, 2, 1, 3).reshape(batch, seq_len, self.num_heads * self.head_dim)
         return self.o_proj(out_BSH)

@@ -27,6 +27,17 @@ def explicit_model_keys(task_overrides) -> set:
     return keys
 
 
+def check_pretrained(cfg, explicit_keys=()) -> None:
+    """Read ``model.pretrained``'s config.json with the overrides applied, so that a wrong directory
+    or a conflicting key fails before data preparation (the weights are checked when loaded)."""
+    if cfg.model.pretrained:
+        from model.hf import read_pretrained_config
+
+        model_cfg = OmegaConf.to_object(cfg.model)
+        read_pretrained_config(model_cfg.pretrained, {key: getattr(model_cfg, key) for key in sorted(explicit_keys)},
+                               max_seq_len=cfg.data.seq_len)
+
+
 def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = True):
     """``(ModelConfig, MoETransformer)`` for the run ``cfg``; ``vocab_size`` is the tokenizer's.
 

@@ -20,7 +20,7 @@ from train.metrics import MetricsWriter, measure_peak_gflops, train_flops_per_to
 from train.resume import StopRequest, TrainingStopped, pick_resume_checkpoint
 from train.optim import build_optimizer
 from train.heatmap import render_expert_load, save_png
-from train.init_model import build_model
+from train.init_model import build_model, check_pretrained
 from train.lora_setup import setup_lora
 from train.routing import RouterStepUpdates
 from train.step import Trainer
@@ -62,6 +62,7 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_seed(cfg.train.seed)
 
+    check_pretrained(cfg, explicit_model_keys)
     prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
     checkpoint_root = run_dir / "checkpoints"
     resume_from = pick_resume_checkpoint(cfg.train.resume, checkpoint_root, cfg.train.on_corrupt_checkpoint)

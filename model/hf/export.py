@@ -218,8 +218,11 @@ def _token_ids(tokenizer_dir) -> dict:
     if tokenizer_dir is None:
         return {}
     from data.hf_tokenizer import load_hf_tokenizer
+    from data.tokenizer import load_tokenizer
 
-    tokenizer = load_hf_tokenizer(tokenizer_dir)
+    # A mindmoe checkpoint records its sentencepiece .model file, a HF directory its tokenizer files.
+    is_model_file = Path(tokenizer_dir).expanduser().is_file()
+    tokenizer = load_tokenizer(tokenizer_dir) if is_model_file else load_hf_tokenizer(tokenizer_dir)
     ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
     return {key: value for key, value in ids.items() if value is not None and value >= 0}
 

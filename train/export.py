@@ -1,0 +1,202 @@
+"""``mindmoe-export``: serving graphs or a HF directory from a checkpoint or a HF checkpoint directory.
+
+    mindmoe-export checkpoint=<run dir>/checkpoints/step_000200 export.out=exported
+    mindmoe-export model.pretrained=/models/glm-4.5-air export.out=exported export.dtype=bf16
+    mindmoe-export checkpoint=... export.format=hf export.out=hf_dir
+
+``export.format=mindir`` writes ``prefill.mindir`` and ``decode.mindir`` (:mod:`model.export.serving`),
+the tokenizer files, ``manifest.json`` (every input/output, the model config, versions, source hashes),
+``CONVERT.md`` and the Ascend converter configs (:mod:`train.export_convert`). ``export.format=hf`` writes a
+transformers-loadable directory with :func:`model.hf.export_hf`.
+"""
+import dataclasses
+import importlib.metadata
+import json
+import logging
+import shutil
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+import mindspore as ms
+from omegaconf import OmegaConf
+
+from data.prepare import file_sha256
+from model.config import ModelConfig, validate_model_config
+from model.hf import ImportedConfig, apply_overrides, export_hf, read_pretrained_config
+from model.hf.export import TOKENIZER_FILES
+from model.hf.load import weight_files
+from train.checkpoint import MODEL_FILE, read_state, resolve_checkpoint, verify_checkpoint
+from train.export_config import ExportConfig, validate_export_config
+from train.init_model import explicit_model_keys
+
+log = logging.getLogger("mindmoe.export")
+
+MANIFEST_FILE = "manifest.json"
+MANIFEST_FORMAT = "mindmoe-mindir/1"
+
+
+@dataclasses.dataclass
+class ExportSource:
+    """The model to export: where it is, its config, its tokenizer and the hashes of its weight files."""
+
+    kind: str  # "checkpoint" or "pretrained"
+    path: Path
+    model_config: ModelConfig
+    tokenizer: Optional[Path]
+    sha256: dict
+    step: Optional[int] = None
+    notes: list = dataclasses.field(default_factory=list)
+
+
+def command_line_model_overrides(cfg, override_args) -> dict:
+    """``model.*`` keys given on the command line (``model.rope_scaling.type=...`` counts as ``rope_scaling``),
+    with their typed values from ``cfg``; ``model.pretrained`` itself is not an override."""
+    model_cfg = OmegaConf.to_object(cfg.model)
+    return {key: getattr(model_cfg, key) for key in sorted(explicit_model_keys(override_args))}
+
+
+def resolve_source(cfg, model_overrides: dict) -> ExportSource:
+    """The export source named by ``checkpoint`` or ``model.pretrained`` (exactly one of them)."""
+    checkpoint, pretrained = cfg.checkpoint, cfg.model.pretrained
+    if checkpoint and pretrained:
+        raise ValueError(f"checkpoint={checkpoint} and model.pretrained={pretrained} are both set; export reads "
+                         "one model: pass only one of them")
+    if not checkpoint and not pretrained:
+        raise ValueError("nothing to export: pass checkpoint=<run dir>/checkpoints/step_NNNNNN (or its "
+                         "model.safetensors) or model.pretrained=<HF checkpoint directory>")
+    if pretrained:
+        imported = read_pretrained_config(pretrained, model_overrides)
+        files = weight_files(pretrained)
+        return ExportSource("pretrained", Path(pretrained).expanduser(), imported.model_config,
+                            Path(pretrained).expanduser(), {path.name: file_sha256(path) for path in files},
+                            notes=list(imported.notes))
+    try:
+        checkpoint_dir = resolve_checkpoint(checkpoint)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"checkpoint={checkpoint}: {error}") from None
+    verify_checkpoint(checkpoint_dir)
+    state = read_state(checkpoint_dir)
+    if "model_config" not in state:
+        raise ValueError(f"checkpoint={checkpoint}: {checkpoint_dir}/state.json has no 'model_config'")
+    model_cfg = ModelConfig(**state["model_config"])
+    if model_overrides:
+        # The same rule as for HF imports: routing/runtime keys may change, the architecture may not.
+        model_cfg = apply_overrides(ImportedConfig("mindmoe checkpoint", model_cfg), model_overrides,
+                                    str(checkpoint_dir / "state.json"))
+    # data.tokenizer replaces the recorded path, e.g. for a checkpoint copied from another machine.
+    tokenizer = cfg.data.tokenizer or state.get("tokenizer")
+    return ExportSource("checkpoint", checkpoint_dir, model_cfg, Path(tokenizer).expanduser() if tokenizer else None,
+                        {MODEL_FILE: state["files"][MODEL_FILE]}, step=state.get("step"))
+
+
+def merge_adapters(model, adapter_dir: Optional[str] = None):
+    """The one place where LoRA adapters are merged into the base weights before export.
+
+    ``adapter_dir`` None: the model is exported as it is. Merging (PEFT's ``W + B A * scaling`` per
+    target, experts included) belongs here once adapters exist; until then an adapter directory is refused
+    rather than silently ignored. ``export.format=hf`` of a checkpoint streams tensors without building a
+    model; with adapters it would have to build one and come through here.
+    """
+    if adapter_dir is not None:
+        raise NotImplementedError(f"{adapter_dir}: merging LoRA adapters is not available in this version")
+    return model
+
+
+def build_serving_model(source: ExportSource, model_overrides: dict):
+    """The training model with the source's weights and dropless MoE dispatch (see model/export/serving.py)."""
+    if source.kind == "pretrained":
+        from model.hf import load_hf_pretrained
+
+        _, model, notes = load_hf_pretrained(source.path, dict(model_overrides, dispatch="dropless"))
+        source.notes += [note for note in notes if note not in source.notes]
+        return model
+    from train.checkpoint import load_model_weights
+    from model.transformer import MoETransformer
+
+    model_cfg = dataclasses.replace(source.model_config, dispatch="dropless")
+    validate_model_config(model_cfg)
+    model = MoETransformer(model_cfg)
+    load_model_weights(list(model.get_parameters()), source.path)
+    return model
+
+
+def copy_tokenizer(tokenizer: Optional[Path], out: Path) -> list:
+    """Copy a sentencepiece ``.model`` (as ``tokenizer.model``) or a HF directory's tokenizer files into ``out``."""
+    if tokenizer is None:
+        return []
+    if tokenizer.is_file():
+        shutil.copyfile(tokenizer, out / "tokenizer.model")
+        return ["tokenizer.model"]
+    copied = [name for name in TOKENIZER_FILES if (tokenizer / name).is_file()]
+    if not copied:
+        raise FileNotFoundError(f"tokenizer {tokenizer}: no tokenizer files ({', '.join(TOKENIZER_FILES[:5])})")
+    for name in copied:
+        shutil.copyfile(tokenizer / name, out / name)
+    return copied
+
+
+def _version(package: str) -> str:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def build_manifest(source: ExportSource, model_config: ModelConfig, export_cfg: ExportConfig, graphs: dict,
+                   tokenizer_files: list) -> dict:
+    return {
+        "format": MANIFEST_FORMAT,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "mindmoe_version": _version("mindmoe"),
+        "mindspore_version": ms.__version__,
+        "source": {"kind": source.kind, "path": str(source.path), "step": source.step, "sha256": source.sha256},
+        "dtype": export_cfg.dtype,
+        "dispatch": "dropless",
+        "graphs": graphs,
+        "tokenizer_files": tokenizer_files,
+        "model_config": dataclasses.asdict(model_config),
+        "limits": [
+            "every prompt of a prefill batch has the same length (no padding, no attention_mask)",
+            "decode: position < cache_len <= model_config.max_position_embeddings; cache_len fixed per sequence",
+            "each sequence is one document (no packing at serving time)",
+        ] + (["rope_scaling dynamic_ntk: the cached keys keep the scaling of the step that wrote them, so "
+              "decoded logits differ from a full recompute once the length passes original_max_position"]
+             if model_config.rope_scaling.type == "dynamic_ntk" else []),
+        "notes": source.notes,
+    }
+
+
+def run_export(cfg, run_dir: Path, override_args=None) -> Path:
+    """Export as configured; returns the output directory."""
+    from model.export.mindir import export_mindir
+    from train.export_convert import write_conversion_files
+
+    export_cfg: ExportConfig = OmegaConf.to_object(cfg.export)
+    model_overrides = command_line_model_overrides(cfg, override_args)
+    source = resolve_source(cfg, model_overrides)
+    validate_export_config(export_cfg, source.model_config.max_position_embeddings)
+    out = Path(export_cfg.out).expanduser() if export_cfg.out else Path(run_dir)
+    if export_cfg.format == "hf":
+        if source.kind == "checkpoint":
+            notes = export_hf(source.path, source.model_config, out, tokenizer_dir=source.tokenizer)
+        else:
+            model = merge_adapters(build_serving_model(source, model_overrides))
+            notes = export_hf(model, out_dir=out, tokenizer_dir=source.tokenizer)
+        for note in notes:
+            log.info("note: %s", note)
+        return out
+    if model_overrides.get("dispatch", "dropless") != "dropless":
+        raise ValueError(f"model.dispatch={model_overrides['dispatch']!r}: exported graphs always use dropless "
+                         "dispatch (under a capacity a token's logits would depend on the rest of the batch)")
+    ms.set_context(mode=ms.GRAPH_MODE)
+    model = merge_adapters(build_serving_model(source, model_overrides))
+    model_config = model.config
+    graphs = export_mindir(model, out, export_cfg.dtype)
+    tokenizer_files = copy_tokenizer(source.tokenizer, out)
+    manifest = build_manifest(source, model_config, export_cfg, graphs, tokenizer_files)
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    write_conversion_files(out, manifest, export_cfg)
+    for note in source.notes:
+        log.info("note: %s", note)
+    return out

@@ -1,0 +1,37 @@
+"""``mindmoe-export``: serving graphs (MindIR) or a HF directory from a checkpoint or a HF directory.
+
+    mindmoe-export checkpoint=<run dir>/checkpoints/step_000200 export.out=exported
+    mindmoe-export model.pretrained=/models/glm-4.5-air export.out=exported export.dtype=bf16
+    mindmoe-export checkpoint=<...> export.format=hf export.out=hf_dir
+
+Keys: ``export.*`` (conf/export/default.yaml), ``checkpoint``, ``model.pretrained``, ``data.tokenizer``.
+"""
+import sys
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+from conf.schema import register_configs
+
+register_configs()
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+def _main(cfg) -> None:
+    from train.export import run_export
+    hydra_cfg = HydraConfig.get()
+    try:
+        out = run_export(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task))
+    except (ValueError, FileNotFoundError, NotImplementedError) as error:
+        print(f"mindmoe-export: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported ({cfg.export.format}): {out}")
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()
