@@ -1,6 +1,7 @@
 """``mindmoe-train recipe=lora_business`` for a few steps on the bundled base and SFT sample: the
 trainable-parameter report, adapters-only checkpoints with a PEFT copy, and resuming (which must
 reload the frozen base, since checkpoints do not hold it)."""
+import dataclasses
 import json
 
 import numpy as np
@@ -69,3 +70,27 @@ def test_resuming_reloads_the_base_and_continues_the_loss_curve(lora_run, data_c
     assert set(after) >= {STEPS + 1, STEPS + 2}
     # Without the pretrained base the loss would be that of a random model (about ln(vocab) = 8.3).
     assert abs(after[STEPS + 1] - before[STEPS]) < 1.0
+
+
+def test_base_checkpoint_gives_the_architecture_and_weights_of_a_mindmoe_checkpoint(tmp_path):
+    from model.config import ModelConfig
+    from model.transformer import MoETransformer
+    from train.checkpoint import save_checkpoint
+    from train.lora_setup import setup_lora
+
+    base_cfg = ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                           intermediate_size=24, num_experts=4, moe_intermediate_size=8, max_position_embeddings=64)
+    base = MoETransformer(base_cfg, seed=7)
+    saved = save_checkpoint(tmp_path, 5, list(base.get_parameters()), [], {"model_config": dataclasses.asdict(base_cfg)},
+                            keep_last=1)
+    cfg = compose_config([f"lora.base_checkpoint={saved}", "lora.enabled=true", "lora.r=2"])
+    unrelated = MoETransformer(dataclasses.replace(base_cfg, hidden_size=32), seed=0)  # what build_model made
+    model_cfg, model, lora_run = setup_lora(cfg, cfg.model, unrelated, vocab_size=64)
+    assert model_cfg.hidden_size == 16 and model is not unrelated
+    weights = {p.name: p.asnumpy() for p in model.get_parameters()}
+    for param in base.get_parameters():
+        np.testing.assert_array_equal(weights[param.name], param.asnumpy(), err_msg=param.name)
+    assert lora_run.report.trainable == sum(p.size for p in model.trainable_params()) > 0
+
+    with pytest.raises(ValueError, match="lora.base_checkpoint is set but lora.enabled=false"):
+        setup_lora(compose_config([f"lora.base_checkpoint={saved}"]), cfg.model, unrelated, 64)
