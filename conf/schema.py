@@ -14,6 +14,7 @@ from data.config import DataConfig
 from launch.config import ParallelConfig
 from launch.plan import PlanConfig
 from model.config import ModelConfig
+from model.lora import LoraConfig
 from train.config import TrainConfig
 from train.eval_config import EvalConfig
 from train.export_config import ExportConfig
@@ -33,6 +34,8 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     #: Keys of ``mindmoe-export`` (format, output directory, dtype, Ascend converter gears).
     export: ExportConfig = field(default_factory=ExportConfig)
+    #: LoRA fine-tuning: adapters on a frozen base (r, alpha, dropout, rslora, target_modules, ...).
+    lora: LoraConfig = field(default_factory=LoraConfig)
     #: Input checkpoint directory for commands that read one (export, eval).
     checkpoint: Optional[str] = None
 

@@ -36,3 +36,9 @@ class DataConfig:
     num_proc: int = 2
     #: Packed windows per MindRecord shard file.
     shard_windows: int = 4096
+    #: ``text`` (documents, every token scored) or ``sft`` (JSONL conversations, ``messages`` or
+    #: ``prompt``/``response``, rendered with the tokenizer's chat template; only assistant tokens scored).
+    format: str = "text"
+    #: SFT conversations longer than ``seq_len + 1`` tokens: ``error``, or ``truncate`` (cut and counted;
+    #: dropped when no assistant token is left).
+    sft_overlong: str = "error"

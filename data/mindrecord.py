@@ -27,6 +27,8 @@ from data.packing import PackedWindows
 logger = logging.getLogger(__name__)
 
 COLUMNS = ["input_ids", "doc_ids"]
+#: Written only by SFT data (``PackedWindows.loss_mask``): which tokens may be scored as labels.
+LOSS_MASK = "loss_mask"
 SCHEMA = {"input_ids": {"type": "int32", "shape": [-1]}, "doc_ids": {"type": "int32", "shape": [-1]}}
 
 
@@ -42,9 +44,12 @@ def write_shards(windows: PackedWindows, out_dir: Path, prefix: str, shard_windo
         window_bytes = windows.input_ids[0].nbytes + windows.doc_ids[0].nbytes
         writer.set_header_size(1 << 20)
         writer.set_page_size(min(1 << 28, max(1 << 20, 2 * window_bytes)))
-        writer.add_schema(SCHEMA, "packed token windows")
+        has_mask = windows.loss_mask is not None
+        writer.add_schema(dict(SCHEMA, **({LOSS_MASK: SCHEMA["input_ids"]} if has_mask else {})),
+                          "packed token windows")
         stop = min(start + shard_windows, len(windows))
-        writer.write_raw_data([{"input_ids": windows.input_ids[i], "doc_ids": windows.doc_ids[i]}
+        writer.write_raw_data([dict({"input_ids": windows.input_ids[i], "doc_ids": windows.doc_ids[i]},
+                                    **({LOSS_MASK: windows.loss_mask[i]} if has_mask else {}))
                                for i in range(start, stop)])
         writer.commit()
         names.append(name)
@@ -59,12 +64,19 @@ def _read(shard_files: Sequence[str], indices: np.ndarray, batch_size: int) -> I
     """Windows ``indices`` (positions in the concatenated shards), in that order, in batches."""
     if len(indices) == 0:
         return
+    columns = shard_columns(shard_files)
     # One worker keeps memory low; order is fixed by the sampler either way.
-    dataset = msd.MindDataset(list(shard_files), columns_list=COLUMNS, num_parallel_workers=1,
+    dataset = msd.MindDataset(list(shard_files), columns_list=columns, num_parallel_workers=1,
                               sampler=msd.SubsetSampler(indices.tolist()))
     dataset = dataset.batch(batch_size, drop_remainder=False)
-    for input_ids, doc_ids in dataset.create_tuple_iterator(output_numpy=True, num_epochs=1):
-        yield {"input_ids": input_ids, "doc_ids": doc_ids}
+    for row in dataset.create_tuple_iterator(output_numpy=True, num_epochs=1):
+        yield dict(zip(columns, row))
+
+
+def shard_columns(shard_files: Sequence[str]) -> List[str]:
+    """``COLUMNS``, plus ``loss_mask`` for shards of SFT data."""
+    names = msd.MindDataset(list(shard_files), shuffle=False).get_col_names()
+    return COLUMNS + ([LOSS_MASK] if LOSS_MASK in names else [])
 
 
 class WindowLoader:
@@ -172,7 +184,8 @@ class EvalLoader:
         if missing == 0:
             return batch
         padding = {"input_ids": np.zeros((missing, self.window_length), np.int32),
-                   "doc_ids": np.tile(np.arange(self.window_length, dtype=np.int32), (missing, 1))}
+                   "doc_ids": np.tile(np.arange(self.window_length, dtype=np.int32), (missing, 1)),
+                   LOSS_MASK: np.zeros((missing, self.window_length), np.int32)}
         if batch is None:
-            return padding
-        return {name: np.concatenate([batch[name], padding[name]]) for name in COLUMNS}
+            return {name: padding[name] for name in shard_columns(self.shard_files)}
+        return {name: np.concatenate([batch[name], padding[name]]) for name in batch}

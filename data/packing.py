@@ -21,12 +21,16 @@ import numpy as np
 class PackedWindows:
     input_ids: np.ndarray  # int32 [windows, seq_len + 1]
     doc_ids: np.ndarray  # int32 [windows, seq_len + 1]
+    #: int32 [windows, seq_len + 1], 1 = this token may be scored as a label (SFT: assistant tokens);
+    #: None = every token may (pretraining).
+    loss_mask: Optional[np.ndarray] = None
 
     def __len__(self) -> int:
         return len(self.input_ids)
 
     def take(self, indices: np.ndarray) -> "PackedWindows":
-        return PackedWindows(self.input_ids[indices], self.doc_ids[indices])
+        return PackedWindows(self.input_ids[indices], self.doc_ids[indices],
+                             None if self.loss_mask is None else self.loss_mask[indices])
 
 
 def pack_documents(tokens: np.ndarray, doc_lengths: np.ndarray, seq_len: int) -> PackedWindows:

@@ -31,12 +31,14 @@ from data.mindrecord import write_shards
 from data.packing import PackedWindows, mix_sources, mixture_counts, pack_documents, unigram_loss
 from data.hf_tokenizer import open_tokenizer, tokenizer_files
 from data.reader import DataInputError, Source, checked_file, concatenate, read_source, tokenize_documents
+from data.sft import OVERLONG_POLICIES, build_sft_windows, sft_unigram_loss
 from data.tokenizer import Tokenizer, train_sentencepiece
 
 logger = logging.getLogger(__name__)
 
 # Bump when the content or layout of a cache entry changes, so old entries are not reused.
 FORMAT_VERSION = 1
+DATA_FORMATS = ("text", "sft")
 # The mixture belongs to the prepared data, not to a run: it must not change with train.seed.
 MIXTURE_SEED = 1234
 
@@ -85,6 +87,15 @@ def _check_config(cfg: DataConfig) -> None:
     for name in ("seq_len", "vocab_size", "shard_windows", "num_proc"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"data.{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.format not in DATA_FORMATS:
+        raise ValueError(f"data.format={cfg.format!r} must be one of {DATA_FORMATS}")
+    if cfg.sft_overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"data.sft_overlong={cfg.sft_overlong!r} must be one of {OVERLONG_POLICIES}")
+    if cfg.format == "sft" and cfg.weights is not None:
+        raise ValueError("data.weights: mixture weights apply to data.format=text; SFT files are used whole")
+    if cfg.format == "sft" and not cfg.tokenizer:
+        raise ValueError("data.format=sft needs a tokenizer: set model.pretrained (its tokenizer is used) or "
+                         "data.tokenizer")
 
 
 def _weights(cfg: DataConfig) -> Optional[List[float]]:
@@ -166,6 +177,8 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
             tokenizer_path = str(Path(cfg.tokenizer).expanduser().resolve())
         else:
             tokenizer_path = _cached_tokenizer(root, cfg, train, hashes, corpus)
+        if cfg.format == "sft":
+            return _prepare_sft(root, cfg, train, valid, hashes, tokenizer_path)
         key = _key({"format": FORMAT_VERSION, "mixture_seed": MIXTURE_SEED,
                     "train": [hashes[k] for k in train], "valid": [hashes[k] for k in valid],
                     "text_field": cfg.text_field, "seq_len": cfg.seq_len, "weights": _weights(cfg),
@@ -244,3 +257,36 @@ def _valid_windows(cfg: DataConfig, valid: Dict[str, Path], tokenizer: Tokenizer
         raise DataInputError(f"data.valid_files: {len(stream.tokens)} tokens in all, fewer than one window of "
                              f"data.seq_len + 1 = {window}")
     return windows
+
+
+def _prepare_sft(root: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path],
+                 hashes: Dict[str, str], tokenizer_path: str) -> PreparedData:
+    """Conversations (``data.format=sft``) packed with their assistant-token loss mask, cached."""
+    key = _key({"format": FORMAT_VERSION, "data_format": "sft", "train": [hashes[k] for k in train],
+                "valid": [hashes[k] for k in valid], "seq_len": cfg.seq_len, "overlong": cfg.sft_overlong,
+                "shard_windows": cfg.shard_windows,
+                "tokenizer": [file_sha256(path) for path in tokenizer_files(tokenizer_path)]})
+    entry = root / "data" / key
+
+    def build(staging: Path) -> Dict:
+        tokenizer = open_tokenizer(tokenizer_path)
+        train_windows, train_stats = build_sft_windows(train, tokenizer, cfg.seq_len, cfg.sft_overlong)
+        valid_windows, valid_stats = (build_sft_windows(valid, tokenizer, cfg.seq_len, cfg.sft_overlong)
+                                      if valid else (None, []))
+        return {"format": FORMAT_VERSION, "vocab_size": tokenizer.vocab_size,
+                "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
+                "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows) if valid else [],
+                "num_train_windows": len(train_windows), "num_valid_windows": len(valid_windows) if valid else 0,
+                "unigram_val_loss": sft_unigram_loss(train_windows, valid_windows, tokenizer.vocab_size)
+                if valid else None,
+                "sources": train_stats, "valid_sources": valid_stats, "tokenizer": tokenizer_path,
+                "seq_len": cfg.seq_len, "data_format": "sft"}
+
+    meta = build_once(entry, build)
+    logger.info("SFT data ready: %d train windows, %d valid windows, vocab %d", meta["num_train_windows"],
+                meta["num_valid_windows"], meta["vocab_size"])
+    return PreparedData(tokenizer_path=tokenizer_path, vocab_size=meta["vocab_size"],
+                        train_shards=[str(entry / name) for name in meta["train_shards"]],
+                        valid_shards=[str(entry / name) for name in meta["valid_shards"]],
+                        num_train_windows=meta["num_train_windows"], num_valid_windows=meta["num_valid_windows"],
+                        unigram_val_loss=meta["unigram_val_loss"], cache_key=key)

@@ -57,8 +57,11 @@ def load_parameters(params, tensors: dict, source: str) -> None:
 
 
 def save_checkpoint(checkpoint_root: Path, step: int, model_params, optimizer_params, state: dict,
-                    keep_last: int) -> Path:
-    """Write ``step_{step:06d}`` under ``checkpoint_root`` atomically and prune to ``keep_last``."""
+                    keep_last: int, write_extra=None) -> Path:
+    """Write ``step_{step:06d}`` under ``checkpoint_root`` atomically and prune to ``keep_last``.
+
+    ``write_extra(directory) -> [relative file names]`` adds files (hashed like the others), e.g. a
+    LoRA run's PEFT adapter."""
     checkpoint_root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_root / f"step_{step:06d}"
     tmp = checkpoint_root / f".step_{step:06d}.tmp-{os.getpid()}"
@@ -67,9 +70,10 @@ def save_checkpoint(checkpoint_root: Path, step: int, model_params, optimizer_pa
     tmp.mkdir()
     save_file(parameters_to_numpy(model_params), str(tmp / MODEL_FILE))
     save_file(parameters_to_numpy(optimizer_params), str(tmp / OPTIMIZER_FILE))
-    for name in (MODEL_FILE, OPTIMIZER_FILE):
+    names = [MODEL_FILE, OPTIMIZER_FILE] + (list(write_extra(tmp)) if write_extra else [])
+    for name in names:
         _fsync(tmp / name)
-    files = {name: file_sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)}
+    files = {name: file_sha256(tmp / name) for name in names}
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
         json.dump(dict(state, step=step, files=files), handle, indent=2, sort_keys=True)
         handle.flush()

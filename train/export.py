@@ -77,6 +77,10 @@ def resolve_source(cfg, model_overrides: dict) -> ExportSource:
         raise FileNotFoundError(f"checkpoint={checkpoint}: {error}") from None
     verify_checkpoint(checkpoint_dir)
     state = read_state(checkpoint_dir)
+    if (checkpoint_dir / "adapter").is_dir():
+        raise ValueError(f"checkpoint={checkpoint}: a LoRA checkpoint holds only adapters; export its base with "
+                         f"model.pretrained=<base> (or checkpoint=<base checkpoint>) and "
+                         f"export.adapter={checkpoint_dir / 'adapter'}")
     if "model_config" not in state:
         raise ValueError(f"checkpoint={checkpoint}: {checkpoint_dir}/state.json has no 'model_config'")
     model_cfg = ModelConfig(**state["model_config"])
@@ -90,17 +94,36 @@ def resolve_source(cfg, model_overrides: dict) -> ExportSource:
                         {MODEL_FILE: state["files"][MODEL_FILE]}, step=state.get("step"))
 
 
-def merge_adapters(model, adapter_dir: Optional[str] = None):
+def merge_adapters(model, adapter_dir: Optional[str] = None, model_type: str = "glm4_moe"):
     """The one place where LoRA adapters are merged into the base weights before export.
 
-    ``adapter_dir`` None: the model is exported as it is. Merging (PEFT's ``W + B A * scaling`` per
-    target, experts included) belongs here once adapters exist; until then an adapter directory is refused
-    rather than silently ignored. ``export.format=hf`` of a checkpoint streams tensors without building a
-    model; with adapters it would have to build one and come through here.
+    ``adapter_dir`` None: the model is exported as it is. Otherwise the PEFT adapter is merged
+    (``W + scaling * B A`` per target, experts included; :func:`model.peft_adapter.merge_adapters`) and
+    the plain model with the base parameter names is returned. ``model_type``: the HF architecture
+    whose module names the adapter uses (the imported checkpoint's).
     """
-    if adapter_dir is not None:
-        raise NotImplementedError(f"{adapter_dir}: merging LoRA adapters is not available in this version")
-    return model
+    if adapter_dir is None:
+        return model
+    from model.peft_adapter import merge_adapters as merge_peft_adapter
+
+    return merge_peft_adapter(model, Path(adapter_dir).expanduser(), model_type)
+
+
+def _adapter_of(cfg, source: "ExportSource"):
+    """``(adapter dir or None, HF model_type)``; the adapter's hash goes into the manifest."""
+    export_cfg = cfg.export
+    model_type = read_pretrained_config(source.path).model_type if source.kind == "pretrained" else "glm4_moe"
+    if not export_cfg.adapter:
+        return None, model_type
+    from model.peft_adapter import ADAPTER_WEIGHTS
+
+    adapter = Path(export_cfg.adapter).expanduser()
+    if not (adapter / ADAPTER_WEIGHTS).is_file():
+        raise FileNotFoundError(f"export.adapter={export_cfg.adapter}: no {ADAPTER_WEIGHTS} (expected a PEFT "
+                                "adapter directory such as <run dir>/checkpoints/step_000150/adapter)")
+    source.sha256["adapter/" + ADAPTER_WEIGHTS] = file_sha256(adapter / ADAPTER_WEIGHTS)
+    source.notes.append(f"LoRA adapter {adapter} merged into the base weights")
+    return adapter, model_type
 
 
 def build_serving_model(source: ExportSource, model_overrides: dict):
@@ -177,11 +200,12 @@ def run_export(cfg, run_dir: Path, override_args=None) -> Path:
     source = resolve_source(cfg, model_overrides)
     validate_export_config(export_cfg, source.model_config.max_position_embeddings)
     out = Path(export_cfg.out).expanduser() if export_cfg.out else Path(run_dir)
+    adapter, model_type = _adapter_of(cfg, source)
     if export_cfg.format == "hf":
-        if source.kind == "checkpoint":
+        if source.kind == "checkpoint" and adapter is None:
             notes = export_hf(source.path, source.model_config, out, tokenizer_dir=source.tokenizer)
         else:
-            model = merge_adapters(build_serving_model(source, model_overrides))
+            model = merge_adapters(build_serving_model(source, model_overrides), adapter, model_type)
             notes = export_hf(model, out_dir=out, tokenizer_dir=source.tokenizer)
         for note in notes:
             log.info("note: %s", note)
@@ -190,7 +214,7 @@ def run_export(cfg, run_dir: Path, override_args=None) -> Path:
         raise ValueError(f"model.dispatch={model_overrides['dispatch']!r}: exported graphs always use dropless "
                          "dispatch (under a capacity a token's logits would depend on the rest of the batch)")
     ms.set_context(mode=ms.GRAPH_MODE)
-    model = merge_adapters(build_serving_model(source, model_overrides))
+    model = merge_adapters(build_serving_model(source, model_overrides), adapter, model_type)
     model_config = model.config
     graphs = export_mindir(model, out, export_cfg.dtype)
     tokenizer_files = copy_tokenizer(source.tokenizer, out)

@@ -14,6 +14,9 @@ class ExportConfig:
     format: str = "mindir"
     #: Output directory (created; must not already hold an export); null = the Hydra run dir.
     out: Optional[str] = None
+    #: A PEFT LoRA adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``, e.g.
+    #: ``<run>/checkpoints/step_N/adapter``) merged into the base weights before export; null = none.
+    adapter: Optional[str] = None
     #: Weight and KV-cache dtype of the MindIR graphs: fp32, or fp16/bf16 for Ascend. RMSNorm weights and
     #: the router stay fp32; logits are fp32. CPU runs fp32 and fp16 graphs, not bf16. hf writes fp32 only.
     dtype: str = "fp32"

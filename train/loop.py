@@ -21,6 +21,7 @@ from train.resume import StopRequest, TrainingStopped, pick_resume_checkpoint
 from train.optim import build_optimizer
 from train.heatmap import render_expert_load, save_png
 from train.init_model import build_model, check_pretrained
+from train.lora_setup import setup_lora
 from train.routing import RouterStepUpdates
 from train.step import Trainer
 
@@ -65,7 +66,10 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
     prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
     checkpoint_root = run_dir / "checkpoints"
     resume_from = pick_resume_checkpoint(cfg.train.resume, checkpoint_root, cfg.train.on_corrupt_checkpoint)
-    model_cfg, model = build_model(cfg, prepared.vocab_size, explicit_model_keys, load_weights=resume_from is None)
+    # A LoRA checkpoint holds only the adapters: its base is loaded again when resuming.
+    model_cfg, model = build_model(cfg, prepared.vocab_size, explicit_model_keys,
+                                   load_weights=resume_from is None or cfg.lora.enabled)
+    model_cfg, model, lora_run = setup_lora(cfg, model_cfg, model, prepared.vocab_size)
     if cfg.data.seq_len > model_cfg.max_position_embeddings:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
                          f"{model_cfg.max_position_embeddings}")
@@ -76,7 +80,7 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
     accum_steps = cfg.data.global_batch_size // cfg.data.micro_batch_size
     trainer = Trainer(model, optimizer, cfg.train.grad_clip, accum_steps, RouterStepUpdates(model, model_cfg))
     # Checkpoints hold every parameter, including state the optimizer never sees (router biases).
-    model_state = list(model.get_parameters())
+    model_state = list(model.get_parameters()) if lora_run is None else lora_run.checkpoint_params
     moe_layer_ids = [idx for idx, layer in enumerate(model.layers) if layer.is_moe]
 
     start_step = 0
@@ -105,7 +109,7 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
         state = {"data_seed": cfg.train.seed, "tokens_seen": step * tokens_per_step,
                  "tokenizer": prepared.tokenizer_path, "model_config": dataclasses.asdict(model_cfg)}
         return save_checkpoint(checkpoint_root, step, model_state, optimizer_state, state,
-                               cfg.train.keep_last)
+                               cfg.train.keep_last, None if lora_run is None else lora_run.write_adapter)
 
     def validate(step):
         if not prepared.valid_shards:
@@ -127,6 +131,8 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
         metrics.write(row)
         return row
 
+    # The base model's validation loss, for comparing a fine-tuned run against its starting point.
+    base_val_loss = validate(0) if lora_run is not None and start_step == 0 else None
     window, window_seconds = [], 0.0
     first_loss = None
     bad_steps_in_row = skipped_steps = 0
@@ -168,6 +174,12 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
     metrics.close()
     summary = {"steps": cfg.train.max_steps, "first_lm_loss": first_loss, "final_val_loss": val_loss,
                "unigram_val_loss": prepared.unigram_val_loss, "run_dir": str(run_dir)}
+    if lora_run is not None:
+        summary.update(base_val_loss=base_val_loss, trainable_params=lora_run.report.trainable,
+                       trainable_share=lora_run.report.share)
+        if base_val_loss is not None and val_loss is not None:
+            print(f"LoRA: validation loss {base_val_loss:.4f} before fine-tuning, {val_loss:.4f} after; adapters "
+                  f"in {checkpoint_root}/step_{cfg.train.max_steps:06d}/adapter")
     if val_loss is not None and prepared.unigram_val_loss is not None:
         print(f"validation loss {val_loss:.4f} nats/token vs unigram baseline "
               f"{prepared.unigram_val_loss:.4f} (better by {prepared.unigram_val_loss - val_loss:.4f})")

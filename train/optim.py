@@ -33,8 +33,9 @@ def build_optimizer(params, cfg: TrainConfig):
     params = list(params)
     decay = [p for p in params if decays(p)]
     no_decay = [p for p in params if not decays(p)]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0},
-              {"order_params": params}]
+    # MindSpore rejects an empty group (a LoRA run has no 1-D trainable parameter).
+    groups = [group for group in ({"params": decay, "weight_decay": cfg.weight_decay},
+                                  {"params": no_decay, "weight_decay": 0.0}) if group["params"]]
+    groups.append({"order_params": params})
     return AdamW(groups, learning_rate=build_lr_schedule(cfg), betas=tuple(cfg.betas), eps=cfg.eps,
                  weight_decay=cfg.weight_decay)

@@ -28,9 +28,11 @@ class RouterStepUpdates:
         rate = float(cfg.bias_update_rate)
         decay = float(cfg.isolation_decay)
         biases = [block.router.e_score_correction_bias for block in moe_blocks] if self.updates_bias else []
-        # One entry per MoE layer: that layer's 3-D expert tensors (expert on axis 0).
-        expert_params = [[p for p in block.experts.get_parameters() if len(p.shape) == 3]
+        # One entry per MoE layer: that layer's trained 3-D expert tensors (expert on axis 0): the
+        # expert weights, or with LoRA the frozen weights' per-expert adapters instead.
+        expert_params = [[p for p in block.experts.get_parameters() if len(p.shape) == 3 and p.requires_grad]
                          for block in moe_blocks] if self.scales_updates else []
+        self.expert_params = expert_params
         snapshots = [[Parameter(ops.zeros(p.shape, p.dtype), name="update_snapshot." + p.name, requires_grad=False)
                       for p in layer_params] for layer_params in expert_params]
         self._snapshots = snapshots

@@ -28,10 +28,15 @@ def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
 
 
 def split_window(batch: dict):
-    """Packed ``seq_len + 1`` windows -> model inputs, labels and the loss mask (numpy, int32)."""
+    """Packed ``seq_len + 1`` windows -> model inputs, labels and the loss mask (numpy, int32).
+
+    A label counts when it is in the input token's document and, for SFT windows (with a
+    ``loss_mask`` column), is an assistant token."""
     tokens = batch["input_ids"]
     doc_ids = batch["doc_ids"]
     loss_mask = (doc_ids[:, 1:] == doc_ids[:, :-1]).astype(np.int32)
+    if "loss_mask" in batch:  # SFT: only assistant tokens are labels
+        loss_mask = loss_mask * (batch["loss_mask"][:, 1:] > 0).astype(np.int32)
     return (Tensor(tokens[:, :-1].astype(np.int32)), Tensor(doc_ids[:, :-1].astype(np.int32)),
             Tensor(tokens[:, 1:].astype(np.int32)), Tensor(loss_mask))
 
@@ -129,6 +134,9 @@ class Trainer:
         """One optimizer step over ``accum_steps`` micro-batches (dicts of packed windows)."""
         if len(micro_batches) != self.accum_steps:
             raise ValueError(f"expected {self.accum_steps} micro-batches, got {len(micro_batches)}")
+        # Each compiled function keeps the training flag it was first traced with: the train
+        # step traces with dropout (LoRA) active, evaluation without.
+        self.model.set_train(True)
         if self.router_updates is not None:
             self.router_updates.before_optimizer()
         losses = []
@@ -157,6 +165,7 @@ class Trainer:
 
     def evaluate(self, batches) -> tuple:
         """``(mean nll per scored token, scored tokens)`` over an iterable of window dicts."""
+        self.model.set_train(False)
         nll_total = 0.0
         tokens = 0.0
         for batch in batches:

@@ -1,0 +1,249 @@
+"""Supervised fine-tuning data: conversations -> packed windows whose loss covers assistant tokens only.
+
+Input (``data.format=sft``): JSONL, one conversation per line, either
+
+    {"messages": [{"role": "system", "content": "..."}, {"role": "user", "content": "..."},
+                  {"role": "assistant", "content": "..."}, ...]}
+    {"prompt": "...", "response": "...", "system": "..."}          (system optional)
+
+A conversation is an optional system message, then user/assistant turns alternating, starting with
+the user and ending with the assistant. Anything else is an error naming the file and line.
+
+Rendering: the tokenizer's chat template (HF ``tokenizer_config.json`` / ``chat_template.jinja``) when it
+has one; otherwise :data:`DEFAULT_TEMPLATE_DOC`. The conversation is cut into segments by rendering
+growing prefixes (the prompt up to each assistant reply with ``add_generation_prompt``, then the
+reply); each segment is tokenised on its own, and the tokens of assistant replies (with whatever the
+template closes a reply with) are the ones scored.
+
+Packing: whole conversations, in file order, fill windows of ``seq_len + 1`` tokens; the rest of a
+window is padding (its own document, never scored). Each conversation is a document, so attention
+never crosses conversations. A conversation longer than a window is an error, or with
+``data.sft_overlong=truncate`` is cut to the window (and dropped if no assistant token is left),
+and counted.
+"""
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Sequence, Tuple
+
+import numpy as np
+
+from data.packing import PackedWindows
+from data.reader import DataInputError
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "user", "assistant")
+OVERLONG_POLICIES = ("error", "truncate")
+DEFAULT_TEMPLATE_DOC = ("<bos> then per message '<|system|>\\n{content}\\n', '<|user|>\\n{content}\\n', "
+                        "'<|assistant|>\\n' + {content} + <eos>; the assistant content and <eos> are scored")
+
+
+@dataclass
+class SFTWindows:
+    """Packed conversations: the windows (with ``loss_mask``) and what packing did."""
+    windows: PackedWindows
+    conversations: int
+    truncated: int
+    dropped: int
+    scored_tokens: int
+
+
+def read_conversations(path, config_key: str) -> List[List[dict]]:
+    """Every conversation of a JSONL file, as ``[{"role", "content"}, ...]``, validated."""
+    path = Path(path)
+    conversations = []
+    with open(path, "rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            where = f"{config_key}: {path} line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as err:
+                raise DataInputError(f"{where} is not UTF-8 ({err.reason} at byte {err.start})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DataInputError(f"{where} is not valid JSON ({err.msg})") from None
+            conversations.append(conversation_messages(row, where))
+    if not conversations:
+        raise DataInputError(f"{config_key}: {path} holds no conversation")
+    return conversations
+
+
+def conversation_messages(row, where: str) -> List[dict]:
+    """One JSONL row -> validated messages; errors say what is wrong at ``where``."""
+    if not isinstance(row, dict):
+        raise DataInputError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise DataInputError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+    elif "prompt" in row or "response" in row:
+        for key in ("prompt", "response"):
+            if not isinstance(row.get(key), str):
+                raise DataInputError(f"{where}: a prompt/response row needs string 'prompt' and 'response' "
+                                     f"('{key}' is {type(row.get(key)).__name__})")
+        messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
+        if row.get("system") is not None:
+            messages.insert(0, {"role": "system", "content": row["system"]})
+    else:
+        raise DataInputError(f"{where}: expected 'messages' or 'prompt' and 'response' "
+                             f"(found keys {sorted(row)[:6]})")
+    checked = []
+    for index, message in enumerate(messages):
+        item = f"{where}: message {index}"
+        if not isinstance(message, dict):
+            raise DataInputError(f"{item} is {type(message).__name__}, expected an object with role and content")
+        role, content = message.get("role"), message.get("content")
+        if role not in ROLES:
+            raise DataInputError(f"{item}: role {role!r}, expected one of {', '.join(ROLES)}")
+        if not isinstance(content, str) or not content.strip():
+            raise DataInputError(f"{item} ({role}): content must be a non-empty string")
+        checked.append({"role": role, "content": content})
+    turns = checked[1:] if checked[0]["role"] == "system" else checked
+    for index, message in enumerate(turns):
+        expected = "user" if index % 2 == 0 else "assistant"
+        if message["role"] != expected:
+            position = index + len(checked) - len(turns)
+            raise DataInputError(f"{where}: message {position} is from the {message['role']}, expected the "
+                                 f"{expected} (after an optional system message, turns alternate user/assistant)")
+    if not turns or turns[-1]["role"] != "assistant":
+        raise DataInputError(f"{where}: the conversation must end with an assistant message (nothing to learn)")
+    return checked
+
+
+def _template_segments(messages: Sequence[dict], render) -> List[Tuple[str, bool]]:
+    """``[(text, is_assistant)]`` whose concatenation is the rendered conversation."""
+    segments, done = [], ""
+
+    def extend(text: str, scored: bool, what: str):
+        nonlocal done
+        if not text.startswith(done):
+            raise DataInputError(f"the chat template renders {what} so that it no longer starts with the "
+                                 "rendering of the messages before it; its assistant tokens cannot be located")
+        segments.append((text[len(done):], scored))
+        done = text
+
+    for index, message in enumerate(messages):
+        if message["role"] == "assistant":
+            extend(render(messages[:index], True), False, f"the prompt before message {index}")
+        extend(render(messages[: index + 1], False), message["role"] == "assistant", f"message {index}")
+    return segments
+
+
+def encode_conversation(messages: Sequence[dict], tokenizer) -> Tuple[np.ndarray, np.ndarray]:
+    """``(token ids, assistant mask)`` int32 of one conversation."""
+    template = getattr(tokenizer, "chat_template", None)
+    ids: List[int] = []
+    mask: List[int] = []
+    if template:
+        for text, scored in _template_segments(messages, tokenizer.apply_chat_template):
+            tokens = tokenizer.encode(text) if text else []
+            ids += tokens
+            mask += [int(scored)] * len(tokens)
+    else:
+        if tokenizer.bos_id >= 0:
+            ids.append(tokenizer.bos_id)
+            mask.append(0)
+        for message in messages:
+            header = tokenizer.encode(f"<|{message['role']}|>\n")
+            if message["role"] == "assistant":
+                body = tokenizer.encode(message["content"]) + ([tokenizer.eos_id] if tokenizer.eos_id >= 0 else [])
+                ids += header + body
+                mask += [0] * len(header) + [1] * len(body)
+            else:
+                body = tokenizer.encode(message["content"] + "\n")
+                ids += header + body
+                mask += [0] * (len(header) + len(body))
+    return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
+
+
+def pack_conversations(encoded: Sequence[Tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int,
+                       overlong: str, where: str) -> SFTWindows:
+    """Whole conversations into ``seq_len + 1`` windows; ``where`` names the source in errors."""
+    window = seq_len + 1
+    rows_ids, rows_docs, rows_mask = [], [], []
+    current: List[Tuple[np.ndarray, np.ndarray]] = []
+    used = truncated = dropped = 0
+
+    def flush():
+        nonlocal current
+        if not current:
+            return
+        ids = np.full(window, pad_id, np.int32)
+        docs = np.full(window, len(current), np.int32)  # padding is a document of its own
+        mask = np.zeros(window, np.int32)
+        start = 0
+        for doc, (conv_ids, conv_mask) in enumerate(current):
+            ids[start:start + len(conv_ids)] = conv_ids
+            docs[start:start + len(conv_ids)] = doc
+            mask[start:start + len(conv_ids)] = conv_mask
+            start += len(conv_ids)
+        rows_ids.append(ids)
+        rows_docs.append(docs)
+        rows_mask.append(mask)
+        current = []
+
+    for number, (ids, mask) in enumerate(encoded):
+        if len(ids) > window:
+            if overlong == "error":
+                raise DataInputError(f"{where}: conversation {number + 1} has {len(ids)} tokens, more than "
+                                     f"data.seq_len + 1 = {window}; raise data.seq_len or set "
+                                     "data.sft_overlong=truncate")
+            ids, mask = ids[:window], mask[:window]
+            truncated += 1
+            if not mask[1:].any():
+                dropped += 1
+                continue
+        if sum(len(c[0]) for c in current) + len(ids) > window:
+            flush()
+        current.append((ids, mask))
+        used += 1
+    flush()
+    if not rows_ids:
+        raise DataInputError(f"{where}: no conversation left to train on")
+    ids, docs, mask = np.stack(rows_ids), np.stack(rows_docs), np.stack(rows_mask)
+    windows = PackedWindows(ids, docs, mask)
+    if truncated:
+        logger.warning("%s: %d conversations longer than data.seq_len + 1 = %d truncated, %d of them dropped "
+                       "(no assistant token left)", where, truncated, window, dropped)
+    return SFTWindows(windows, used, truncated, dropped, int(sft_label_mask(windows).sum()))
+
+
+def sft_label_mask(windows: PackedWindows) -> np.ndarray:
+    """bool ``[..., seq_len]``: label ``t+1`` is scored iff it is an assistant token of the same
+    conversation as input ``t``."""
+    return (windows.doc_ids[..., 1:] == windows.doc_ids[..., :-1]) & (windows.loss_mask[..., 1:] > 0)
+
+
+def sft_unigram_loss(train: PackedWindows, valid: PackedWindows, vocab_size: int) -> float:
+    """The unigram baseline of :func:`data.packing.unigram_loss` on the scored (assistant) labels."""
+    counts = np.bincount(train.input_ids[:, 1:][sft_label_mask(train)], minlength=vocab_size).astype(np.float64)
+    log_probs = np.log(counts + 1.0) - np.log(counts.sum() + vocab_size)
+    return float(-log_probs[valid.input_ids[:, 1:][sft_label_mask(valid)]].mean())
+
+
+def build_sft_windows(files: dict, tokenizer, seq_len: int, overlong: str) -> Tuple[PackedWindows, dict]:
+    """``{config key: path}`` -> all their conversations packed (file order), and per-file stats."""
+    pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else max(tokenizer.eos_id, 0)
+    parts, stats = [], []
+    for key, path in files.items():
+        conversations = read_conversations(path, key)
+        encoded = []
+        for number, messages in enumerate(conversations, 1):
+            try:
+                encoded.append(encode_conversation(messages, tokenizer))
+            except DataInputError as err:
+                raise DataInputError(f"{key}: {path} conversation {number}: {err}") from None
+        packed = pack_conversations(encoded, seq_len, pad_id, overlong, f"{key}: {path}")
+        parts.append(packed.windows)
+        stats.append({"file": str(path), "conversations": packed.conversations, "truncated": packed.truncated,
+                      "dropped": packed.dropped, "windows": len(packed.windows),
+                      "scored_tokens": packed.scored_tokens})
+        logger.info("%s: %d conversations in %d windows, %d assistant tokens scored", path, packed.conversations,
+                    len(packed.windows), packed.scored_tokens)
+    return PackedWindows(np.concatenate([p.input_ids for p in parts]), np.concatenate([p.doc_ids for p in parts]),
+                         np.concatenate([p.loss_mask for p in parts])), stats

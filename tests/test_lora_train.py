@@ -1,0 +1,96 @@
+"""``mindmoe-train recipe=lora_business`` for a few steps on the bundled base and SFT sample: the
+trainable-parameter report, adapters-only checkpoints with a PEFT copy, and resuming (which must
+reload the frozen base, since checkpoints do not hold it)."""
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from model.peft_adapter import read_adapter_config
+from tests.test_train import compose_config
+from train.checkpoint import verify_checkpoint
+
+STEPS = 4
+
+
+def overrides(cache, steps):
+    return ["recipe=lora_business", f"train.max_steps={steps}", "train.save_every=2", "train.log_every=1",
+            "train.eval_every=0", "train.eval_batches=2", "train.progress_bar=false", f"data.cache_dir={cache}",
+            # Shorter windows keep the test quick; the longer conversations are cut (and counted).
+            "data.seq_len=128", "data.sft_overlong=truncate"]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, data_cache):
+    from train.loop import run
+    run_dir = tmp_path_factory.mktemp("lora_run")
+    summary = run(compose_config(overrides(data_cache, STEPS)), run_dir)
+    return run_dir, summary
+
+
+def rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_run_reports_the_trainable_share_and_the_base_validation_loss(lora_run):
+    _, summary = lora_run
+    assert 0 < summary["trainable_share"] < 0.2
+    assert summary["trainable_params"] > 0
+    assert np.isfinite(summary["base_val_loss"]) and np.isfinite(summary["final_val_loss"])
+
+
+def test_checkpoints_hold_only_the_adapters_and_their_optimizer_state_plus_a_peft_copy(lora_run):
+    run_dir, summary = lora_run
+    checkpoint = run_dir / "checkpoints" / f"step_{STEPS:06d}"
+    verify_checkpoint(checkpoint)  # the adapter files are covered by the recorded hashes
+    state = json.loads((checkpoint / "state.json").read_text())
+    assert {"adapter/adapter_model.safetensors", "adapter/adapter_config.json"} <= set(state["files"])
+    model = load_file(str(checkpoint / "model.safetensors"))
+    assert model and all(name.endswith((".lora_A", ".lora_B")) for name in model)
+    assert sum(t.size for t in model.values()) == summary["trainable_params"]
+    assert any(".mlp.experts." in name for name in model), "routed experts must be adapted"
+    optimizer = load_file(str(checkpoint / "optimizer.safetensors"))
+    moments = {name.split(".", 1)[1] for name in optimizer if name.startswith(("adam_m.", "adam_v."))}
+    assert moments == set(model)
+    peft = load_file(str(checkpoint / "adapter" / "adapter_model.safetensors"))
+    assert all(name.startswith("base_model.model.model.layers.") and ".lora_" in name for name in peft)
+    assert sum(t.size for t in peft.values()) == summary["trainable_params"]
+    config = read_adapter_config(checkpoint / "adapter")
+    assert (config.r, config.alpha) == (8, 16.0)
+
+
+def test_resuming_reloads_the_base_and_continues_the_loss_curve(lora_run, data_cache):
+    from train.loop import run
+    run_dir, _ = lora_run
+    before = {row["step"]: row["lm_loss"] for row in rows(run_dir) if "lm_loss" in row}
+    run(compose_config(overrides(data_cache, STEPS + 2)), run_dir)
+    after = {row["step"]: row["lm_loss"] for row in rows(run_dir) if "lm_loss" in row}
+    assert set(after) >= {STEPS + 1, STEPS + 2}
+    # Without the pretrained base the loss would be that of a random model (about ln(vocab) = 8.3).
+    assert abs(after[STEPS + 1] - before[STEPS]) < 1.0
+
+
+def test_base_checkpoint_gives_the_architecture_and_weights_of_a_mindmoe_checkpoint(tmp_path):
+    from model.config import ModelConfig
+    from model.transformer import MoETransformer
+    from train.checkpoint import save_checkpoint
+    from train.lora_setup import setup_lora
+
+    base_cfg = ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
+                           intermediate_size=24, num_experts=4, moe_intermediate_size=8, max_position_embeddings=64)
+    base = MoETransformer(base_cfg, seed=7)
+    saved = save_checkpoint(tmp_path, 5, list(base.get_parameters()), [], {"model_config": dataclasses.asdict(base_cfg)},
+                            keep_last=1)
+    cfg = compose_config([f"lora.base_checkpoint={saved}", "lora.enabled=true", "lora.r=2"])
+    unrelated = MoETransformer(dataclasses.replace(base_cfg, hidden_size=32), seed=0)  # what build_model made
+    model_cfg, model, lora_run = setup_lora(cfg, cfg.model, unrelated, vocab_size=64)
+    assert model_cfg.hidden_size == 16 and model is not unrelated
+    weights = {p.name: p.asnumpy() for p in model.get_parameters()}
+    for param in base.get_parameters():
+        np.testing.assert_array_equal(weights[param.name], param.asnumpy(), err_msg=param.name)
+    assert lora_run.report.trainable == sum(p.size for p in model.trainable_params()) > 0
+
+    with pytest.raises(ValueError, match="lora.base_checkpoint is set but lora.enabled=false"):
+        setup_lora(compose_config([f"lora.base_checkpoint={saved}"]), cfg.model, unrelated, 64)
