@@ -11,7 +11,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from data.config import DataConfig
-from launch.config import ParallelConfig
+from launch.config import LaunchConfig, ParallelConfig
 from launch.plan import PlanConfig
 from model.config import ModelConfig
 from train.config import TrainConfig
@@ -30,6 +30,8 @@ class Config:
     plan: PlanConfig = field(default_factory=PlanConfig)
     #: Keys of ``mindmoe-eval`` (context lengths, RoPE scaling types, attention mode, output).
     eval: EvalConfig = field(default_factory=EvalConfig)
+    #: Keys of ``mindmoe-launch`` (nodes, workers per node, scheduler address, timeouts, HCCL environment).
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     #: Input checkpoint directory for commands that read one (export, eval).
     checkpoint: Optional[str] = None
 
@@ -46,3 +48,4 @@ def register_configs() -> None:
     store.store(group="parallel", name="base_parallel", node=ParallelConfig)
     store.store(group="plan", name="base_plan", node=PlanConfig)
     store.store(group="eval", name="base_eval", node=EvalConfig)
+    store.store(group="launch", name="base_launch", node=LaunchConfig)

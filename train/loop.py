@@ -17,6 +17,7 @@ from data.mindrecord import EvalLoader, WindowLoader
 from data.prepare import prepare_data
 from model.config import validate_model_config
 from model.transformer import MoETransformer
+from train.distributed import init_distributed
 from train.checkpoint import load_model_weights, load_optimizer_state, read_state, save_checkpoint
 from train.metrics import MetricsWriter, measure_peak_gflops, train_flops_per_token, window_row
 from train.resume import StopRequest, TrainingStopped, pick_resume_checkpoint
@@ -30,10 +31,7 @@ log = logging.getLogger("mindmoe.train")
 
 def validate_run_config(cfg) -> None:
     """Checks across sections that the dataclasses alone cannot express, naming the key."""
-    data, train, parallel = cfg.data, cfg.train, cfg.parallel
-    if parallel.dp != 1 or parallel.ep != 1:
-        raise ValueError(f"parallel.dp={parallel.dp}, parallel.ep={parallel.ep}: this build trains in one "
-                         "process; data and expert parallelism come with mindmoe-launch")
+    data, train = cfg.data, cfg.train
     if data.micro_batch_size < 1 or data.global_batch_size % data.micro_batch_size:
         raise ValueError(f"data.global_batch_size={data.global_batch_size} must be a positive multiple of "
                          f"data.micro_batch_size={data.micro_batch_size}")
@@ -54,11 +52,17 @@ def validate_run_config(cfg) -> None:
 
 
 def run(cfg, run_dir: Path) -> dict:
-    """Train as configured, writing everything into ``run_dir``; returns the final summary."""
+    """Train as configured, writing everything into ``run_dir``; returns the final summary.
+
+    Under msrun every worker runs this with the same config and run dir; rank 0 alone writes
+    ``metrics.jsonl``, TensorBoard events and checkpoints.
+    """
     validate_run_config(cfg)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     ms.set_context(mode=ms.GRAPH_MODE)
+    dist = init_distributed(cfg.parallel, cfg.model.num_experts, cfg.data.global_batch_size,
+                            cfg.data.micro_batch_size, cfg.model.num_layers > cfg.model.first_k_dense)
+    run_dir.mkdir(parents=True, exist_ok=True)
     ms.set_seed(cfg.train.seed)
 
     prepared = prepare_data(cfg.data)
@@ -74,8 +78,9 @@ def run(cfg, run_dir: Path) -> dict:
     model = MoETransformer(model_cfg, seed=cfg.train.seed)
     optimizer = build_optimizer(model.trainable_params(), train_cfg)
     optimizer_state = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq) + [optimizer.global_step]
-    accum_steps = cfg.data.global_batch_size // cfg.data.micro_batch_size
-    trainer = Trainer(model, optimizer, cfg.train.grad_clip, accum_steps, RouterStepUpdates(model, model_cfg))
+    accum_steps = dist.layout.accumulation
+    trainer = Trainer(model, optimizer, cfg.train.grad_clip, accum_steps, RouterStepUpdates(model, model_cfg),
+                      dist)
     # Checkpoints hold every parameter, including state the optimizer never sees (router biases).
     model_state = list(model.get_parameters())
     moe_layer_ids = [idx for idx, layer in enumerate(model.layers) if layer.is_moe]
@@ -91,7 +96,7 @@ def run(cfg, run_dir: Path) -> dict:
 
     loader = WindowLoader(prepared.train_shards, micro_batch_size=cfg.data.micro_batch_size,
                           global_batch_size=cfg.data.global_batch_size, seed=cfg.train.seed,
-                          start_step=start_step)
+                          start_step=start_step, rank=dist.dp_rank, world_size=dist.dp)
     batches = iter(loader)
 
     n_params = sum(int(np.prod(p.shape)) for p in model.trainable_params())
@@ -99,12 +104,15 @@ def run(cfg, run_dir: Path) -> dict:
     flops_per_token = train_flops_per_token(model_cfg, cfg.data.seq_len)
     peak_gflops = cfg.train.peak_gflops or measure_peak_gflops()
     log.info("model: %d parameters, %.2f MFLOP/token (train), peak %.1f GFLOP/s; %d train windows, "
-             "accumulation %d", n_params, flops_per_token / 1e6, peak_gflops, prepared.num_train_windows,
-             accum_steps)
-    metrics = MetricsWriter(run_dir)
-    OmegaConf.save(cfg, run_dir / "resolved_config.yaml", resolve=True)
+             "accumulation %d, data parallel %d", n_params, flops_per_token / 1e6, peak_gflops,
+             prepared.num_train_windows, accum_steps, dist.dp)
+    metrics = MetricsWriter(run_dir) if dist.is_main else None
+    if dist.is_main:
+        OmegaConf.save(cfg, run_dir / "resolved_config.yaml", resolve=True)
 
     def checkpoint(step):
+        if not dist.is_main:
+            return checkpoint_root / f"step_{step:06d}"
         state = {"data_seed": cfg.train.seed, "tokens_seen": step * tokens_per_step,
                  "tokenizer": prepared.tokenizer_path, "model_config": dataclasses.asdict(model_cfg)}
         return save_checkpoint(checkpoint_root, step, model_state, optimizer_state, state,
@@ -113,15 +121,19 @@ def run(cfg, run_dir: Path) -> dict:
     def validate(step):
         if not prepared.valid_shards:
             return None
-        val_batches = EvalLoader(prepared.valid_shards, cfg.data.micro_batch_size,
-                                 max_batches=cfg.train.eval_batches)
+        val_batches = EvalLoader(prepared.valid_shards, cfg.data.micro_batch_size, rank=dist.dp_rank,
+                                 world_size=dist.dp, max_batches=cfg.train.eval_batches)
         val_loss, val_tokens = trainer.evaluate(val_batches)
+        if metrics is None:
+            return val_loss
         metrics.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
                        "val_tokens": int(val_tokens)})
         return val_loss
 
     def log_window(step, window, seconds, skipped_steps):
         row = window_row(step, window, seconds, tokens_per_step, flops_per_token, peak_gflops, skipped_steps)
+        if metrics is None:
+            return row
         if moe_layer_ids:
             routing_L3E = np.sum([s.routing_stats for s in window], axis=0)
             heatmap = render_expert_load(routing_L3E[:, 0], moe_layer_ids, f"expert load share, to step {step}")
@@ -133,7 +145,7 @@ def run(cfg, run_dir: Path) -> dict:
     window, window_seconds = [], 0.0
     first_loss = None
     bad_steps_in_row = skipped_steps = 0
-    progress = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not cfg.train.progress_bar,
+    progress = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not (cfg.train.progress_bar and dist.is_main),
                     unit="step", dynamic_ncols=True)
     with StopRequest() as stop:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
@@ -162,12 +174,15 @@ def run(cfg, run_dir: Path) -> dict:
             if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop.signal_name:
                 saved = checkpoint(step)
                 if stop.signal_name:
-                    metrics.close()
+                    if metrics is not None:
+                        metrics.close()
                     raise TrainingStopped(f"received {stop.signal_name}: checkpoint of step {step} written to "
                                           f"{saved}; run the same command again (train.resume=auto) to continue")
             progress.update(1)
     progress.close()
     val_loss = validate(cfg.train.max_steps)
+    if metrics is None:
+        return {"steps": cfg.train.max_steps, "final_val_loss": val_loss, "run_dir": str(run_dir)}
     metrics.close()
     summary = {"steps": cfg.train.max_steps, "first_lm_loss": first_loss, "final_val_loss": val_loss,
                "unigram_val_loss": prepared.unigram_val_loss, "run_dir": str(run_dir)}

@@ -5,7 +5,9 @@ Shape legend: B micro-batch, S sequence, V vocabulary, L MoE layers, E experts.
 The loss of a micro-batch is ``lm_loss + aux_loss + z_loss`` where ``lm_loss`` is the mean
 next-token cross-entropy over the positions whose label is in the same document as the
 input. With accumulation the gradient is the mean over micro-batches, so one process with
-``n`` micro-batches matches ``n`` data-parallel ranks that each see one of them.
+``n`` micro-batches matches ``n`` data-parallel ranks that each see one of them: under data
+parallelism (``train.distributed``) the accumulated gradient and the step's statistics are
+averaged over ranks once per step.
 
 Everything numeric runs inside ``ms.jit`` functions (GRAPH_MODE). Functions are jitted,
 not the cells: ``ms.jit(cell)`` would freeze the parameter values it captured.
@@ -54,8 +56,9 @@ class Trainer:
     """Owns the compiled functions of one run; call :meth:`step` with the micro-batches of a step."""
 
     def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, grad_clip: float, accum_steps: int,
-                 router_updates=None):
+                 router_updates=None, dist=None):
         self.model = model
+        self.dist = dist
         self.router_updates = router_updates
         self.optimizer = optimizer
         self.accum_steps = accum_steps
@@ -70,13 +73,20 @@ class Trainer:
         else:
             self.grad_buffers = None
         buffers = self.grad_buffers
+        if dist is None:
+            def synchronise(grads, loss):
+                return grads, loss
+        else:
+            synchronise = dist.grad_reducer(params)
 
         def clip_and_apply(grads, loss):
             """Clip to the global norm and update, unless loss or gradients are not finite.
 
             A non-finite step is skipped whole (no moment update either), as loss-scaled training
-            does on overflow; the caller counts it.
+            does on overflow; the caller counts it. Gradients and loss are first averaged over
+            data-parallel ranks, so every rank takes the same decision and the same update.
             """
+            grads, loss = synchronise(grads, loss)
             norm = ops.sqrt(ops.stack([ops.square(g).sum() for g in grads]).sum())
             if clip > 0:
                 factor = ops.minimum(clip / (norm + 1e-6), 1.0)
@@ -140,7 +150,7 @@ class Trainer:
                 losses.append(self._accumulate(*split_window(batch)))
             mean_loss = float(np.mean([l.asnumpy() for l, _ in losses]))
             norm, lr, finite = self._apply_accumulated(Tensor(np.float32(mean_loss)))
-        stats = StepStats(
+        stats = self._global_stats(StepStats(
             skipped=not bool(finite.asnumpy()),
             loss=float(np.mean([l.asnumpy() for l, _ in losses])),
             lm_loss=float(np.mean([a[0].asnumpy() for _, a in losses])),
@@ -150,10 +160,30 @@ class Trainer:
             lr=float(np.asarray(lr.asnumpy()).reshape(-1)[0]),
             routing_stats=np.sum([a[3].asnumpy() for _, a in losses], axis=0),
             layer_stats=np.mean([a[4].asnumpy() for _, a in losses], axis=0),
-        )
+        ))
         if self.router_updates is not None and not stats.skipped:
             self.router_updates.after_optimizer(stats.routing_stats)
         return stats
+
+    def _global_stats(self, local: StepStats) -> StepStats:
+        """Means (losses, layer statistics) and sums (routing counts) over data-parallel ranks.
+
+        Every rank runs the same number of micro-batches, so the mean of the rank means is the
+        global-batch mean. The gradient norm and the skip decision are already global.
+        """
+        if self.dist is None or not self.dist.active:
+            return local
+        scalars = [local.loss, local.lm_loss, local.aux_loss, local.z_loss]
+        routing, layer = local.routing_stats, local.layer_stats
+        packed = np.concatenate([np.asarray(scalars, np.float32), routing.reshape(-1), layer.reshape(-1)])
+        total = self.dist.sum_over_ranks(packed)
+        world = self.dist.world_size
+        loss, lm_loss, aux_loss, z_loss = (float(v) / world for v in total[:4])
+        routing_end = 4 + routing.size
+        return StepStats(skipped=local.skipped, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss, z_loss=z_loss,
+                         grad_norm=local.grad_norm, lr=local.lr,
+                         routing_stats=total[4:routing_end].reshape(routing.shape),
+                         layer_stats=total[routing_end:].reshape(layer.shape) / world)
 
     def evaluate(self, batches) -> tuple:
         """``(mean nll per scored token, scored tokens)`` over an iterable of window dicts."""
@@ -163,5 +193,7 @@ class Trainer:
             nll_sum, count = self._evaluate(*split_window(batch))
             nll_total += float(nll_sum.asnumpy())
             tokens += float(count.asnumpy())
+        if self.dist is not None and self.dist.active:
+            nll_total, tokens = (float(v) for v in self.dist.sum_over_ranks(np.array([nll_total, tokens])))
         return nll_total / max(tokens, 1.0), tokens
 
