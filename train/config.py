@@ -27,7 +27,7 @@ class TrainConfig:
     log_every: int = 10
     #: Validation interval in steps (0 = only at the end).
     eval_every: int = 100
-    #: Cap on validation micro-batches per evaluation (0 = the whole validation split).
+    #: Cap on validation micro-batches per evaluation, over all data-parallel ranks (0 = the whole split).
     eval_batches: int = 0
     #: Checkpoint interval in steps (a checkpoint is always written at the last step).
     save_every: int = 100

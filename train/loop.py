@@ -121,8 +121,9 @@ def run(cfg, run_dir: Path) -> dict:
     def validate(step):
         if not prepared.valid_shards:
             return None
+        # train.eval_batches counts micro-batches over all ranks: the same windows at any dp.
         val_batches = EvalLoader(prepared.valid_shards, cfg.data.micro_batch_size, rank=dist.dp_rank,
-                                 world_size=dist.dp, max_batches=cfg.train.eval_batches)
+                                 world_size=dist.dp, max_batches=-(-cfg.train.eval_batches // dist.dp))
         val_loss, val_tokens = trainer.evaluate(val_batches)
         if metrics is None:
             return val_loss
