@@ -243,3 +243,22 @@ def test_a_killed_worker_stops_the_job_naming_its_log_and_a_relaunch_resumes(sin
     losses = losses_by_step(run_dir)
     assert sorted(losses) == list(range(1, 11))
     assert_same_losses(losses, single_process, range(1, 11))
+
+
+def test_cluster_script_gives_every_node_its_rank_the_master_and_the_same_overrides(tmp_path):
+    fake_ssh = tmp_path / "ssh"
+    fake_ssh.write_text('#!/bin/sh\necho "$1|$2"\n')
+    fake_ssh.chmod(0o755)
+    env = dict(os.environ, HOSTS="10.0.0.1 10.0.0.2 10.0.0.3", RUN_DIR="/shared/run 1", PROCS_PER_NODE="4",
+               MINDMOE_SSH=str(fake_ssh), WORKDIR="/opt/mindmoe")
+    result = subprocess.run(["bash", str(REPO / "launch" / "cluster.sh"), "data.global_batch_size=48",
+                             "data.train_files=[a.jsonl,b c.jsonl]"], env=env, capture_output=True, text=True,
+                            timeout=60, check=True)
+    remote = dict(line.split("|", 1) for line in result.stdout.strip().splitlines())
+    assert sorted(remote) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    for node_rank, host in enumerate(["10.0.0.1", "10.0.0.2", "10.0.0.3"]):
+        words = shlex.split(remote[host].split("&&")[-1])
+        assert words[0] == "mindmoe-launch"
+        assert {"launch.nodes=3", f"launch.node_rank={node_rank}", "launch.procs_per_node=4",
+                "launch.master_addr=10.0.0.1", "hydra.run.dir=/shared/run 1", "data.global_batch_size=48",
+                "data.train_files=[a.jsonl,b c.jsonl]"} <= set(words)
