@@ -18,6 +18,7 @@ from data.prepare import prepare_data
 from model.config import validate_model_config
 from model.transformer import MoETransformer
 from train.distributed import init_distributed
+from train.precision import apply_precision, validate_precision
 from train.checkpoint import load_model_weights, load_optimizer_state, read_state, save_checkpoint
 from train.metrics import MetricsWriter, measure_peak_gflops, train_flops_per_token, window_row
 from train.resume import StopRequest, TrainingStopped, pick_resume_checkpoint
@@ -40,6 +41,7 @@ def validate_run_config(cfg) -> None:
             raise ValueError(f"train.{key}={getattr(train, key)} must be >= 1")
     if not 0 <= train.warmup_ratio < 1:
         raise ValueError(f"train.warmup_ratio={train.warmup_ratio} must be in [0, 1)")
+    validate_precision(train, ms.get_context("device_target"))
     if train.max_bad_steps < 1:
         raise ValueError(f"train.max_bad_steps={train.max_bad_steps} must be >= 1")
     if train.on_corrupt_checkpoint not in ("error", "previous"):
@@ -76,11 +78,13 @@ def run(cfg, run_dir: Path) -> dict:
     train_cfg = OmegaConf.to_object(cfg.train)
 
     model = MoETransformer(model_cfg, seed=cfg.train.seed)
+    loss_scale = apply_precision(model, cfg.train)
     optimizer = build_optimizer(model.trainable_params(), train_cfg)
     optimizer_state = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq) + [optimizer.global_step]
     accum_steps = dist.layout.accumulation
     trainer = Trainer(model, optimizer, cfg.train.grad_clip, accum_steps, RouterStepUpdates(model, model_cfg),
-                      dist)
+                      dist, loss_scale)
+    optimizer_state += trainer.loss_scale_state
     # Checkpoints hold every parameter, including state the optimizer never sees (router biases).
     model_state = list(model.get_parameters())
     moe_layer_ids = [idx for idx, layer in enumerate(model.layers) if layer.is_moe]

@@ -52,18 +52,63 @@ class StepStats:
     layer_stats: np.ndarray     # [L, 5] per-layer scalars (model.moe.layer.LAYER_STATS), mean over micro-batches
 
 
+def _loss_scaling(loss_scale):
+    """``(scale_loss, unscale, adjust_scale, state parameters)`` for a ``train.precision.LossScale`` or None.
+
+    Dynamic loss scaling (Micikevicius et al. 2018): the loss is multiplied by the scale before
+    backward so small fp16 gradients do not flush to zero; gradients and loss are divided by it
+    before clipping. A non-finite step halves the scale (not below 1), ``window`` finite steps in
+    a row double it. Without it all three are identities and no state exists.
+    """
+    if loss_scale is None:
+        def scale_loss(loss):
+            return loss
+
+        def unscale(grads, loss):
+            return grads, loss
+
+        def adjust_scale(finite):
+            return finite
+        return scale_loss, unscale, adjust_scale, []
+    scale = Parameter(Tensor(np.float32(loss_scale.initial)), name="loss_scale.scale", requires_grad=False)
+    good_steps = Parameter(Tensor(np.float32(0.0)), name="loss_scale.good_steps", requires_grad=False)
+    window = float(loss_scale.window)
+
+    def scale_loss(loss):
+        return loss * scale
+
+    def unscale(grads, loss):
+        inv_scale = 1.0 / scale
+        return tuple(g * inv_scale for g in grads), loss * inv_scale
+
+    def adjust_scale(finite):
+        counted = (good_steps + 1.0) * finite.astype(ms.float32)
+        grow = counted >= window
+        kept_scale = ops.select(grow, scale * 2.0, scale)
+        ops.assign(scale, ops.select(finite, kept_scale, ops.maximum(scale * 0.5, 1.0)))
+        ops.assign(good_steps, ops.select(grow, ops.zeros_like(counted), counted))
+        return finite
+    return scale_loss, unscale, adjust_scale, [scale, good_steps]
+
+
 class Trainer:
     """Owns the compiled functions of one run; call :meth:`step` with the micro-batches of a step."""
 
     def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, grad_clip: float, accum_steps: int,
-                 router_updates=None, dist=None):
+                 router_updates=None, dist=None, loss_scale=None):
         self.model = model
         self.dist = dist
         self.router_updates = router_updates
         self.optimizer = optimizer
         self.accum_steps = accum_steps
         params = optimizer.parameters
-        grad_fn = ms.value_and_grad(self._loss, None, params, has_aux=True)
+        scale_loss, unscale, adjust_scale, self.loss_scale_state = _loss_scaling(loss_scale)
+
+        def scaled_loss(input_ids, doc_ids, labels, loss_mask):
+            loss, aux = self._loss(input_ids, doc_ids, labels, loss_mask)
+            return scale_loss(loss), aux
+
+        grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
         clip = float(grad_clip)
         inv_accum = 1.0 / accum_steps
         if accum_steps > 1:
@@ -95,17 +140,20 @@ class Trainer:
             finite = ops.logical_and(ops.isfinite(norm), ops.isfinite(loss))
             if finite:
                 optimizer(grads)
+            adjust_scale(finite)
             return norm, lr, finite
 
         @ms.jit
         def fused_step(input_ids, doc_ids, labels, loss_mask):
             (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
+            grads, loss = unscale(grads, loss)
             norm, lr, finite = clip_and_apply(grads, loss)
             return loss, aux, norm, lr, finite
 
         @ms.jit
         def accumulate(input_ids, doc_ids, labels, loss_mask):
             (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
+            grads, loss = unscale(grads, loss)
             for buffer, grad in zip(buffers, grads):
                 ops.assign_add(buffer, grad * inv_accum)
             return loss, aux
