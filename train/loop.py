@@ -150,7 +150,8 @@ def run(cfg, run_dir: Path) -> dict:
     window, window_seconds = [], 0.0
     first_loss = None
     bad_steps_in_row = skipped_steps = 0
-    progress = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not (cfg.train.progress_bar and dist.is_main),
+    show_progress = cfg.train.progress_bar and dist.is_main
+    progress = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not show_progress,
                     unit="step", dynamic_ncols=True)
     with StopRequest() as stop:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
