@@ -9,7 +9,8 @@ class ParallelConfig:
 
     #: Data-parallel replicas; 0 = the number of processes divided by ``ep`` (1 without mindmoe-launch).
     dp: int = 0
-    #: Expert-parallel group size (the experts of each MoE layer are split over ``ep`` ranks).
+    #: Expert-parallel group size: each MoE layer's experts are split over ``ep`` ranks that share
+    #: their micro-batches (one data-parallel replica); divides the process count and num_experts.
     ep: int = 1
 
 

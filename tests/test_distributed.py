@@ -202,6 +202,31 @@ def test_two_data_parallel_workers_reproduce_the_single_process_losses(single_pr
 
 
 @pytest.mark.msrun
+def test_expert_parallel_workers_reproduce_the_single_process_and_their_checkpoint_resumes_with_ep1(
+        single_process, tmp_path, data_cache, processes):
+    from safetensors.numpy import load_file
+    run_dir = tmp_path / "ep2"
+    launcher = start(processes, launch_command(run_dir, data_cache, "launch.procs_per_node=2", "parallel.ep=2",
+                                               f"launch.master_port={free_port()}"))
+    code, stdout, stderr = finish(launcher)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "data parallel 1, accumulation 2" in stdout
+    assert_same_losses(losses_by_step(run_dir), single_process, range(1, 11))
+    # Full expert tensors (and AdamW moments) although each rank held half of the experts.
+    checkpoint = run_dir / "checkpoints" / "step_000005"
+    assert load_file(str(checkpoint / "model.safetensors"))["layers.1.mlp.experts.gate_proj"].shape == (4, 32, 64)
+    assert load_file(str(checkpoint / "optimizer.safetensors"))["adam_v.layers.1.mlp.experts.down_proj"].shape \
+        == (4, 64, 32)
+
+    resumed_dir = tmp_path / "ep1"
+    subprocess.run([sys.executable, "-m", "train.cli", f"hydra.run.dir={resumed_dir}", f"data.cache_dir={data_cache}",
+                    *TINY_RUN, f"train.resume={checkpoint}"], cwd=REPO, check=True, capture_output=True, timeout=900)
+    resumed = losses_by_step(resumed_dir)
+    assert sorted(resumed) == list(range(6, 11))
+    assert_same_losses(resumed, single_process, range(6, 11))
+
+
+@pytest.mark.msrun
 def test_two_nodes_of_one_worker_reproduce_the_single_process_losses(single_process, tmp_path, data_cache,
                                                                     processes):
     run_dir = tmp_path / "nodes2"

@@ -52,8 +52,6 @@ def resolve_layout(world_size: int, dp: int, ep: int, num_experts: int, global_b
         if world_size % ep:
             raise ValueError(f"parallel.ep={ep} must divide the number of processes {world_size} "
                              "(launch.nodes x launch.procs_per_node)")
-        raise ValueError(f"parallel.ep={ep}: expert parallelism is not available in this version; "
-                         "use parallel.ep=1 (data parallel over all processes)")
     resolved_dp = dp or world_size // ep
     if resolved_dp * ep != world_size:
         raise ValueError(f"parallel.dp={dp} x parallel.ep={ep} = {resolved_dp * ep} processes, but {world_size} "
@@ -79,12 +77,18 @@ class Distributed:
     global batch. ``is_main`` (rank 0) alone writes metrics and checkpoints.
     """
 
-    def __init__(self, rank: int, layout: Layout):
+    def __init__(self, rank: int, layout: Layout, ep_group: str = "", expert_dp_group: str = ""):
         self.rank = rank
         self.layout = layout
         self.world_size = layout.world_size
         self.dp = layout.dp
+        self.ep = layout.ep
+        # Expert groups are runs of ep consecutive ranks; a group is one data-parallel replica.
         self.dp_rank = rank // layout.ep
+        self.rank_in_group = rank % layout.ep
+        self.ep_group = ep_group
+        self.expert_dp_group = expert_dp_group
+        self.sharded = {}
         self.is_main = rank == 0
         if self.world_size > 1:
             all_reduce = ops.AllReduce()
@@ -99,19 +103,83 @@ class Distributed:
     def active(self) -> bool:
         return self.world_size > 1
 
+    def parallelize(self, model) -> None:
+        """Split every MoE layer's experts over the expert group (``parallel.ep > 1``); call it
+        before the optimizer is built, so AdamW's moments have the local shapes."""
+        if self.ep > 1:
+            from train.expert_parallel import parallelize_experts
+            self.sharded = parallelize_experts(model, self.rank_in_group, self.ep, self.ep_group)
+
+    def checkpoint_views(self, params) -> list:
+        """``params`` as checkpoints see them: expert tensors (and their moments) at full size."""
+        from train.expert_parallel import sharded_views
+        return sharded_views(params, self.sharded, self.ep, self.ep_group)
+
     def grad_reducer(self, params):
-        """``(grads, loss) -> (mean grads, mean loss)`` over ranks, for use inside a jitted step."""
+        """``(grads, loss) -> (grads, loss)`` of the global objective (the mean over data-parallel
+        replicas of their micro-batch loss), for use inside a jitted step.
+
+        Replicated parameters: every rank holds its replica's full gradient (the copy into an expert
+        group sums the expert paths), so the mean over all ranks is the mean over replicas. Expert
+        shards: the same experts live on one rank per replica; their gradients are averaged over
+        those ``dp`` ranks only.
+        """
         if not self.active:
             def synchronise(grads, loss):
                 return grads, loss
             return synchronise
-        reducer = nn.DistributedGradReducer(params, mean=True, degree=self.world_size)
+        params = list(params)
+        expert_idx = [i for i, p in enumerate(params) if p.name in self.sharded]
+        dense_idx = [i for i, p in enumerate(params) if p.name not in self.sharded]
+        dense_reducer = nn.DistributedGradReducer([params[i] for i in dense_idx], mean=True,
+                                                  degree=self.world_size)
+        expert_reducer = None
+        if expert_idx and self.dp > 1:
+            expert_reducer = nn.DistributedGradReducer([params[i] for i in expert_idx], mean=True,
+                                                       degree=self.dp, group=self.expert_dp_group)
         loss_all_reduce = ops.AllReduce()
         inv_world = 1.0 / self.world_size
+        if not expert_idx:
+            def synchronise(grads, loss):
+                return dense_reducer(grads), loss_all_reduce(loss) * inv_world
+            return synchronise
+        order = [0] * len(params)
+        for position, index in enumerate(dense_idx + expert_idx):
+            order[index] = position
 
         def synchronise(grads, loss):
-            return reducer(grads), loss_all_reduce(loss) * inv_world
+            dense = dense_reducer(tuple(grads[i] for i in dense_idx))
+            experts = tuple(grads[i] for i in expert_idx)
+            if expert_reducer is not None:
+                experts = expert_reducer(experts)
+            merged = dense + experts
+            return tuple(merged[i] for i in order), loss_all_reduce(loss) * inv_world
         return synchronise
+
+    def squared_grad_norm(self, params):
+        """``grads -> |g|^2`` of the whole model's (synchronised) gradient, the same on every rank.
+
+        Each rank holds only its experts' gradients, so their share is summed over the expert group.
+        """
+        params = list(params)
+        expert_idx = [i for i, p in enumerate(params) if p.name in self.sharded]
+        dense_idx = [i for i, p in enumerate(params) if p.name not in self.sharded]
+        if not expert_idx:
+            def squared_norm(grads):
+                return ops.stack([ops.square(g).sum() for g in grads]).sum()
+            return squared_norm
+        group_all_reduce = ops.AllReduce(group=self.ep_group)
+
+        def squared_norm(grads):
+            dense = ops.stack([ops.square(grads[i]).sum() for i in dense_idx]).sum()
+            experts = ops.stack([ops.square(grads[i]).sum() for i in expert_idx]).sum()
+            return dense + group_all_reduce(experts)
+        return squared_norm
+
+    @property
+    def replica_copies(self) -> int:
+        """Ranks holding the same micro-batches (an expert group): sums over ranks count each ``ep`` times."""
+        return self.ep
 
     def sum_over_ranks(self, values: np.ndarray) -> np.ndarray:
         """Element-wise sum of a host array over all ranks (float32; identity in one process)."""
@@ -137,6 +205,7 @@ def init_distributed(parallel, num_experts: int, global_batch_size: int, micro_b
     world_size, rank = get_group_size(), get_rank()
     layout = resolve_layout(world_size, parallel.dp, parallel.ep, num_experts, global_batch_size,
                             micro_batch_size, has_moe_layers)
+    ep_group, expert_dp_group = _expert_groups(rank, layout)
     ms.reset_auto_parallel_context()
     # Fused all-reduce buckets instead of one all-reduce per parameter (on these CPU machines this
     # roughly halves the step time of two ranks).
@@ -144,4 +213,24 @@ def init_distributed(parallel, num_experts: int, global_batch_size: int, micro_b
                                  device_num=world_size, comm_fusion={"allreduce": {"mode": "auto", "config": None}})
     log.info("rank %d of %d (pid %d): data parallel %d, accumulation %d", rank, world_size, os.getpid(),
              layout.dp, layout.accumulation)
-    return Distributed(rank, layout)
+    return Distributed(rank, layout, ep_group, expert_dp_group)
+
+
+def _expert_groups(rank: int, layout: Layout):
+    """Communication groups of expert parallelism: this rank's expert group (``ep`` consecutive
+    ranks) and the ranks holding the same experts in the other replicas (``dp`` of them)."""
+    if layout.ep == 1:
+        return "", ""
+    from mindspore.communication import GlobalComm, create_group
+    if layout.ep == layout.world_size:
+        ep_group = GlobalComm.WORLD_COMM_GROUP
+    else:
+        first = rank // layout.ep * layout.ep
+        ep_group = f"expert_group_{first // layout.ep}"
+        create_group(ep_group, list(range(first, first + layout.ep)))
+    expert_dp_group = ""
+    if layout.dp > 1:
+        position = rank % layout.ep
+        expert_dp_group = f"expert_dp_group_{position}"
+        create_group(expert_dp_group, list(range(position, layout.world_size, layout.ep)))
+    return ep_group, expert_dp_group

@@ -78,6 +78,7 @@ def run(cfg, run_dir: Path) -> dict:
     train_cfg = OmegaConf.to_object(cfg.train)
 
     model = MoETransformer(model_cfg, seed=cfg.train.seed)
+    dist.parallelize(model)
     loss_scale = apply_precision(model, cfg.train)
     optimizer = build_optimizer(model.trainable_params(), train_cfg)
     optimizer_state = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq) + [optimizer.global_step]
@@ -85,8 +86,10 @@ def run(cfg, run_dir: Path) -> dict:
     trainer = Trainer(model, optimizer, cfg.train.grad_clip, accum_steps, RouterStepUpdates(model, model_cfg),
                       dist, loss_scale)
     optimizer_state += trainer.loss_scale_state
-    # Checkpoints hold every parameter, including state the optimizer never sees (router biases).
-    model_state = list(model.get_parameters())
+    # Checkpoints hold every parameter, including state the optimizer never sees (router biases),
+    # expert tensors at full size whatever parallel.ep is.
+    model_state = dist.checkpoint_views(model.get_parameters())
+    optimizer_state = dist.checkpoint_views(optimizer_state)
     moe_layer_ids = [idx for idx, layer in enumerate(model.layers) if layer.is_moe]
 
     checkpoint_root = run_dir / "checkpoints"
@@ -116,6 +119,11 @@ def run(cfg, run_dir: Path) -> dict:
 
     def checkpoint(step):
         if not dist.is_main:
+            if dist.sharded:
+                # Gathering the expert shards is collective: every rank takes part, rank 0 writes.
+                for tensor in model_state + optimizer_state:
+                    if tensor.name in dist.sharded or tensor.name.split(".", 1)[-1] in dist.sharded:
+                        tensor.asnumpy()
             return checkpoint_root / f"step_{step:06d}"
         state = {"data_seed": cfg.train.seed, "tokens_seen": step * tokens_per_step,
                  "tokenizer": prepared.tokenizer_path, "model_config": dataclasses.asdict(model_cfg)}

@@ -121,8 +121,12 @@ class Trainer:
         if dist is None:
             def synchronise(grads, loss):
                 return grads, loss
+
+            def squared_norm(grads):
+                return ops.stack([ops.square(g).sum() for g in grads]).sum()
         else:
             synchronise = dist.grad_reducer(params)
+            squared_norm = dist.squared_grad_norm(params)
 
         def clip_and_apply(grads, loss):
             """Clip to the global norm and update, unless loss or gradients are not finite.
@@ -132,7 +136,7 @@ class Trainer:
             data-parallel ranks, so every rank takes the same decision and the same update.
             """
             grads, loss = synchronise(grads, loss)
-            norm = ops.sqrt(ops.stack([ops.square(g).sum() for g in grads]).sum())
+            norm = ops.sqrt(squared_norm(grads))
             if clip > 0:
                 factor = ops.minimum(clip / (norm + 1e-6), 1.0)
                 grads = tuple(g * factor for g in grads)
@@ -217,7 +221,8 @@ class Trainer:
         """Means (losses, layer statistics) and sums (routing counts) over data-parallel ranks.
 
         Every rank runs the same number of micro-batches, so the mean of the rank means is the
-        global-batch mean. The gradient norm and the skip decision are already global.
+        global-batch mean. The ranks of an expert group share their micro-batches, so their counts
+        are counted once. The gradient norm and the skip decision are already global.
         """
         if self.dist is None or not self.dist.active:
             return local
@@ -230,7 +235,7 @@ class Trainer:
         routing_end = 4 + routing.size
         return StepStats(skipped=local.skipped, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss, z_loss=z_loss,
                          grad_norm=local.grad_norm, lr=local.lr,
-                         routing_stats=total[4:routing_end].reshape(routing.shape),
+                         routing_stats=total[4:routing_end].reshape(routing.shape) / self.dist.replica_copies,
                          layer_stats=total[routing_end:].reshape(layer.shape) / world)
 
     def evaluate(self, batches) -> tuple:
@@ -242,6 +247,7 @@ class Trainer:
             nll_total += float(nll_sum.asnumpy())
             tokens += float(count.asnumpy())
         if self.dist is not None and self.dist.active:
-            nll_total, tokens = (float(v) for v in self.dist.sum_over_ranks(np.array([nll_total, tokens])))
+            summed = self.dist.sum_over_ranks(np.array([nll_total, tokens])) / self.dist.replica_copies
+            nll_total, tokens = float(summed[0]), float(summed[1])
         return nll_total / max(tokens, 1.0), tokens
 
