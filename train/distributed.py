@@ -113,7 +113,7 @@ class Distributed:
     def checkpoint_views(self, params) -> list:
         """``params`` as checkpoints see them: expert tensors (and their moments) at full size."""
         from train.expert_parallel import sharded_views
-        return sharded_views(params, self.sharded, self.ep, self.ep_group)
+        return sharded_views(params, self.sharded, self.rank_in_group, self.ep, self.ep_group)
 
     def grad_reducer(self, params):
         """``(grads, loss) -> (grads, loss)`` of the global objective (the mean over data-parallel

@@ -46,18 +46,34 @@ class CopyToGroup(nn.Cell):
         return (self.all_reduce(dout),)
 
 
+def all_gather_supported(group: str) -> bool:
+    """MindSpore's CPU AllGather kernel only accepts the world group (AllReduce takes any group)."""
+    from mindspore.communication import GlobalComm
+    return group == GlobalComm.WORLD_COMM_GROUP or ms.get_context("device_target") != "CPU"
+
+
 class GatherFromGroup(nn.Cell):
     """All-gather along axis 0; backward keeps this rank's rows. The upstream gradient is the same
-    on every rank of the group (same tokens, same loss), so no reduction is needed."""
+    on every rank of the group (same tokens, same loss), so no reduction is needed.
 
-    def __init__(self, group: str, rank_in_group: int, rows: int):
+    Where AllGather cannot take the group (CPU, group smaller than the world), each rank places its
+    rows in a zero buffer of the gathered size and the buffers are summed with AllReduce.
+    """
+
+    def __init__(self, group: str, rank_in_group: int, rows: int, group_size: int):
         super().__init__()
+        self.use_all_gather = all_gather_supported(group)
         self.all_gather = ops.AllGather(group=group)
+        self.all_reduce = ops.AllReduce(group=group)
         self.first = rank_in_group * rows
         self.last = self.first + rows
+        self.rows_after = (group_size - 1 - rank_in_group) * rows
 
     def construct(self, y):
-        return self.all_gather(y)
+        if self.use_all_gather:
+            return self.all_gather(y)
+        padding = (0, 0) * (y.ndim - 1) + (self.first, self.rows_after)
+        return self.all_reduce(ops.pad(y, padding))
 
     def bprop(self, y, out, dout):
         return (dout[self.first:self.last],)
@@ -78,7 +94,7 @@ class ExpertParallelExperts(nn.Cell):
             getattr(self.local, name).set_data(Tensor(getattr(full, name).asnumpy()[rows]))
             self.full_names[name] = getattr(full, name).name
         self.copy_in = CopyToGroup(group)
-        self.gather_out = GatherFromGroup(group, rank_in_group, self.num_local)
+        self.gather_out = GatherFromGroup(group, rank_in_group, self.num_local, ep)
 
     def _local_rows(self, x_ECH):
         return self.copy_in(x_ECH)[self.first_expert:self.first_expert + self.num_local]
@@ -129,21 +145,25 @@ class ShardedState:
         self.local.set_data(Tensor(full[self.first_row:self.first_row + self.rows], dtype=self.local.dtype))
 
 
-def sharded_views(params, sharded: dict, ep: int, group: str) -> list:
+def _base_name(name: str) -> str:
+    for prefix in MOMENT_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name
+
+
+def sharded_views(params, sharded: dict, rank_in_group: int, ep: int, group: str) -> list:
     """``params`` with each expert parameter (or its AdamW moment) replaced by a :class:`ShardedState`."""
-    if not sharded:
-        return list(params)
-    all_gather = ops.AllGather(group=group)
+    params = list(params)
+    local = [p for p in params if _base_name(p.name) in sharded]
+    if not local:
+        return params
+    # Every expert tensor holds the same number of local experts on axis 0.
+    gather_cell = GatherFromGroup(group, rank_in_group, local[0].shape[0], ep)
 
     @ms.jit
-    def gather(local):
-        return all_gather(local)
+    def gather(local_tensor):
+        return gather_cell(local_tensor)
 
-    views = []
-    for param in params:
-        base = param.name
-        for prefix in MOMENT_PREFIXES:
-            if base.startswith(prefix):
-                base = base[len(prefix):]
-        views.append(ShardedState(param, sharded[base], ep, gather) if base in sharded else param)
-    return views
+    return [ShardedState(p, sharded[_base_name(p.name)], ep, gather) if _base_name(p.name) in sharded else p
+            for p in params]
