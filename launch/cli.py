@@ -31,6 +31,8 @@ register_configs()
 #: msrun's report of the first worker that failed (``_api.py`` of MindSpore 2.9).
 FAILED_WORKER = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 BANNER = re.compile(WORKER_BANNER.format(rank=r"(\d+)", pid=r"(\d+)"))
+#: Exit status of ``mindmoe-train`` after a SIGTERM/SIGINT checkpoint (train/cli.py).
+STOPPED_ON_SIGNAL = 3
 
 
 class WorkerFailed(RuntimeError):
@@ -71,7 +73,10 @@ def failure_message(logs: Path, run_dir: Path, pid: int, code: int) -> str:
     rank, path = rank_log(logs, pid)
     who = f"rank {rank} (pid {pid})" if rank is not None else f"worker pid {pid}"
     where = f"its log: {path}" if path else f"logs: {logs}"
-    return (f"{who} exited with code {code}; {where}. The other workers were stopped. Run the same command "
+    what = f"exited with code {code}"
+    if code == STOPPED_ON_SIGNAL:
+        what = "stopped on a signal after the checkpoint of that step was written"
+    return (f"{who} {what}; {where}. The other workers were stopped. Run the same command "
             f"again to continue from the last checkpoint in {run_dir / 'checkpoints'} (train.resume=auto).")
 
 

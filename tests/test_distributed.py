@@ -240,29 +240,53 @@ def test_two_nodes_of_one_worker_reproduce_the_single_process_losses(single_proc
     assert_same_losses(losses_by_step(run_dir), single_process, range(1, 11))
 
 
-@pytest.mark.msrun
-def test_a_killed_worker_stops_the_job_naming_its_log_and_a_relaunch_resumes(single_process, tmp_path,
-                                                                            data_cache, processes):
-    run_dir = tmp_path / "killed"
-    command = launch_command(run_dir, data_cache, "launch.procs_per_node=2", "launch.node_timeout=5",
-                             "train.save_every=2", f"launch.master_port={free_port()}")
-    launcher = start(processes, command)
-    checkpoint = run_dir / "checkpoints" / "step_000004"
-    deadline = time.time() + 600
-    while not checkpoint.exists():
+def wait_for_checkpoint_after(run_dir, step, launcher, timeout=600):
+    """The newest checkpoint step once one newer than ``step`` exists."""
+    root = Path(run_dir) / "checkpoints"
+    deadline = time.time() + timeout
+    while True:
+        steps = [int(p.name.split("_")[1]) for p in root.glob("step_*")] if root.is_dir() else []
+        if steps and max(steps) > step:
+            return max(steps)
         assert launcher.poll() is None, launcher.communicate()
-        assert time.time() < deadline, f"{checkpoint} did not appear"
+        assert time.time() < deadline, f"no checkpoint after step {step} in {root}"
         time.sleep(0.2)
-    banner = (run_dir / "msrun" / "worker_1.log").read_text().split("mindmoe worker: rank 1 pid ")[1]
-    os.kill(int(banner.split()[0]), signal.SIGKILL)
-    # Generous: the job must stop after launch.node_timeout, not hang until the test's timeout.
+
+
+def worker_pid(run_dir, rank):
+    log = (Path(run_dir) / "msrun" / f"worker_{rank}.log").read_text()
+    return int(log.split(f"mindmoe worker: rank {rank} pid ")[1].split()[0])
+
+
+@pytest.mark.msrun
+def test_a_stopped_or_killed_worker_stops_the_job_naming_its_log_and_a_relaunch_resumes(
+        single_process, tmp_path, data_cache, processes):
+    run_dir = tmp_path / "killed"
+    worker_log = str(run_dir / "msrun" / "worker_1.log")
+    command = launch_command(run_dir, data_cache, "launch.procs_per_node=2", "launch.node_timeout=5",
+                             "train.save_every=2")
+
+    # SIGTERM to one worker: every rank stops at the same step, after rank 0 wrote its checkpoint.
+    launcher = start(processes, command + [f"launch.master_port={free_port()}"])
+    wait_for_checkpoint_after(run_dir, 0, launcher)
+    os.kill(worker_pid(run_dir, 1), signal.SIGTERM)
     code, stdout, stderr = finish(launcher, timeout=240)
+    assert code != 0 and "stopped on a signal after the checkpoint of that step was written" in stderr, stderr
+    stopped_at = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert f"checkpoint of step {stopped_at} written" in (run_dir / "msrun" / "worker_0.log").read_text()
+
+    # SIGKILL of one worker: the job stops after launch.node_timeout, naming the rank and its log.
+    relaunch = start(processes, command + [f"launch.master_port={free_port()}"])
+    wait_for_checkpoint_after(run_dir, stopped_at, relaunch)
+    os.kill(worker_pid(run_dir, 1), signal.SIGKILL)
+    # Generous: the job must stop after launch.node_timeout, not hang until the test's timeout.
+    code, stdout, stderr = finish(relaunch, timeout=240)
     assert code != 0
-    assert "rank 1 (pid" in stderr and str(run_dir / "msrun" / "worker_1.log") in stderr, stderr[-3000:]
+    assert "rank 1 (pid" in stderr and "exited with code -9" in stderr and worker_log in stderr, stderr[-3000:]
     assert "train.resume=auto" in stderr
 
-    relaunch = start(processes, command[:-1] + [f"launch.master_port={free_port()}"])
-    code, stdout, stderr = finish(relaunch)
+    final = start(processes, command + [f"launch.master_port={free_port()}"])
+    code, stdout, stderr = finish(final)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "resumed from" in stdout + stderr
     losses = losses_by_step(run_dir)

@@ -181,6 +181,12 @@ class Distributed:
         """Ranks holding the same micro-batches (an expert group): sums over ranks count each ``ep`` times."""
         return self.ep
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any; also a barrier (all ranks must call it)."""
+        if not self.active:
+            return bool(flag)
+        return bool(self.sum_over_ranks(np.array([float(flag)]))[0] > 0)
+
     def sum_over_ranks(self, values: np.ndarray) -> np.ndarray:
         """Element-wise sum of a host array over all ranks (float32; identity in one process)."""
         values = np.asarray(values, dtype=np.float32)

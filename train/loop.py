@@ -185,12 +185,18 @@ def run(cfg, run_dir: Path) -> dict:
                 window, window_seconds = [], 0.0
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.max_steps:
                 validate(step)
-            if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop.signal_name:
+            # A signal reaches the ranks of a job at slightly different steps: all stop at the step
+            # where the first one saw it, so rank 0's checkpoint is the one every rank would resume.
+            stop_now = dist.any_rank(stop.signal_name is not None)
+            if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop_now:
                 saved = checkpoint(step)
-                if stop.signal_name:
+                if stop_now:
                     if metrics is not None:
                         metrics.close()
-                    raise TrainingStopped(f"received {stop.signal_name}: checkpoint of step {step} written to "
+                    # msrun stops the whole job when one worker exits: none leaves before the write.
+                    dist.any_rank(False)
+                    received = stop.signal_name or "a stop signal on another rank"
+                    raise TrainingStopped(f"received {received}: checkpoint of step {step} written to "
                                           f"{saved}; run the same command again (train.resume=auto) to continue")
             progress.update(1)
     progress.close()
