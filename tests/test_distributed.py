@@ -115,7 +115,8 @@ def test_dry_run_prints_the_msrun_command_and_environment_of_node_3(tmp_path, da
     result = subprocess.run(
         [sys.executable, "-m", "launch.cli", "launch.dry_run=true", "launch.nodes=4", "launch.procs_per_node=8",
          "launch.node_rank=3", "launch.master_addr=10.0.0.1", "launch.hccl_exec_timeout=1800",
-         "launch.hccl_socket_ifname=eth0", "data.global_batch_size=512", f"hydra.run.dir={run_dir}",
+         "launch.hccl_socket_ifname=eth0", "launch.bind_core=true", "data.global_batch_size=512",
+         f"hydra.run.dir={run_dir}",
          f"data.cache_dir={data_cache}"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
@@ -133,7 +134,7 @@ def test_dry_run_prints_the_msrun_command_and_environment_of_node_3(tmp_path, da
         sys.argv = saved_argv
     assert (args.worker_num, args.local_worker_num, args.node_rank) == (32, 8, 3)
     assert (args.master_addr, args.master_port) == ("10.0.0.1", 8118)
-    assert args.log_dir == str(run_dir.resolve() / "msrun") and args.join is True
+    assert args.log_dir == str(run_dir.resolve() / "msrun") and args.join is True and args.bind_core is True
     assert args.task_script == "python"
     assert args.task_script_args[:2] == ["-m", "train.cli"]
     worker_args = args.task_script_args[2:]
