@@ -11,7 +11,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from data.config import DataConfig
-from launch.config import ParallelConfig
+from launch.config import LaunchConfig, ParallelConfig
 from launch.plan import PlanConfig
 from model.config import ModelConfig
 from model.lora import LoraConfig
@@ -36,6 +36,8 @@ class Config:
     export: ExportConfig = field(default_factory=ExportConfig)
     #: LoRA fine-tuning: adapters on a frozen base (r, alpha, dropout, rslora, target_modules, ...).
     lora: LoraConfig = field(default_factory=LoraConfig)
+    #: Keys of ``mindmoe-launch`` (nodes, workers per node, scheduler address, timeouts, HCCL environment).
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
     #: Input checkpoint directory for commands that read one (export, eval).
     checkpoint: Optional[str] = None
 
@@ -53,3 +55,4 @@ def register_configs() -> None:
     store.store(group="plan", name="base_plan", node=PlanConfig)
     store.store(group="eval", name="base_eval", node=EvalConfig)
     store.store(group="export", name="base_export", node=ExportConfig)
+    store.store(group="launch", name="base_launch", node=LaunchConfig)

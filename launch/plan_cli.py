@@ -137,7 +137,7 @@ def report(cfg) -> List[str]:
     validate_plan_config(plan_cfg)
     batch = Batch(seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch_size,
                   global_batch=cfg.data.global_batch_size)
-    layout = Layout(dp=cfg.parallel.dp, tp=plan_cfg.tp, pp=plan_cfg.pp, ep=cfg.parallel.ep,
+    layout = Layout(dp=cfg.parallel.dp or 1, tp=plan_cfg.tp, pp=plan_cfg.pp, ep=cfg.parallel.ep,
                     zero=plan_cfg.zero, recompute=plan_cfg.recompute)
     planned = plan_layout(model, layout, batch, plan_cfg)
     devices = plan_cfg.devices or layout.devices

@@ -1,4 +1,5 @@
 """``mindmoe-train``: the Hydra entry point (overrides like ``train.max_steps=40``)."""
+import os
 import sys
 from pathlib import Path
 
@@ -27,6 +28,10 @@ def _main(cfg) -> None:
 
 
 def main() -> None:
+    if os.environ.get("MS_ROLE") == "MS_WORKER":
+        from launch.msrun import WORKER_BANNER
+        # mindmoe-launch maps the pid msrun reports for a failed worker to this rank's log.
+        print(WORKER_BANNER.format(rank=os.environ.get("RANK_ID", "?"), pid=os.getpid()), flush=True)
     _main()
 
 

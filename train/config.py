@@ -27,7 +27,7 @@ class TrainConfig:
     log_every: int = 10
     #: Validation interval in steps (0 = only at the end).
     eval_every: int = 100
-    #: Cap on validation micro-batches per evaluation (0 = the whole validation split).
+    #: Cap on validation micro-batches per evaluation, over all data-parallel ranks (0 = the whole split).
     eval_batches: int = 0
     #: Checkpoint interval in steps (a checkpoint is always written at the last step).
     save_every: int = 100
@@ -47,3 +47,11 @@ class TrainConfig:
     peak_gflops: float = 0.0
     #: Show a tqdm progress bar.
     progress_bar: bool = True
+    #: Compute precision: ``fp32``, or ``bf16`` / ``fp16`` on Ascend (parameters and optimizer stay fp32).
+    dtype: str = "fp32"
+    #: Initial dynamic loss scale, used with ``dtype=fp16`` only (halved on overflow).
+    loss_scale: float = 65536.0
+    #: Finite fp16 steps in a row after which the loss scale doubles.
+    loss_scale_window: int = 1000
+    #: Recompute each decoder layer's activations in backward instead of storing them.
+    recompute: bool = False

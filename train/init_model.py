@@ -27,15 +27,17 @@ def explicit_model_keys(task_overrides) -> set:
     return keys
 
 
-def check_pretrained(cfg, explicit_keys=()) -> None:
-    """Read ``model.pretrained``'s config.json with the overrides applied, so that a wrong directory
-    or a conflicting key fails before data preparation (the weights are checked when loaded)."""
-    if cfg.model.pretrained:
-        from model.hf import read_pretrained_config
+def planned_model_config(cfg, explicit_keys=()) -> ModelConfig:
+    """The architecture the run will build, known before the data is prepared: ``model.pretrained``'s
+    config.json with the command-line overrides (so a wrong directory or a conflicting key fails
+    first), else ``cfg.model``. ``vocab_size`` may still be 0 (= the tokenizer's)."""
+    model_cfg = OmegaConf.to_object(cfg.model)
+    if not model_cfg.pretrained:
+        return model_cfg
+    from model.hf import read_pretrained_config
 
-        model_cfg = OmegaConf.to_object(cfg.model)
-        read_pretrained_config(model_cfg.pretrained, {key: getattr(model_cfg, key) for key in sorted(explicit_keys)},
-                               max_seq_len=cfg.data.seq_len)
+    overrides = {key: getattr(model_cfg, key) for key in sorted(explicit_keys)}
+    return read_pretrained_config(model_cfg.pretrained, overrides, max_seq_len=cfg.data.seq_len).model_config
 
 
 def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = True):

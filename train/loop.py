@@ -15,12 +15,14 @@ from tqdm import tqdm
 
 from data.mindrecord import EvalLoader, WindowLoader
 from data.prepare import prepare_data, with_pretrained_tokenizer
+from train.distributed import init_distributed
+from train.precision import apply_precision, validate_precision
 from train.checkpoint import load_model_weights, load_optimizer_state, read_state, save_checkpoint
 from train.metrics import MetricsWriter, measure_peak_gflops, train_flops_per_token, window_row
 from train.resume import StopRequest, TrainingStopped, pick_resume_checkpoint
 from train.optim import build_optimizer
 from train.heatmap import render_expert_load, save_png
-from train.init_model import build_model, check_pretrained
+from train.init_model import build_model, planned_model_config
 from train.lora_setup import setup_lora
 from train.routing import RouterStepUpdates
 from train.step import Trainer
@@ -30,10 +32,7 @@ log = logging.getLogger("mindmoe.train")
 
 def validate_run_config(cfg) -> None:
     """Checks across sections that the dataclasses alone cannot express, naming the key."""
-    data, train, parallel = cfg.data, cfg.train, cfg.parallel
-    if parallel.dp != 1 or parallel.ep != 1:
-        raise ValueError(f"parallel.dp={parallel.dp}, parallel.ep={parallel.ep}: this build trains in one "
-                         "process; data and expert parallelism come with mindmoe-launch")
+    data, train = cfg.data, cfg.train
     if data.micro_batch_size < 1 or data.global_batch_size % data.micro_batch_size:
         raise ValueError(f"data.global_batch_size={data.global_batch_size} must be a positive multiple of "
                          f"data.micro_batch_size={data.micro_batch_size}")
@@ -42,6 +41,7 @@ def validate_run_config(cfg) -> None:
             raise ValueError(f"train.{key}={getattr(train, key)} must be >= 1")
     if not 0 <= train.warmup_ratio < 1:
         raise ValueError(f"train.warmup_ratio={train.warmup_ratio} must be in [0, 1)")
+    validate_precision(train, ms.get_context("device_target"))
     if train.max_bad_steps < 1:
         raise ValueError(f"train.max_bad_steps={train.max_bad_steps} must be >= 1")
     if train.on_corrupt_checkpoint not in ("error", "previous"):
@@ -54,15 +54,22 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
     """Train as configured, writing everything into ``run_dir``; returns the final summary.
 
     ``explicit_model_keys``: the ``model.*`` fields set on the command line, which are the only
-    model keys that apply on top of a ``model.pretrained`` config.json.
+    model keys that apply on top of a ``model.pretrained`` config.json. Under msrun every worker
+    runs this with the same config and run dir; rank 0 alone writes ``metrics.jsonl``, TensorBoard
+    events and checkpoints.
     """
     validate_run_config(cfg)
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
     ms.set_context(mode=ms.GRAPH_MODE)
+    planned = planned_model_config(cfg, explicit_model_keys)
+    dist = init_distributed(cfg.parallel, planned.num_experts, cfg.data.global_batch_size,
+                            cfg.data.micro_batch_size, planned.num_moe_layers > 0)
+    if cfg.lora.enabled and dist.layout.ep > 1:
+        raise ValueError(f"lora.enabled=true with parallel.ep={dist.layout.ep}: LoRA runs are data parallel "
+                         "only; set parallel.ep=1")
+    run_dir.mkdir(parents=True, exist_ok=True)
     ms.set_seed(cfg.train.seed)
 
-    check_pretrained(cfg, explicit_model_keys)
     prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
     checkpoint_root = run_dir / "checkpoints"
     resume_from = pick_resume_checkpoint(cfg.train.resume, checkpoint_root, cfg.train.on_corrupt_checkpoint)
@@ -75,12 +82,18 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
                          f"{model_cfg.max_position_embeddings}")
     train_cfg = OmegaConf.to_object(cfg.train)
 
+    dist.parallelize(model)
+    loss_scale = apply_precision(model, cfg.train)
     optimizer = build_optimizer(model.trainable_params(), train_cfg)
     optimizer_state = list(optimizer.exp_avg) + list(optimizer.exp_avg_sq) + [optimizer.global_step]
-    accum_steps = cfg.data.global_batch_size // cfg.data.micro_batch_size
-    trainer = Trainer(model, optimizer, cfg.train.grad_clip, accum_steps, RouterStepUpdates(model, model_cfg))
-    # Checkpoints hold every parameter, including state the optimizer never sees (router biases).
-    model_state = list(model.get_parameters()) if lora_run is None else lora_run.checkpoint_params
+    accum_steps = dist.layout.accumulation
+    trainer = Trainer(model, optimizer, cfg.train.grad_clip, accum_steps, RouterStepUpdates(model, model_cfg),
+                      dist, loss_scale)
+    optimizer_state += trainer.loss_scale_state
+    # Checkpoints hold every parameter, including state the optimizer never sees (router biases),
+    # expert tensors at full size whatever parallel.ep is; a LoRA run's hold its adapters only.
+    model_state = dist.checkpoint_views(model.get_parameters() if lora_run is None else lora_run.checkpoint_params)
+    optimizer_state = dist.checkpoint_views(optimizer_state)
     moe_layer_ids = [idx for idx, layer in enumerate(model.layers) if layer.is_moe]
 
     start_step = 0
@@ -92,7 +105,7 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
 
     loader = WindowLoader(prepared.train_shards, micro_batch_size=cfg.data.micro_batch_size,
                           global_batch_size=cfg.data.global_batch_size, seed=cfg.train.seed,
-                          start_step=start_step)
+                          start_step=start_step, rank=dist.dp_rank, world_size=dist.dp)
     batches = iter(loader)
 
     n_params = sum(int(np.prod(p.shape)) for p in model.trainable_params())
@@ -100,12 +113,20 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
     flops_per_token = train_flops_per_token(model_cfg, cfg.data.seq_len)
     peak_gflops = cfg.train.peak_gflops or measure_peak_gflops()
     log.info("model: %d parameters, %.2f MFLOP/token (train), peak %.1f GFLOP/s; %d train windows, "
-             "accumulation %d", n_params, flops_per_token / 1e6, peak_gflops, prepared.num_train_windows,
-             accum_steps)
-    metrics = MetricsWriter(run_dir)
-    OmegaConf.save(cfg, run_dir / "resolved_config.yaml", resolve=True)
+             "accumulation %d, data parallel %d", n_params, flops_per_token / 1e6, peak_gflops,
+             prepared.num_train_windows, accum_steps, dist.dp)
+    metrics = MetricsWriter(run_dir) if dist.is_main else None
+    if dist.is_main:
+        OmegaConf.save(cfg, run_dir / "resolved_config.yaml", resolve=True)
 
     def checkpoint(step):
+        if not dist.is_main:
+            if dist.sharded:
+                # Gathering the expert shards is collective: every rank takes part, rank 0 writes.
+                for tensor in model_state + optimizer_state:
+                    if tensor.name in dist.sharded or tensor.name.split(".", 1)[-1] in dist.sharded:
+                        tensor.asnumpy()
+            return checkpoint_root / f"step_{step:06d}"
         state = {"data_seed": cfg.train.seed, "tokens_seen": step * tokens_per_step,
                  "tokenizer": prepared.tokenizer_path, "model_config": dataclasses.asdict(model_cfg)}
         return save_checkpoint(checkpoint_root, step, model_state, optimizer_state, state,
@@ -114,15 +135,20 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
     def validate(step):
         if not prepared.valid_shards:
             return None
-        val_batches = EvalLoader(prepared.valid_shards, cfg.data.micro_batch_size,
-                                 max_batches=cfg.train.eval_batches)
+        # train.eval_batches counts micro-batches over all ranks: the same windows at any dp.
+        val_batches = EvalLoader(prepared.valid_shards, cfg.data.micro_batch_size, rank=dist.dp_rank,
+                                 world_size=dist.dp, max_batches=-(-cfg.train.eval_batches // dist.dp))
         val_loss, val_tokens = trainer.evaluate(val_batches)
+        if metrics is None:
+            return val_loss
         metrics.write({"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50.0)),
                        "val_tokens": int(val_tokens)})
         return val_loss
 
     def log_window(step, window, seconds, skipped_steps):
         row = window_row(step, window, seconds, tokens_per_step, flops_per_token, peak_gflops, skipped_steps)
+        if metrics is None:
+            return row
         if moe_layer_ids:
             routing_L3E = np.sum([s.routing_stats for s in window], axis=0)
             heatmap = render_expert_load(routing_L3E[:, 0], moe_layer_ids, f"expert load share, to step {step}")
@@ -136,7 +162,8 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
     window, window_seconds = [], 0.0
     first_loss = None
     bad_steps_in_row = skipped_steps = 0
-    progress = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not cfg.train.progress_bar,
+    show_progress = cfg.train.progress_bar and dist.is_main
+    progress = tqdm(total=cfg.train.max_steps, initial=start_step, disable=not show_progress,
                     unit="step", dynamic_ncols=True)
     with StopRequest() as stop:
         for step in range(start_step + 1, cfg.train.max_steps + 1):
@@ -162,15 +189,24 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
                 window, window_seconds = [], 0.0
             if cfg.train.eval_every and step % cfg.train.eval_every == 0 and step != cfg.train.max_steps:
                 validate(step)
-            if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop.signal_name:
+            # A signal reaches the ranks of a job at slightly different steps: all stop at the step
+            # where the first one saw it, so rank 0's checkpoint is the one every rank would resume.
+            stop_now = dist.any_rank(stop.signal_name is not None)
+            if step % cfg.train.save_every == 0 or step == cfg.train.max_steps or stop_now:
                 saved = checkpoint(step)
-                if stop.signal_name:
-                    metrics.close()
-                    raise TrainingStopped(f"received {stop.signal_name}: checkpoint of step {step} written to "
+                if stop_now:
+                    if metrics is not None:
+                        metrics.close()
+                    # msrun stops the whole job when one worker exits: none leaves before the write.
+                    dist.any_rank(False)
+                    received = stop.signal_name or "a stop signal on another rank"
+                    raise TrainingStopped(f"received {received}: checkpoint of step {step} written to "
                                           f"{saved}; run the same command again (train.resume=auto) to continue")
             progress.update(1)
     progress.close()
     val_loss = validate(cfg.train.max_steps)
+    if metrics is None:
+        return {"steps": cfg.train.max_steps, "final_val_loss": val_loss, "run_dir": str(run_dir)}
     metrics.close()
     summary = {"steps": cfg.train.max_steps, "first_lm_loss": first_loss, "final_val_loss": val_loss,
                "unigram_val_loss": prepared.unigram_val_loss, "run_dir": str(run_dir)}

@@ -29,10 +29,11 @@ class RouterStepUpdates:
         decay = float(cfg.isolation_decay)
         biases = [block.router.e_score_correction_bias for block in moe_blocks] if self.updates_bias else []
         # One entry per MoE layer: that layer's trained 3-D expert tensors (expert on axis 0): the
-        # expert weights, or with LoRA the frozen weights' per-expert adapters instead.
+        # expert weights, or with LoRA the frozen weights' per-expert adapters instead; and the first
+        # expert they hold (not 0 when experts are split over ranks, train/expert_parallel.py).
         expert_params = [[p for p in block.experts.get_parameters() if len(p.shape) == 3 and p.requires_grad]
                          for block in moe_blocks] if self.scales_updates else []
-        self.expert_params = expert_params
+        first_experts = [getattr(block.experts, "first_expert", 0) for block in moe_blocks]
         snapshots = [[Parameter(ops.zeros(p.shape, p.dtype), name="update_snapshot." + p.name, requires_grad=False)
                       for p in layer_params] for layer_params in expert_params]
         self._snapshots = snapshots
@@ -54,8 +55,10 @@ class RouterStepUpdates:
         def scale_updates(locked_share_LE):
             for layer_idx, (layer_params, layer_snapshots) in enumerate(zip(expert_params, snapshots)):
                 multiplier_E = 1.0 - (1.0 - decay) * locked_share_LE[layer_idx]
+                first = first_experts[layer_idx]
                 for param, snapshot in zip(layer_params, layer_snapshots):
-                    multiplier = multiplier_E.reshape((-1,) + (1,) * (len(param.shape) - 1)).astype(param.dtype)
+                    multiplier_e = multiplier_E[first:first + param.shape[0]]
+                    multiplier = multiplier_e.reshape((-1,) + (1,) * (len(param.shape) - 1)).astype(param.dtype)
                     ops.assign(param, snapshot + multiplier * (param - snapshot))
             return locked_share_LE.sum()
 

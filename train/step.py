@@ -5,7 +5,9 @@ Shape legend: B micro-batch, S sequence, V vocabulary, L MoE layers, E experts.
 The loss of a micro-batch is ``lm_loss + aux_loss + z_loss`` where ``lm_loss`` is the mean
 next-token cross-entropy over the positions whose label is in the same document as the
 input. With accumulation the gradient is the mean over micro-batches, so one process with
-``n`` micro-batches matches ``n`` data-parallel ranks that each see one of them.
+``n`` micro-batches matches ``n`` data-parallel ranks that each see one of them: under data
+parallelism (``train.distributed``) the accumulated gradient and the step's statistics are
+averaged over ranks once per step.
 
 Everything numeric runs inside ``ms.jit`` functions (GRAPH_MODE). Functions are jitted,
 not the cells: ``ms.jit(cell)`` would freeze the parameter values it captured.
@@ -55,17 +57,63 @@ class StepStats:
     layer_stats: np.ndarray     # [L, 5] per-layer scalars (model.moe.layer.LAYER_STATS), mean over micro-batches
 
 
+def _loss_scaling(loss_scale):
+    """``(scale_loss, unscale, adjust_scale, state parameters)`` for a ``train.precision.LossScale`` or None.
+
+    Dynamic loss scaling (Micikevicius et al. 2018): the loss is multiplied by the scale before
+    backward so small fp16 gradients do not flush to zero; gradients and loss are divided by it
+    before clipping. A non-finite step halves the scale (not below 1), ``window`` finite steps in
+    a row double it. Without it all three are identities and no state exists.
+    """
+    if loss_scale is None:
+        def scale_loss(loss):
+            return loss
+
+        def unscale(grads, loss):
+            return grads, loss
+
+        def adjust_scale(finite):
+            return finite
+        return scale_loss, unscale, adjust_scale, []
+    scale = Parameter(Tensor(np.float32(loss_scale.initial)), name="loss_scale.scale", requires_grad=False)
+    good_steps = Parameter(Tensor(np.float32(0.0)), name="loss_scale.good_steps", requires_grad=False)
+    window = float(loss_scale.window)
+
+    def scale_loss(loss):
+        return loss * scale
+
+    def unscale(grads, loss):
+        inv_scale = 1.0 / scale
+        return tuple(g * inv_scale for g in grads), loss * inv_scale
+
+    def adjust_scale(finite):
+        counted = (good_steps + 1.0) * finite.astype(ms.float32)
+        grow = counted >= window
+        kept_scale = ops.select(grow, scale * 2.0, scale)
+        ops.assign(scale, ops.select(finite, kept_scale, ops.maximum(scale * 0.5, 1.0)))
+        ops.assign(good_steps, ops.select(grow, ops.zeros_like(counted), counted))
+        return finite
+    return scale_loss, unscale, adjust_scale, [scale, good_steps]
+
+
 class Trainer:
     """Owns the compiled functions of one run; call :meth:`step` with the micro-batches of a step."""
 
     def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, grad_clip: float, accum_steps: int,
-                 router_updates=None):
+                 router_updates=None, dist=None, loss_scale=None):
         self.model = model
+        self.dist = dist
         self.router_updates = router_updates
         self.optimizer = optimizer
         self.accum_steps = accum_steps
         params = optimizer.parameters
-        grad_fn = ms.value_and_grad(self._loss, None, params, has_aux=True)
+        scale_loss, unscale, adjust_scale, self.loss_scale_state = _loss_scaling(loss_scale)
+
+        def scaled_loss(input_ids, doc_ids, labels, loss_mask):
+            loss, aux = self._loss(input_ids, doc_ids, labels, loss_mask)
+            return scale_loss(loss), aux
+
+        grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
         clip = float(grad_clip)
         inv_accum = 1.0 / accum_steps
         if accum_steps > 1:
@@ -75,14 +123,25 @@ class Trainer:
         else:
             self.grad_buffers = None
         buffers = self.grad_buffers
+        if dist is None:
+            def synchronise(grads, loss):
+                return grads, loss
+
+            def squared_norm(grads):
+                return ops.stack([ops.square(g).sum() for g in grads]).sum()
+        else:
+            synchronise = dist.grad_reducer(params)
+            squared_norm = dist.squared_grad_norm(params)
 
         def clip_and_apply(grads, loss):
             """Clip to the global norm and update, unless loss or gradients are not finite.
 
             A non-finite step is skipped whole (no moment update either), as loss-scaled training
-            does on overflow; the caller counts it.
+            does on overflow; the caller counts it. Gradients and loss are first averaged over
+            data-parallel ranks, so every rank takes the same decision and the same update.
             """
-            norm = ops.sqrt(ops.stack([ops.square(g).sum() for g in grads]).sum())
+            grads, loss = synchronise(grads, loss)
+            norm = ops.sqrt(squared_norm(grads))
             if clip > 0:
                 factor = ops.minimum(clip / (norm + 1e-6), 1.0)
                 grads = tuple(g * factor for g in grads)
@@ -90,17 +149,20 @@ class Trainer:
             finite = ops.logical_and(ops.isfinite(norm), ops.isfinite(loss))
             if finite:
                 optimizer(grads)
+            adjust_scale(finite)
             return norm, lr, finite
 
         @ms.jit
         def fused_step(input_ids, doc_ids, labels, loss_mask):
             (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
+            grads, loss = unscale(grads, loss)
             norm, lr, finite = clip_and_apply(grads, loss)
             return loss, aux, norm, lr, finite
 
         @ms.jit
         def accumulate(input_ids, doc_ids, labels, loss_mask):
             (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
+            grads, loss = unscale(grads, loss)
             for buffer, grad in zip(buffers, grads):
                 ops.assign_add(buffer, grad * inv_accum)
             return loss, aux
@@ -148,7 +210,7 @@ class Trainer:
                 losses.append(self._accumulate(*split_window(batch)))
             mean_loss = float(np.mean([l.asnumpy() for l, _ in losses]))
             norm, lr, finite = self._apply_accumulated(Tensor(np.float32(mean_loss)))
-        stats = StepStats(
+        stats = self._global_stats(StepStats(
             skipped=not bool(finite.asnumpy()),
             loss=float(np.mean([l.asnumpy() for l, _ in losses])),
             lm_loss=float(np.mean([a[0].asnumpy() for _, a in losses])),
@@ -158,10 +220,31 @@ class Trainer:
             lr=float(np.asarray(lr.asnumpy()).reshape(-1)[0]),
             routing_stats=np.sum([a[3].asnumpy() for _, a in losses], axis=0),
             layer_stats=np.mean([a[4].asnumpy() for _, a in losses], axis=0),
-        )
+        ))
         if self.router_updates is not None and not stats.skipped:
             self.router_updates.after_optimizer(stats.routing_stats)
         return stats
+
+    def _global_stats(self, local: StepStats) -> StepStats:
+        """Means (losses, layer statistics) and sums (routing counts) over data-parallel ranks.
+
+        Every rank runs the same number of micro-batches, so the mean of the rank means is the
+        global-batch mean. The ranks of an expert group share their micro-batches, so their counts
+        are counted once. The gradient norm and the skip decision are already global.
+        """
+        if self.dist is None or not self.dist.active:
+            return local
+        scalars = [local.loss, local.lm_loss, local.aux_loss, local.z_loss]
+        routing, layer = local.routing_stats, local.layer_stats
+        packed = np.concatenate([np.asarray(scalars, np.float32), routing.reshape(-1), layer.reshape(-1)])
+        total = self.dist.sum_over_ranks(packed)
+        world = self.dist.world_size
+        loss, lm_loss, aux_loss, z_loss = (float(v) / world for v in total[:4])
+        routing_end = 4 + routing.size
+        return StepStats(skipped=local.skipped, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss, z_loss=z_loss,
+                         grad_norm=local.grad_norm, lr=local.lr,
+                         routing_stats=total[4:routing_end].reshape(routing.shape) / self.dist.replica_copies,
+                         layer_stats=total[routing_end:].reshape(layer.shape) / world)
 
     def evaluate(self, batches) -> tuple:
         """``(mean nll per scored token, scored tokens)`` over an iterable of window dicts."""
@@ -172,5 +255,8 @@ class Trainer:
             nll_sum, count = self._evaluate(*split_window(batch))
             nll_total += float(nll_sum.asnumpy())
             tokens += float(count.asnumpy())
+        if self.dist is not None and self.dist.active:
+            summed = self.dist.sum_over_ranks(np.array([nll_total, tokens])) / self.dist.replica_copies
+            nll_total, tokens = float(summed[0]), float(summed[1])
         return nll_total / max(tokens, 1.0), tokens
 

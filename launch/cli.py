@@ -1,0 +1,181 @@
+"""``mindmoe-launch``: start this node's training workers with ``msrun``.
+
+    mindmoe-launch launch.procs_per_node=8 train.max_steps=1000            # one node, 8 workers
+    mindmoe-launch launch.dry_run=true launch.nodes=4 launch.procs_per_node=8 \\
+        launch.node_rank=3 launch.master_addr=10.0.0.1 hydra.run.dir=/shared/run1
+
+Takes the ``mindmoe-train`` config tree plus ``launch.*``. Before any worker starts it checks
+that the world divides as configured and prepares the tokenizer and MindRecord shards (cached,
+so the workers find them). Every worker gets the same overrides and the same run dir. When a
+worker dies, msrun stops the others; this command then exits non-zero naming the failed rank's
+log. Exit codes: 0 done, 2 configuration error, otherwise the failure code of the job.
+"""
+import dataclasses
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+
+from conf.schema import register_configs
+from launch.msrun import (WORKER_BANNER, direct_workers, environment, is_local_address, log_dir, msrun_command,
+                          process_environment, render, validate_launch, world_size)
+
+register_configs()
+
+#: msrun's report of the first worker that failed (``_api.py`` of MindSpore 2.9).
+FAILED_WORKER = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
+BANNER = re.compile(WORKER_BANNER.format(rank=r"(\d+)", pid=r"(\d+)"))
+#: Exit status of ``mindmoe-train`` after a SIGTERM/SIGINT checkpoint (train/cli.py).
+STOPPED_ON_SIGNAL = 3
+
+
+class WorkerFailed(RuntimeError):
+    """The job stopped because a worker exited with an error."""
+
+
+def check_config(cfg, hydra_overrides) -> None:
+    """Everything that can be wrong before a worker starts, naming the key to change."""
+    from model.config import validate_model_config
+    from train.distributed import resolve_layout
+    from train.init_model import explicit_model_keys, planned_model_config
+    from train.loop import validate_run_config
+
+    launch = cfg.launch
+    validate_launch(launch)
+    if launch.nodes > 1 and not any(o.startswith("hydra.run.dir=") for o in hydra_overrides):
+        raise ValueError(f"launch.nodes={launch.nodes}: give every node the same shared run dir with "
+                         "hydra.run.dir=/shared/path (the default is a timestamp of each node's own clock)")
+    validate_run_config(cfg)
+    # With model.pretrained the architecture is the directory's config.json (read here, as data).
+    model = planned_model_config(cfg, explicit_model_keys(hydra_overrides))
+    # The real vocabulary comes from the tokenizer; any positive size checks the other keys.
+    validate_model_config(dataclasses.replace(model, vocab_size=model.vocab_size or cfg.data.vocab_size))
+    resolve_layout(world_size(launch), cfg.parallel.dp, cfg.parallel.ep, model.num_experts,
+                   cfg.data.global_batch_size, cfg.data.micro_batch_size, model.num_layers > model.first_k_dense)
+
+
+def rank_log(logs: Path, pid: int):
+    """The ``worker_<rank>.log`` whose worker printed the banner with ``pid``, as ``(rank, path)``."""
+    for path in sorted(logs.glob("worker_*.log")):
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                found = BANNER.search(line)
+                if found and int(found.group(2)) == pid:
+                    return int(found.group(1)), path
+    return None, None
+
+
+def failure_message(logs: Path, run_dir: Path, pid: int, code: int) -> str:
+    rank, path = rank_log(logs, pid)
+    who = f"rank {rank} (pid {pid})" if rank is not None else f"worker pid {pid}"
+    where = f"its log: {path}" if path else f"logs: {logs}"
+    what = f"exited with code {code}"
+    if code == STOPPED_ON_SIGNAL:
+        what = "stopped on a signal after the checkpoint of that step was written"
+    return (f"{who} {what}; {where}. The other workers were stopped. Run the same command "
+            f"again to continue from the last checkpoint in {run_dir / 'checkpoints'} (train.resume=auto).")
+
+
+def run_msrun(command, env, logs: Path, run_dir: Path) -> int:
+    """Run msrun, echoing its output; on failure raise :class:`WorkerFailed` naming the rank's log."""
+    process = subprocess.Popen(command, env=process_environment(env), stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, errors="replace")
+    first_failure = None
+    try:
+        for line in process.stdout:
+            sys.stdout.write(line)
+            found = FAILED_WORKER.search(line)
+            if found and first_failure is None:
+                first_failure = int(found.group(1)), int(found.group(2))
+        code = process.wait()
+    except KeyboardInterrupt:
+        # msrun stops its workers and scheduler on SIGINT.
+        process.send_signal(signal.SIGINT)
+        process.wait()
+        raise
+    sys.stdout.flush()
+    if code == 0:
+        return 0
+    if first_failure is not None:
+        raise WorkerFailed(failure_message(logs, run_dir, *first_failure))
+    raise WorkerFailed(f"msrun exited with code {code}; logs: {logs}")
+
+
+def run_direct(workers, env, run_dir: Path) -> int:
+    """Run this node's workers without msrun (see ``launch.msrun.direct_workers``) and watch them."""
+    processes = []
+    for worker in workers:
+        worker["log"].parent.mkdir(parents=True, exist_ok=True)
+        print(f"start worker rank {worker['rank']}, log file: {worker['log']}", flush=True)
+        with open(worker["log"], "w", encoding="utf-8") as log_file:
+            processes.append(subprocess.Popen(worker["command"], env=process_environment(dict(env, **worker["env"])),
+                                              stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True))
+    try:
+        while True:
+            codes = [p.poll() for p in processes]
+            failed = [(p, c) for p, c in zip(processes, codes) if c not in (None, 0)]
+            if failed:
+                for other in processes:
+                    if other.poll() is None:
+                        other.kill()
+                process, code = failed[0]
+                raise WorkerFailed(failure_message(workers[0]["log"].parent, run_dir, process.pid, code))
+            if all(c == 0 for c in codes):
+                return 0
+            time.sleep(0.5)
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+            process.wait()
+
+
+def launch(cfg) -> int:
+    hydra_cfg = HydraConfig.get()
+    run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
+    overrides = list(hydra_cfg.overrides.task)
+    validate_launch(cfg.launch)
+    env = environment(cfg.launch)
+    command = msrun_command(cfg.launch, run_dir, overrides)
+    if cfg.launch.dry_run:
+        # The command is printed even for a config that would fail, followed by why it would.
+        print(render(command, env, cfg.launch), flush=True)
+    check_config(cfg, list(hydra_cfg.overrides.hydra))
+    if cfg.launch.dry_run:
+        return 0
+    from data.prepare import prepare_data, with_pretrained_tokenizer
+    prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
+    print(f"data ready: {prepared.num_train_windows} training windows, tokenizer {prepared.tokenizer_path}",
+          flush=True)
+    logs = log_dir(cfg.launch, run_dir)
+    logs.mkdir(parents=True, exist_ok=True)
+    if cfg.launch.node_rank > 0 and is_local_address(cfg.launch.master_addr):
+        return run_direct(direct_workers(cfg.launch, run_dir, overrides), env, run_dir)
+    print(render(command, env, cfg.launch), flush=True)
+    return run_msrun(command, env, logs, run_dir)
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+def _main(cfg) -> None:
+    try:
+        code = launch(cfg)
+    except (ValueError, FileNotFoundError) as error:
+        print(f"mindmoe-launch: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except WorkerFailed as failure:
+        print(f"mindmoe-launch: error: {failure}", file=sys.stderr)
+        sys.exit(1)
+    sys.exit(code)
+
+
+def main() -> None:
+    _main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""mindmoe-launch and data-parallel training: the msrun command, layout errors before any worker
+starts, and multi-process runs on CPU (mccl) that must reproduce one process accumulating the same
+micro-batches. Multi-process runs go through the real ``mindmoe-launch`` entry point."""
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from train.distributed import resolve_layout
+
+REPO = Path(__file__).resolve().parent.parent
+# Tiny model, seq 64: each worker compiles its own graphs on 2 cores. The aux-loss-free recipe makes
+# the next step depend on expert-load counts, which must be summed over ranks to stay identical.
+TINY_RUN = ["recipe=pretrain_tiny_aux_free", "model.bias_update_rate=0.01", "model.num_layers=2",
+            "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=128",
+            "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=64", "data.global_batch_size=8",
+            "data.micro_batch_size=4", "train.max_steps=10", "train.log_every=1", "train.save_every=5",
+            "train.eval_every=0", "train.eval_batches=2", "train.progress_bar=false", "train.peak_gflops=100"]
+RELATIVE_TOLERANCE = 1e-5
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_command(run_dir, data_cache, *extra):
+    return [sys.executable, "-m", "launch.cli", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}",
+            *TINY_RUN, *extra]
+
+
+def descendants(pid: int) -> list:
+    """Every process below ``pid`` (msrun puts its workers in their own sessions)."""
+    children = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            found.append(child)
+            stack.append(child)
+    return found
+
+
+@pytest.fixture
+def processes():
+    """Popen objects of a test; on teardown each one and all its descendants are killed by pid."""
+    started = []
+    yield started
+    for process in started:
+        for pid in [*descendants(process.pid), process.pid]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        process.wait(timeout=30)
+
+
+def start(processes, command):
+    process = subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    processes.append(process)
+    return process
+
+
+def finish(process, timeout=900):
+    stdout, stderr = process.communicate(timeout=timeout)
+    return process.returncode, stdout, stderr
+
+
+def losses_by_step(run_dir):
+    """Per-step training loss; a step logged twice (before a kill and after resume) keeps the last."""
+    losses = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            losses[row["step"]] = row["loss"]
+    return losses
+
+
+def assert_same_losses(actual: dict, expected: dict, steps):
+    for step in steps:
+        assert abs(actual[step] - expected[step]) <= RELATIVE_TOLERANCE * abs(expected[step]), \
+            f"step {step}: {actual[step]} vs single process {expected[step]}"
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory, data_cache):
+    """The reference: one process, no msrun, accumulating the 2 micro-batches of each step."""
+    run_dir = tmp_path_factory.mktemp("single")
+    command = [sys.executable, "-m", "train.cli", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}",
+               *TINY_RUN]
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
+    return losses_by_step(run_dir)
+
+
+# --- the msrun command and configuration errors (no worker starts) ---------------------------------
+
+def test_dry_run_prints_the_msrun_command_and_environment_of_node_3(tmp_path, data_cache):
+    from mindspore.parallel.cluster import run as msrun_module
+    run_dir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "launch.dry_run=true", "launch.nodes=4", "launch.procs_per_node=8",
+         "launch.node_rank=3", "launch.master_addr=10.0.0.1", "launch.hccl_exec_timeout=1800",
+         "launch.hccl_socket_ifname=eth0", "launch.bind_core=true", "data.global_batch_size=512",
+         f"hydra.run.dir={run_dir}",
+         f"data.cache_dir={data_cache}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    exports = dict(line[len("export "):].split("=", 1) for line in lines if line.startswith("export "))
+    assert exports["HCCL_EXEC_TIMEOUT"] == "1800" and exports["HCCL_SOCKET_IFNAME"] == "eth0"
+    assert exports["MS_NODE_TIMEOUT"] == "30" and "HCCL_CONNECT_TIMEOUT" not in exports
+    command = shlex.split(lines[-1])
+    assert command[0] == "msrun"
+    # msrun's own argument parser reads the printed line as an operator's shell would pass it.
+    saved_argv = sys.argv
+    try:
+        sys.argv = command
+        args = msrun_module.get_args()
+    finally:
+        sys.argv = saved_argv
+    assert (args.worker_num, args.local_worker_num, args.node_rank) == (32, 8, 3)
+    assert (args.master_addr, args.master_port) == ("10.0.0.1", 8118)
+    assert args.log_dir == str(run_dir.resolve() / "msrun") and args.join is True and args.bind_core is True
+    assert args.task_script == "python"
+    assert args.task_script_args[:2] == ["-m", "train.cli"]
+    worker_args = args.task_script_args[2:]
+    assert f"hydra.run.dir={run_dir.resolve()}" in worker_args and "data.global_batch_size=512" in worker_args
+    assert not any(arg.startswith("launch.") for arg in worker_args)
+    assert not run_dir.joinpath("msrun").exists(), "a dry run must not start anything"
+
+
+def test_dry_run_of_a_batch_that_does_not_divide_prints_the_command_and_fails_naming_the_keys(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "launch.dry_run=true", "launch.nodes=4", "launch.procs_per_node=8",
+         "launch.node_rank=3", "launch.master_addr=10.0.0.1", f"hydra.run.dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stdout.strip().splitlines()[-1].startswith("msrun --worker_num=32")
+    assert ("data.global_batch_size=16 must be a positive multiple of data.micro_batch_size=16 x "
+            "data-parallel size 32") in result.stderr
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.ep=3"], "parallel.ep=3 must divide model.num_experts=4"),
+    (["model.num_experts=8", "parallel.ep=4"], "parallel.ep=4 must divide the number of processes 2"),
+    (["parallel.dp=4"], "parallel.dp=4 x parallel.ep=1 = 4 processes, but 2 are started"),
+    (["data.global_batch_size=6", "data.micro_batch_size=2"],
+     "data.global_batch_size=6 must be a positive multiple of data.micro_batch_size=2 x data-parallel size 2"),
+    (["launch.node_rank=1"], "launch.node_rank=1 must be in 0..0"),
+])
+def test_a_world_that_does_not_divide_fails_before_any_worker_starts(tmp_path, data_cache, overrides, message):
+    run_dir = tmp_path / "run"
+    result = subprocess.run(launch_command(run_dir, data_cache, "launch.procs_per_node=2", *overrides),
+                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert message in result.stderr
+    assert not (run_dir / "msrun").exists()
+
+
+def test_several_nodes_need_an_explicit_shared_run_dir(tmp_path, data_cache):
+    # Run from tmp_path: the default run dir is relative to the working directory.
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "launch.nodes=2", "launch.dry_run=true",
+                             "hydra.output_subdir=null", f"data.cache_dir={data_cache}"],
+                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "hydra.run.dir=/shared/path" in result.stderr
+
+
+def test_layout_defaults_dp_to_the_world_and_accumulates_the_rest():
+    assert resolve_layout(4, 0, 1, 8, global_batch_size=32, micro_batch_size=2).accumulation == 4
+    assert resolve_layout(4, 0, 1, 8, global_batch_size=32, micro_batch_size=2).dp == 4
+    assert resolve_layout(1, 0, 1, 8, global_batch_size=32, micro_batch_size=2).accumulation == 16
+
+
+# --- multi-process runs on CPU ----------------------------------------------------------------------
+
+@pytest.mark.msrun
+def test_two_data_parallel_workers_reproduce_the_single_process_losses(single_process, tmp_path, data_cache,
+                                                                      processes):
+    run_dir = tmp_path / "dp2"
+    launcher = start(processes, launch_command(run_dir, data_cache, "launch.procs_per_node=2",
+                                               f"launch.master_port={free_port()}"))
+    code, stdout, stderr = finish(launcher)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    losses = losses_by_step(run_dir)
+    assert sorted(losses) == list(range(1, 11))
+    assert_same_losses(losses, single_process, range(1, 11))
+    # Rank 0 alone writes metrics and checkpoints; each rank has its msrun log.
+    assert sorted(p.name for p in (run_dir / "msrun").glob("worker_*.log")) == ["worker_0.log", "worker_1.log"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000005", "step_000010"]
+
+
+@pytest.mark.msrun
+def test_expert_parallel_workers_reproduce_the_single_process_and_their_checkpoint_resumes_with_ep1(
+        single_process, tmp_path, data_cache, processes):
+    from safetensors.numpy import load_file
+    run_dir = tmp_path / "ep2"
+    launcher = start(processes, launch_command(run_dir, data_cache, "launch.procs_per_node=2", "parallel.ep=2",
+                                               f"launch.master_port={free_port()}"))
+    code, stdout, stderr = finish(launcher)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "data parallel 1, accumulation 2" in stdout
+    assert_same_losses(losses_by_step(run_dir), single_process, range(1, 11))
+    # Full expert tensors (and AdamW moments) although each rank held half of the experts.
+    checkpoint = run_dir / "checkpoints" / "step_000005"
+    assert load_file(str(checkpoint / "model.safetensors"))["layers.1.mlp.experts.gate_proj"].shape == (4, 32, 64)
+    assert load_file(str(checkpoint / "optimizer.safetensors"))["adam_v.layers.1.mlp.experts.down_proj"].shape \
+        == (4, 64, 32)
+
+    resumed_dir = tmp_path / "ep1"
+    subprocess.run([sys.executable, "-m", "train.cli", f"hydra.run.dir={resumed_dir}", f"data.cache_dir={data_cache}",
+                    *TINY_RUN, f"train.resume={checkpoint}"], cwd=REPO, check=True, capture_output=True, timeout=900)
+    resumed = losses_by_step(resumed_dir)
+    assert sorted(resumed) == list(range(6, 11))
+    assert_same_losses(resumed, single_process, range(6, 11))
+
+
+@pytest.mark.msrun
+def test_two_nodes_of_one_worker_reproduce_the_single_process_losses(single_process, tmp_path, data_cache,
+                                                                    processes):
+    run_dir = tmp_path / "nodes2"
+    node = ["launch.nodes=2", "launch.procs_per_node=1", f"launch.master_port={free_port()}"]
+    node0 = start(processes, launch_command(run_dir, data_cache, *node, "launch.node_rank=0"))
+    node1 = start(processes, launch_command(run_dir, data_cache, *node, "launch.node_rank=1"))
+    code1, stdout1, stderr1 = finish(node1)
+    code0, stdout0, stderr0 = finish(node0)
+    assert code0 == 0 and code1 == 0, stderr0[-3000:] + stderr1[-3000:]
+    assert "--node_rank=0" in stdout0 and "start worker rank 1" in stdout1
+    assert_same_losses(losses_by_step(run_dir), single_process, range(1, 11))
+
+
+def wait_for_checkpoint_after(run_dir, step, launcher, timeout=600):
+    """The newest checkpoint step once one newer than ``step`` exists."""
+    root = Path(run_dir) / "checkpoints"
+    deadline = time.time() + timeout
+    while True:
+        steps = [int(p.name.split("_")[1]) for p in root.glob("step_*")] if root.is_dir() else []
+        if steps and max(steps) > step:
+            return max(steps)
+        assert launcher.poll() is None, launcher.communicate()
+        assert time.time() < deadline, f"no checkpoint after step {step} in {root}"
+        time.sleep(0.2)
+
+
+def worker_pid(run_dir, rank):
+    log = (Path(run_dir) / "msrun" / f"worker_{rank}.log").read_text()
+    return int(log.split(f"mindmoe worker: rank {rank} pid ")[1].split()[0])
+
+
+@pytest.mark.msrun
+def test_a_stopped_or_killed_worker_stops_the_job_naming_its_log_and_a_relaunch_resumes(
+        single_process, tmp_path, data_cache, processes):
+    run_dir = tmp_path / "killed"
+    worker_log = str(run_dir / "msrun" / "worker_1.log")
+    command = launch_command(run_dir, data_cache, "launch.procs_per_node=2", "launch.node_timeout=5",
+                             "train.save_every=2")
+
+    # SIGTERM to one worker: every rank stops at the same step, after rank 0 wrote its checkpoint.
+    launcher = start(processes, command + [f"launch.master_port={free_port()}"])
+    wait_for_checkpoint_after(run_dir, 0, launcher)
+    os.kill(worker_pid(run_dir, 1), signal.SIGTERM)
+    code, stdout, stderr = finish(launcher, timeout=240)
+    assert code != 0 and "stopped on a signal after the checkpoint of that step was written" in stderr, stderr
+    stopped_at = max(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert f"checkpoint of step {stopped_at} written" in (run_dir / "msrun" / "worker_0.log").read_text()
+
+    # SIGKILL of one worker: the job stops after launch.node_timeout, naming the rank and its log.
+    relaunch = start(processes, command + [f"launch.master_port={free_port()}"])
+    wait_for_checkpoint_after(run_dir, stopped_at, relaunch)
+    os.kill(worker_pid(run_dir, 1), signal.SIGKILL)
+    # Generous: the job must stop after launch.node_timeout, not hang until the test's timeout.
+    code, stdout, stderr = finish(relaunch, timeout=240)
+    assert code != 0
+    assert "rank 1 (pid" in stderr and "exited with code -9" in stderr and worker_log in stderr, stderr[-3000:]
+    assert "train.resume=auto" in stderr
+
+    final = start(processes, command + [f"launch.master_port={free_port()}"])
+    code, stdout, stderr = finish(final)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "resumed from" in stdout + stderr
+    losses = losses_by_step(run_dir)
+    assert sorted(losses) == list(range(1, 11))
+    assert_same_losses(losses, single_process, range(1, 11))
+
+
+def test_cluster_script_gives_every_node_its_rank_the_master_and_the_same_overrides(tmp_path):
+    fake_ssh = tmp_path / "ssh"
+    fake_ssh.write_text('#!/bin/sh\necho "$1|$2"\n')
+    fake_ssh.chmod(0o755)
+    env = dict(os.environ, HOSTS="10.0.0.1 10.0.0.2 10.0.0.3", RUN_DIR="/shared/run 1", PROCS_PER_NODE="4",
+               MINDMOE_SSH=str(fake_ssh), WORKDIR="/opt/mindmoe")
+    result = subprocess.run(["bash", str(REPO / "launch" / "cluster.sh"), "data.global_batch_size=48",
+                             "data.train_files=[a.jsonl,b c.jsonl]"], env=env, capture_output=True, text=True,
+                            timeout=60, check=True)
+    remote = dict(line.split("|", 1) for line in result.stdout.strip().splitlines())
+    assert sorted(remote) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
+    for node_rank, host in enumerate(["10.0.0.1", "10.0.0.2", "10.0.0.3"]):
+        words = shlex.split(remote[host].split("&&")[-1])
+        assert words[0] == "mindmoe-launch"
+        assert {"launch.nodes=3", f"launch.node_rank={node_rank}", "launch.procs_per_node=4",
+                "launch.master_addr=10.0.0.1", "hydra.run.dir=/shared/run 1", "data.global_batch_size=48",
+                "data.train_files=[a.jsonl,b c.jsonl]"} <= set(words)
