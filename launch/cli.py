@@ -38,7 +38,7 @@ class WorkerFailed(RuntimeError):
     """The job stopped because a worker exited with an error."""
 
 
-def check_config(cfg, hydra_overrides) -> None:
+def check_config(cfg, hydra_overrides, task_overrides=()) -> None:
     """Everything that can be wrong before a worker starts, naming the key to change."""
     from model.config import validate_model_config
     from train.distributed import resolve_layout
@@ -52,7 +52,7 @@ def check_config(cfg, hydra_overrides) -> None:
                          "hydra.run.dir=/shared/path (the default is a timestamp of each node's own clock)")
     validate_run_config(cfg)
     # With model.pretrained the architecture is the directory's config.json (read here, as data).
-    model = planned_model_config(cfg, explicit_model_keys(hydra_overrides))
+    model = planned_model_config(cfg, explicit_model_keys(task_overrides))
     # The real vocabulary comes from the tokenizer; any positive size checks the other keys.
     validate_model_config(dataclasses.replace(model, vocab_size=model.vocab_size or cfg.data.vocab_size))
     resolve_layout(world_size(launch), cfg.parallel.dp, cfg.parallel.ep, model.num_experts,
@@ -143,11 +143,15 @@ def launch(cfg) -> int:
     env = environment(cfg.launch)
     command = msrun_command(cfg.launch, run_dir, overrides)
     if cfg.launch.dry_run:
-        # The command is printed even for a config that would fail, followed by why it would.
+        # An operator reads the command of a node before the job is complete (batch sizes, a shared
+        # run dir): print it, and what would stop the real launch as a warning.
         print(render(command, env, cfg.launch), flush=True)
-    check_config(cfg, list(hydra_cfg.overrides.hydra))
-    if cfg.launch.dry_run:
+        try:
+            check_config(cfg, list(hydra_cfg.overrides.hydra), overrides)
+        except (ValueError, FileNotFoundError) as error:
+            print(f"mindmoe-launch: warning: the launch would stop here: {error}", file=sys.stderr)
         return 0
+    check_config(cfg, list(hydra_cfg.overrides.hydra), overrides)
     from data.prepare import prepare_data, with_pretrained_tokenizer
     prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
     print(f"data ready: {prepared.num_train_windows} training windows, tokenizer {prepared.tokenizer_path}",

@@ -143,15 +143,27 @@ def test_dry_run_prints_the_msrun_command_and_environment_of_node_3(tmp_path, da
     assert not run_dir.joinpath("msrun").exists(), "a dry run must not start anything"
 
 
-def test_dry_run_of_a_batch_that_does_not_divide_prints_the_command_and_fails_naming_the_keys(tmp_path):
+def test_dry_run_of_a_batch_that_does_not_divide_prints_the_command_and_warns_naming_the_keys(tmp_path):
+    """The issue's own command (default batch, no shared run dir): the command, then why a real launch
+    would stop, starting nothing."""
     result = subprocess.run(
         [sys.executable, "-m", "launch.cli", "launch.dry_run=true", "launch.nodes=4", "launch.procs_per_node=8",
-         "launch.node_rank=3", "launch.master_addr=10.0.0.1", f"hydra.run.dir={tmp_path}"],
+         "launch.node_rank=3", "launch.master_addr=10.0.0.1"],
+        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get(
+            "PYTHONPATH")]))), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip().splitlines()[-1].startswith("msrun --worker_num=32 --local_worker_num=8 "
+                                                              "--master_addr=10.0.0.1 --master_port=8118 --node_rank=3")
+    assert "warning: the launch would stop here" in result.stderr and "hydra.run.dir=/shared/path" in result.stderr
+    assert not list(tmp_path.glob("runs/*/*/msrun")), "a dry run must not start anything"
+
+    shared = subprocess.run(
+        [sys.executable, "-m", "launch.cli", "launch.dry_run=true", "launch.nodes=4", "launch.procs_per_node=8",
+         "launch.node_rank=3", "launch.master_addr=10.0.0.1", f"hydra.run.dir={tmp_path / 'run'}"],
         cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert result.returncode == 2
-    assert result.stdout.strip().splitlines()[-1].startswith("msrun --worker_num=32")
+    assert shared.returncode == 0, shared.stderr
     assert ("data.global_batch_size=16 must be a positive multiple of data.micro_batch_size=16 x "
-            "data-parallel size 32") in result.stderr
+            "data-parallel size 32") in shared.stderr
 
 
 @pytest.mark.parametrize("overrides, message", [
