@@ -59,10 +59,8 @@ def child_main(task: dict) -> None:
     if name == "gemm_peak":
         result = cases.gemm_peak(size)
     elif name == "train_step":
-        result = cases.train_step(size, task["model"], task.get("micro_batch", 0), task.get("steps", 0))
-    elif name == "torch_step":
-        from bench import torch_reference
-        result = torch_reference.train_step(size, task["model"])
+        result = cases.train_step(size, task["model"], task.get("micro_batch", 0), task.get("steps", 0),
+                                  task.get("with_torch", False))
     elif name == "compile":
         result = cases.compile_time(size, task["layers"])
     elif name == "data_pipeline":
@@ -88,7 +86,8 @@ def hf_load_memory(size_name: str) -> dict:
 class Run:
     """Runs the selected cases in dependency order and derives the cross-case ratios."""
 
-    def __init__(self, size_name: str, results_path: Path):
+    def __init__(self, size_name: str, results_path: Path, selected: list):
+        self.selected = selected
         self.size_name = size_name
         self.size = SIZES[size_name]
         self.results_path = results_path
@@ -121,8 +120,12 @@ class Run:
     def case_train_step(self):
         peak_gflops = self.measured["gemm_peak"]["gflops"]
         rows = {}
+        self.torch_rows = {}
         for kind in ("dense", "moe"):
-            row = self.task(task="train_step", model=kind)
+            row = self.task(task="train_step", model=kind, with_torch="torch_reference" in self.selected)
+            if "torch" in row:
+                self.torch_rows[kind] = row.pop("torch")
+            row["peak_rss"] = row.pop("mindmoe_peak_rss")  # before PyTorch ran in the same process
             row["activation_bytes"] = 0
             if self.size.activation_probe:
                 # Activation memory is linear in the batch: twice the growth of peak RSS from B/2 to B
@@ -140,8 +143,12 @@ class Run:
     def case_torch_reference(self):
         rows = {}
         for kind in ("dense", "moe"):
-            row = self.task(task="torch_step", model=kind)
-            row["torch_ratio"] = self.measured["train_step"][kind]["tokens_per_s"] / row["tokens_per_s"]
+            row = dict(self.torch_rows[kind])
+            mindmoe = self.measured["train_step"][kind]
+            # Steps of both alternated in one process on the same windows: the ratio sees one load.
+            row["torch_ratio"] = mindmoe["tokens_per_s"] / row["tokens_per_s"]
+            row["torch_cpu_ratio"] = mindmoe["tokens_per_cpu_s"] / row["tokens_per_cpu_s"]
+            row["load_avg"] = mindmoe["load_avg"]
             rows[kind] = self.emit("torch_reference", row)
         return rows
 
@@ -196,7 +203,7 @@ def main(argv=None) -> int:
         child_main(json.loads(args.child))
         return 0
     selected = parse_cases(args.cases)
-    run = Run("quick" if args.quick else "full", args.results)
+    run = Run("quick" if args.quick else "full", args.results, selected)
     machine = machine_description()
     machine["load_avg_start"] = load_average()
     started = time.perf_counter()

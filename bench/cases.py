@@ -80,48 +80,82 @@ def build_trainer(cfg, seed: int = 0):
     return trainer, num_params
 
 
-def timed_steps(trainer, batches: list, warmup: int) -> tuple:
-    """``(first step seconds, [steady step seconds])``; the first step includes compilation."""
-    start = time.perf_counter()
-    trainer.step([batches[0]])
-    first = time.perf_counter() - start
-    for batch in batches[1:1 + warmup - 1]:
-        trainer.step([batch])
-    steady = []
-    for batch in batches[warmup:]:
-        start = time.perf_counter()
-        stats = trainer.step([batch])
-        steady.append(time.perf_counter() - start)
-        if not np.isfinite(stats.loss):
-            raise RuntimeError(f"benchmark step produced loss {stats.loss}")
-    return first, steady
+def cpu_seconds() -> float:
+    """CPU time of this process (all threads): less sensitive than wall time to other users' load."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
-def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0) -> dict:
-    """Tokens/s, compile time and peak RSS of the real train step (train.step.Trainer + train.optim)."""
+def timed(fn, *args) -> tuple:
+    """``(wall seconds, CPU seconds)`` of ``fn(*args)``."""
+    wall, cpu = time.perf_counter(), cpu_seconds()
+    fn(*args)
+    return time.perf_counter() - wall, cpu_seconds() - cpu
+
+
+def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0, with_torch: bool = False) -> dict:
+    """Tokens/s, compile time and peak RSS of the real train step (train.step.Trainer + train.optim).
+
+    With ``with_torch`` the PyTorch reference (bench.torch_reference) runs in this process too, its
+    steps alternating with mindmoe's on the same windows, so both see the same load; the peak RSS
+    of mindmoe is read before PyTorch allocates anything.
+    """
     _graph_mode()
     import train.optim  # noqa: F401  (mindformers and MindSpore in the framework baseline)
-    from train.metrics import active_matmul_params, train_flops_per_token
+    from train.metrics import active_matmul_params, measure_peak_gflops, train_flops_per_token
     framework_rss = current_rss_bytes()
     cfg = model_config(size, kind)
     batch = micro_batch or size.micro_batch
     trainer, num_params = build_trainer(cfg)
     steps = steps or size.timed_steps
     batches = [random_windows(size, batch, seed) for seed in range(size.warmup_steps + steps)]
-    first, steady = timed_steps(trainer, batches, size.warmup_steps)
-    step_s = float(np.median(steady))
+
+    def mindmoe_step(window):
+        stats = trainer.step([window])
+        if not np.isfinite(stats.loss):
+            raise RuntimeError(f"benchmark step produced loss {stats.loss}")
+
+    first_s, _ = timed(mindmoe_step, batches[0])
+    for window in batches[1:size.warmup_steps]:
+        mindmoe_step(window)
+    timings = []
+    torch_step, torch_timings = None, []
+    for window in batches[size.warmup_steps:]:
+        timings.append(timed(mindmoe_step, window))
+        if with_torch and torch_step is None:
+            peak_rss = peak_rss_bytes()
+            from bench.torch_reference import TorchTrainStep
+            torch_step = TorchTrainStep(size, kind)
+            for warm in batches[:size.warmup_steps]:
+                torch_step(warm)
+        if torch_step is not None:
+            torch_timings.append(timed(torch_step, window))
+    if torch_step is None:
+        peak_rss = peak_rss_bytes()
+    step_s, cpu_s = (float(np.median(column)) for column in zip(*timings))
     tokens = batch * size.seq_len
     row = {"model": kind, "micro_batch": batch, "seq_len": size.seq_len, "params": num_params,
            "active_matmul_params": active_matmul_params(cfg),
            "flops_per_token": train_flops_per_token(cfg, size.seq_len),
-           "step_s": step_s, "step_s_all": steady, "tokens_per_s": tokens / step_s,
-           "first_step_s": first, "compile_s": max(first - step_s, 0.0),
-           "framework_rss": framework_rss, "theoretical_bytes": theoretical_train_bytes(num_params)}
+           "step_s": step_s, "step_s_all": [t for t, _ in timings], "cpu_s": cpu_s,
+           "tokens_per_s": tokens / step_s, "tokens_per_cpu_s": tokens / cpu_s,
+           "first_step_s": first_s, "compile_s": max(first_s - step_s, 0.0),
+           "framework_rss": framework_rss, "mindmoe_peak_rss": peak_rss,
+           "theoretical_bytes": theoretical_train_bytes(num_params)}
     if kind == "moe":
         row["dispatch_s"] = dispatch_seconds(cfg, tokens) * cfg.num_moe_layers
-    from train.metrics import measure_peak_gflops
     row["local_gflops"] = measure_peak_gflops(size.gemm_size)
+    if torch_step is not None:
+        torch_s, torch_cpu_s = (float(np.median(column)) for column in zip(*torch_timings))
+        row["torch"] = {"model": kind, "step_s": torch_s, "step_s_all": [t for t, _ in torch_timings],
+                        "cpu_s": torch_cpu_s, "tokens_per_s": tokens / torch_s, "tokens_per_cpu_s": tokens / torch_cpu_s,
+                        "threads": _torch_threads(), "params": torch_step.params}
     return row
+
+
+def _torch_threads() -> int:
+    import torch
+    return torch.get_num_threads()
 
 
 def dispatch_seconds(cfg, num_tokens: int, repeats: int = 5) -> float:
@@ -163,8 +197,8 @@ def compile_time(size: BenchSize, num_layers: int) -> dict:
     cfg = model_config(size, "moe", num_layers=num_layers, hidden_size=size.compile_hidden)
     trainer, _ = build_trainer(cfg)
     batches = [random_windows(size, 1, seed) for seed in range(3)]
-    first, steady = timed_steps(trainer, batches, 1)
-    step_s = float(np.median(steady))
+    first, _ = timed(trainer.step, [batches[0]])
+    step_s = float(np.median([timed(trainer.step, [window])[0] for window in batches[1:]]))
     return {"layers": num_layers, "hidden_size": cfg.hidden_size, "compile_s": max(first - step_s, 0.0),
             "first_step_s": first, "step_s": step_s}
 

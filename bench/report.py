@@ -102,17 +102,21 @@ def render_markdown(rows: list, machine: dict, run_id: str, size) -> str:
                   "compile = first step - median step. Peak RSS ratio = (peak RSS - RSS after importing the "
                   "framework) / (16 bytes x params + activations), activations = 2 x (peak RSS at B - peak RSS at B/2). "
                   "MFU local = against a MatMul timed in the step's own process (same load).", ""]
-        lines += _table(["model", "params (M)", "MFLOP/token", "step s", "tokens/s", "MFU", "MFU local", "compile s",
+        lines += _table(["model", "params (M)", "MFLOP/token", "step s", "CPU s", "tokens/s", "MFU", "MFU local",
+                         "compile s",
                          "peak RSS GiB", "theory GiB", "activations GiB", "RSS ratio", "load"],
-                        [[r["model"], r["params"] / 1e6, r["flops_per_token"] / 1e6, r["step_s"], r["tokens_per_s"],
+                        [[r["model"], r["params"] / 1e6, r["flops_per_token"] / 1e6, r["step_s"], r["cpu_s"], r["tokens_per_s"],
                           r["mfu"], r["mfu_local"], r["compile_s"], r["peak_rss"] / GIB, r["theoretical_bytes"] / GIB,
                           r["activation_bytes"] / GIB, r["peak_rss_ratio"], r["load_avg"]]
                          for r in by_case["train_step"]])
     if "torch_reference" in by_case:
         lines += ["## torch_reference", "", "The same models in plain PyTorch (`bench/torch_reference.py`), "
-                  "same batches, `torch.optim.AdamW`, eager experts loop.", ""]
-        lines += _table(["model", "step s", "tokens/s", "mindmoe / torch", "threads", "load"],
-                        [[r["model"], r["step_s"], r["tokens_per_s"], r["torch_ratio"], r["threads"], r["load_avg"]]
+                  "same windows, `torch.optim.AdamW`, eager experts loop; its steps alternate with mindmoe's in the "
+                  "train_step process. CPU = process CPU time (all threads) instead of wall time.", ""]
+        lines += _table(["model", "step s", "tokens/s", "mindmoe / torch", "mindmoe / torch (CPU time)", "threads",
+                         "load"],
+                        [[r["model"], r["step_s"], r["tokens_per_s"], r["torch_ratio"], r["torch_cpu_ratio"],
+                          r["threads"], r["load_avg"]]
                          for r in by_case["torch_reference"]])
     if "moe_overhead" in by_case:
         row = by_case["moe_overhead"][0]

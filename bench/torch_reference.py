@@ -9,14 +9,11 @@ cross-entropy; global-norm clipping; ``torch.optim.AdamW``. The experts run the 
 Shape legend: B batch, S sequence, H hidden, N query heads, G kv heads, D head dim, T tokens, E experts, K top-k.
 """
 import math
-import time
 
-import numpy as np
 import torch
 from torch import nn
 import torch.nn.functional as F
 
-from bench.cases import random_windows
 from bench.specs import BenchSize, model_config
 
 
@@ -145,35 +142,30 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x)), router_loss
 
 
-def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0) -> dict:
-    """Steady tokens/s of the PyTorch model on the same batches as :func:`bench.cases.train_step`."""
-    torch.manual_seed(0)
-    cfg = model_config(size, kind)
-    model = Transformer(cfg)
-    decay = [p for n, p in model.named_parameters() if p.dim() > 1]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() <= 1]
-    optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
-                                  lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
-    batch = micro_batch or size.micro_batch
-    steps = steps or size.timed_steps
-    timings = []
-    for seed in range(size.warmup_steps + steps):
-        window = random_windows(size, batch, seed)
+class TorchTrainStep:
+    """One optimizer step of the PyTorch model per call, on the windows of :func:`bench.cases.random_windows`."""
+
+    def __init__(self, size: BenchSize, kind: str):
+        torch.manual_seed(0)
+        self.model = Transformer(model_config(size, kind))
+        params = list(self.model.parameters())
+        self.optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+                                            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
+                                           lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+        self.params = sum(p.numel() for p in params)
+
+    def __call__(self, window: dict) -> float:
+        """The loss of the step on ``window`` (``input_ids``/``doc_ids`` ``[B, S + 1]``)."""
         tokens, doc_ids = torch.from_numpy(window["input_ids"]).long(), torch.from_numpy(window["doc_ids"])
-        start = time.perf_counter()
-        logits, router_loss = model(tokens[:, :-1], doc_ids[:, :-1])
+        logits, router_loss = self.model(tokens[:, :-1], doc_ids[:, :-1])
         mask = (doc_ids[:, 1:] == doc_ids[:, :-1]).float()
         nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none")
         loss = (nll * mask.reshape(-1)).sum() / mask.sum().clamp(min=1.0) + router_loss
-        optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        if not math.isfinite(loss.item()):
-            raise RuntimeError(f"torch reference step produced loss {loss.item()}")
-        if seed >= size.warmup_steps:
-            timings.append(time.perf_counter() - start)
-    step_s = float(np.median(timings))
-    return {"model": kind, "micro_batch": batch, "seq_len": size.seq_len, "step_s": step_s, "step_s_all": timings,
-            "tokens_per_s": batch * size.seq_len / step_s, "threads": torch.get_num_threads(),
-            "params": sum(p.numel() for p in model.parameters())}
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        value = loss.item()
+        if not math.isfinite(value):
+            raise RuntimeError(f"PyTorch reference step produced loss {value}")
+        return value
