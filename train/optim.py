@@ -13,7 +13,8 @@ def _import_mindformers():
     os.environ.setdefault("LOG_MF_PATH", os.path.join(os.path.expanduser("~"), ".cache", "mindmoe", "mindformers_log"))
     from mindformers.core.lr import CosineWithWarmUpLR
     from mindformers.core.optim import AdamW
-    return CosineWithWarmUpLR, AdamW
+    from train.fused_adamw import fused_adamw_class
+    return CosineWithWarmUpLR, fused_adamw_class(AdamW)
 
 
 def decays(param) -> bool:
@@ -28,7 +29,7 @@ def build_lr_schedule(cfg: TrainConfig):
 
 
 def build_optimizer(params, cfg: TrainConfig):
-    """mindformers AdamW over ``params`` with two weight-decay groups."""
+    """mindformers AdamW (fused update, train/fused_adamw.py) over ``params`` with two weight-decay groups."""
     _, AdamW = _import_mindformers()
     params = list(params)
     decay = [p for p in params if decays(p)]
