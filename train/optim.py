@@ -12,7 +12,8 @@ def _import_mindformers():
     # mindformers writes its logs to ./output/log unless told otherwise; keep them out of the cwd.
     os.environ.setdefault("LOG_MF_PATH", os.path.join(os.path.expanduser("~"), ".cache", "mindmoe", "mindformers_log"))
     from mindformers.core.lr import CosineWithWarmUpLR
-    from mindformers.core.optim import AdamW
+    # The AdamW class itself: mindformers.core.optim.AdamW is a factory whose __new__ returns it.
+    from mindformers.core.optim.adamw import AdamW
     from train.fused_adamw import fused_adamw_class
     return CosineWithWarmUpLR, fused_adamw_class(AdamW)
 
