@@ -27,6 +27,19 @@ def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
     return nll_sum / ops.maximum(count, 1.0), nll_sum, count
 
 
+_DOT = ops.MatMul(transpose_b=True)
+
+
+def sum_of_squares(tensor):
+    """``sum(tensor ** 2)`` in fp32 as a ``[1, n] x [n, 1]`` MatMul.
+
+    On CPU, MindSpore 2.9's full ReduceSum of a squared [8192, 512] gradient ran 4-5x slower than
+    this dot product, and the global norm takes one per parameter every step.
+    """
+    flat_1N = tensor.astype(ms.float32).reshape(1, -1)
+    return _DOT(flat_1N, flat_1N).reshape(())
+
+
 def split_window(batch: dict):
     """Packed ``seq_len + 1`` windows -> model inputs, labels and the loss mask (numpy, int32)."""
     tokens = batch["input_ids"]
@@ -77,7 +90,7 @@ class Trainer:
             A non-finite step is skipped whole (no moment update either), as loss-scaled training
             does on overflow; the caller counts it.
             """
-            norm = ops.sqrt(ops.stack([ops.square(g).sum() for g in grads]).sum())
+            norm = ops.sqrt(ops.stack([sum_of_squares(g) for g in grads]).sum())
             if clip > 0:
                 factor = ops.minimum(clip / (norm + 1e-6), 1.0)
                 grads = tuple(g * factor for g in grads)
