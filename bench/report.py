@@ -126,7 +126,8 @@ def render_markdown(rows: list, machine: dict, run_id: str, size) -> str:
                          "dense step s"], [[row["moe_overhead"], row["dispatch_share"], row["dispatch_s"],
                                             row["moe_step_s"], row["dense_step_s"]]])
     if "compile_scaling" in by_case:
-        per_layer = [r for r in by_case["compile_scaling"] if not isinstance(r["layers"], list)]
+        per_layer = [r for r in by_case["compile_scaling"]
+                     if not isinstance(r["layers"], list) and not r.get("lazy_inline")]
         summary = [r for r in by_case["compile_scaling"] if isinstance(r["layers"], list)]
         lines += ["## compile_scaling", "", f"MoE train step at hidden {size.compile_hidden}, batch 1."
                   + (f" Cell reuse: {summary[0]['cell_reuse']}." if summary else ""), ""]
