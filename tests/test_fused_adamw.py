@@ -6,18 +6,24 @@ import pytest
 import torch
 
 from train.config import TrainConfig
-from train.optim import build_optimizer
+from train.optim import build_lr_schedule, build_optimizer
 
 
-def test_fused_adamw_matches_torch_adamw_with_decay_groups():
+@pytest.mark.parametrize("warmup_ratio", [0.0, 0.5])
+def test_fused_adamw_matches_torch_adamw_with_decay_groups(warmup_ratio):
     rng = np.random.default_rng(0)
     shapes = {"layer.weight": (6, 5), "layer.bias": (6,), "norm.weight": (5,), "experts.up_proj": (3, 4, 5)}
     initial = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
     steps = 4
     grads = [{name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
              for _ in range(steps)]
-    cfg = TrainConfig(max_steps=100, lr=1e-2, warmup_ratio=0.0, min_lr_ratio=1.0, weight_decay=0.1,
+    # With warmup the first step has lr 0 (nothing may move, nothing may turn NaN); torch gets the
+    # same per-step learning rates from the schedule.
+    cfg = TrainConfig(max_steps=steps, lr=1e-2, warmup_ratio=warmup_ratio, min_lr_ratio=1.0, weight_decay=0.1,
                       betas=[0.9, 0.95], eps=1e-6)
+    schedule = build_lr_schedule(cfg)
+    lrs = [float(schedule(Tensor(np.array([step], np.int32))).asnumpy().reshape(-1)[0]) for step in range(steps)]
+    assert (lrs[0] == 0.0) == (warmup_ratio > 0)
 
     params = [Parameter(Tensor(value.copy()), name=name) for name, value in initial.items()]
     optimizer = build_optimizer(params, cfg)
@@ -32,8 +38,10 @@ def test_fused_adamw_matches_torch_adamw_with_decay_groups():
     reference = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1},
                                    {"params": not_decayed, "weight_decay": 0.0}],
                                   lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
-    for step_grads in grads:
+    for lr, step_grads in zip(lrs, grads):
         update(tuple(Tensor(step_grads[p.name]) for p in params))
+        for group in reference.param_groups:
+            group["lr"] = lr
         for name, p in torch_params.items():
             p.grad = torch.from_numpy(step_grads[name])
         reference.step()

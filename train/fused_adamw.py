@@ -8,9 +8,10 @@ folded into its scalars. With ``t`` the step, ``c1 = 1 - beta1^t``, ``c2 = 1 - b
 
     mindformers:  p <- p (1 - lr wd) - (lr / c1) m / (sqrt(v / c2) + eps)
     kernel:       p <- p - lr' (m / (sqrt(v) + eps') + wd' p)
-    with          lr' = lr sqrt(c2) / c1,  eps' = eps sqrt(c2),  wd' = wd lr / lr'
+    with          lr' = lr sqrt(c2) / c1,  eps' = eps sqrt(c2),  wd' = wd lr / lr' = wd c1 / sqrt(c2)
 
-which is the same update (m, v updated first in both). State (``exp_avg``, ``exp_avg_sq``,
+which is the same update (m, v updated first in both). ``wd'`` does not divide by ``lr``, which
+is 0 on the first warmup step. State (``exp_avg``, ``exp_avg_sq``,
 ``global_step``), parameter groups and the learning-rate schedule are mindformers' own, so
 checkpoints are interchangeable with the unfused optimizer.
 """
@@ -25,16 +26,17 @@ _adam_weight_decay = ops.AdamWeightDecay()
 
 @_fused_update.register("Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
                         "Tensor", "Tensor")
-def _update(beta1, beta2, eps, kernel_lr, lr, weight_decay, param, grad, exp_avg, exp_avg_sq):
-    decay = weight_decay * lr / kernel_lr
+def _update(beta1, beta2, eps, kernel_lr, decay_scale, weight_decay, param, grad, exp_avg, exp_avg_sq):
+    decay = weight_decay * decay_scale
     return F.depend(param, _adam_weight_decay(param, exp_avg, exp_avg_sq, kernel_lr, beta1, beta2, eps, decay,
                                               grad.astype(param.dtype)))
 
 
 @_fused_update.register("Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Number", "Tensor", "Tensor",
                         "Tensor", "Tensor")
-def _update_number_decay(beta1, beta2, eps, kernel_lr, lr, weight_decay, param, grad, exp_avg, exp_avg_sq):
-    decay = weight_decay * lr / kernel_lr
+def _update_number_decay(beta1, beta2, eps, kernel_lr, decay_scale, weight_decay, param, grad, exp_avg,
+                         exp_avg_sq):
+    decay = weight_decay * decay_scale
     return F.depend(param, _adam_weight_decay(param, exp_avg, exp_avg_sq, kernel_lr, beta1, beta2, eps, decay,
                                               grad.astype(param.dtype)))
 
@@ -54,13 +56,15 @@ def fused_adamw_class(base):
             sqrt_correction2 = ops.sqrt(1.0 - ops.pow(beta2, step)).reshape(())
             lr = lr.reshape(()).astype(ms.float32)
             kernel_lr = lr * sqrt_correction2 / correction1
+            decay_scale = correction1 / sqrt_correction2
             eps = self.eps.reshape(()) * sqrt_correction2
             if self.is_group:
-                result = self.hyper_map(F.partial(_fused_update, beta1, beta2, eps, kernel_lr, lr), weight_decay,
-                                        self._parameters, gradients, self.exp_avg, self.exp_avg_sq)
+                update = F.partial(_fused_update, beta1, beta2, eps, kernel_lr, decay_scale)
+                result = self.hyper_map(update, weight_decay, self._parameters, gradients, self.exp_avg,
+                                        self.exp_avg_sq)
             else:
-                result = self.hyper_map(F.partial(_fused_update, beta1, beta2, eps, kernel_lr, lr, weight_decay),
-                                        self._parameters, gradients, self.exp_avg, self.exp_avg_sq)
+                update = F.partial(_fused_update, beta1, beta2, eps, kernel_lr, decay_scale, weight_decay)
+                result = self.hyper_map(update, self._parameters, gradients, self.exp_avg, self.exp_avg_sq)
             if self.use_parallel:
                 self.broadcast_params(result)
             return result
