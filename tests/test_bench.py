@@ -58,6 +58,8 @@ def test_each_case_prints_its_figures_as_numbers(quick_run):
         steps["dense"]["active_matmul_params"]
     overhead = rows_of(printed, "moe_overhead")[0]
     assert overhead["moe_overhead"] == pytest.approx(steps["moe"]["tokens_per_s"] / steps["dense"]["tokens_per_s"])
+    assert overhead["moe_overhead_cpu"] == pytest.approx(steps["moe"]["tokens_per_cpu_s"]
+                                                         / steps["dense"]["tokens_per_cpu_s"])
     assert 0 < overhead["dispatch_share"]
     pipeline = rows_of(printed, "data_pipeline")[0]
     assert pipeline["batches_per_s"] > 0 and pipeline["headroom"] > 0
