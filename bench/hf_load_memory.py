@@ -5,7 +5,8 @@ index, generated tensor by tensor so the writer itself stays small), then loads 
 ``load_hf_pretrained`` in a fresh process and reports that process's peak RSS
 (``ru_maxrss``) against the file size N and the model's own parameter bytes. The target is
 ``peak - baseline <= 1.5 N + model`` (baseline = RSS after importing MindSpore and mindmoe).
-Prints one JSON line ``{"case": "hf_load_memory", ...}``. Not part of the test suite.
+Prints one JSON line ``{"case": "hf_load_memory", ...}``; ``mindmoe-bench --cases hf_load_memory``
+runs it as an opt-in benchmark case. Not part of the test suite.
 """
 import argparse
 import json

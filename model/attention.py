@@ -31,6 +31,31 @@ def document_causal_mask(doc_ids_BS):
     return mask_BSS.expand_dims(1)
 
 
+class MaskedSoftmax(nn.Cell):
+    """``softmax(scores + mask, -1)`` over ``[B, N, S, S]``, with a hand-written backward.
+
+    The backward is the usual ``p * (dp - sum(dp * p, -1))``, but the row sum is a MatMul with
+    a ones column: MindSpore 2.9's CPU ReduceSum over the last axis ran ~5x slower than that
+    MatMul and than the whole softmax forward, and made up most of attention's non-MatMul time.
+    The mask is a constant of the input ids, so it gets no gradient (the default backward also
+    reduced the [B, N, S, S] gradient onto the [B, 1, S, S] mask).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.row_sum = ops.MatMul()
+
+    def construct(self, scores_BNSS, mask_B1SS):
+        return ops.softmax(scores_BNSS + mask_B1SS, -1)
+
+    def bprop(self, scores_BNSS, mask_B1SS, probs_BNSS, dprobs_BNSS):
+        seq_len = probs_BNSS.shape[-1]
+        weighted_RS = (dprobs_BNSS * probs_BNSS).reshape(-1, seq_len)
+        ones_S1 = ops.ones((seq_len, 1), weighted_RS.dtype)
+        dot_BNS1 = self.row_sum(weighted_RS, ones_S1).reshape(probs_BNSS.shape[:-1] + (1,))
+        return probs_BNSS * (dprobs_BNSS - dot_BNS1), ops.zeros_like(mask_B1SS)
+
+
 class Attention(nn.Cell):
     """q/k/v projections (optional bias) -> optional QK RMSNorm -> partial RoPE -> softmax(qk/sqrt(D)) v."""
 
@@ -52,6 +77,7 @@ class Attention(nn.Cell):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.bmm_qk = ops.BatchMatMul(transpose_b=True)
         self.bmm_pv = ops.BatchMatMul()
+        self.masked_softmax = MaskedSoftmax()
 
     def construct(self, x_BSH, cos, sin, mask_B1SS):
         q_BNSD, k_BGSD, v_BGSD = self.project_qkv(x_BSH, cos, sin)
@@ -79,8 +105,9 @@ class Attention(nn.Cell):
             # Query head n uses key/value head n // group (HF repeat_kv order).
             k_BGKD = ops.repeat_interleave(k_BGKD, group, 1)
             v_BGKD = ops.repeat_interleave(v_BGKD, group, 1)
-        scores_BNSK = self.bmm_qk(q_BNSD, k_BGKD).astype(ms.float32) * self.scale + mask_B1SK
-        probs_BNSK = ops.softmax(scores_BNSK, -1).astype(v_BGKD.dtype)
+        # Scaling q ([B, N, S, D]) instead of the scores ([B, N, S, K]) saves an S x K pass each way.
+        scores_BNSK = self.bmm_qk(q_BNSD * self.scale, k_BGKD).astype(ms.float32)
+        probs_BNSK = self.masked_softmax(scores_BNSK, mask_B1SK).astype(v_BGKD.dtype)
         out_BNSD = self.bmm_pv(probs_BNSK, v_BGKD)
         out_BSH = out_BNSD.transpose(0, 2, 1, 3).reshape(batch, seq_len, self.num_heads * self.head_dim)
         return self.o_proj(out_BSH)

@@ -21,6 +21,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from train.step import sum_of_squares
+
 log = logging.getLogger("mindmoe.train")
 
 
@@ -166,13 +168,13 @@ class Distributed:
         dense_idx = [i for i, p in enumerate(params) if p.name not in self.sharded]
         if not expert_idx:
             def squared_norm(grads):
-                return ops.stack([ops.square(g).sum() for g in grads]).sum()
+                return ops.stack([sum_of_squares(g) for g in grads]).sum()
             return squared_norm
         group_all_reduce = ops.AllReduce(group=self.ep_group)
 
         def squared_norm(grads):
-            dense = ops.stack([ops.square(grads[i]).sum() for i in dense_idx]).sum()
-            experts = ops.stack([ops.square(grads[i]).sum() for i in expert_idx]).sum()
+            dense = ops.stack([sum_of_squares(grads[i]) for i in dense_idx]).sum()
+            experts = ops.stack([sum_of_squares(grads[i]) for i in expert_idx]).sum()
             return dense + group_all_reduce(experts)
         return squared_norm
 

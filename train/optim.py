@@ -12,8 +12,10 @@ def _import_mindformers():
     # mindformers writes its logs to ./output/log unless told otherwise; keep them out of the cwd.
     os.environ.setdefault("LOG_MF_PATH", os.path.join(os.path.expanduser("~"), ".cache", "mindmoe", "mindformers_log"))
     from mindformers.core.lr import CosineWithWarmUpLR
-    from mindformers.core.optim import AdamW
-    return CosineWithWarmUpLR, AdamW
+    # The AdamW class itself: mindformers.core.optim.AdamW is a factory whose __new__ returns it.
+    from mindformers.core.optim.adamw import AdamW
+    from train.fused_adamw import fused_adamw_class
+    return CosineWithWarmUpLR, fused_adamw_class(AdamW)
 
 
 def decays(param) -> bool:
@@ -28,7 +30,7 @@ def build_lr_schedule(cfg: TrainConfig):
 
 
 def build_optimizer(params, cfg: TrainConfig):
-    """mindformers AdamW over ``params`` with two weight-decay groups."""
+    """mindformers AdamW (fused update, train/fused_adamw.py) over ``params`` with two weight-decay groups."""
     _, AdamW = _import_mindformers()
     params = list(params)
     decay = [p for p in params if decays(p)]

@@ -29,6 +29,19 @@ def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
     return nll_sum / ops.maximum(count, 1.0), nll_sum, count
 
 
+_DOT = ops.MatMul(transpose_b=True)
+
+
+def sum_of_squares(tensor):
+    """``sum(tensor ** 2)`` in fp32 as a ``[1, n] x [n, 1]`` MatMul.
+
+    On CPU, MindSpore 2.9's full ReduceSum of a squared [8192, 512] gradient ran 4-5x slower than
+    this dot product, and the global norm takes one per parameter every step.
+    """
+    flat_1N = tensor.astype(ms.float32).reshape(1, -1)
+    return _DOT(flat_1N, flat_1N).reshape(())
+
+
 def split_window(batch: dict):
     """Packed ``seq_len + 1`` windows -> model inputs, labels and the loss mask (numpy, int32).
 
@@ -128,7 +141,7 @@ class Trainer:
                 return grads, loss
 
             def squared_norm(grads):
-                return ops.stack([ops.square(g).sum() for g in grads]).sum()
+                return ops.stack([sum_of_squares(g) for g in grads]).sum()
         else:
             synchronise = dist.grad_reducer(params)
             squared_norm = dist.squared_grad_norm(params)

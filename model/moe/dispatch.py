@@ -17,6 +17,8 @@ import math
 from mindspore import ops
 import mindspore as ms
 
+_BMM = ops.BatchMatMul()
+
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
     """``ceil(capacity_factor * T * K / E)``, at least 1."""
@@ -57,9 +59,10 @@ def combine_from_slots(y_ECH, slot_A, weight_TK):
     num_experts, capacity, hidden = y_ECH.shape
     num_tokens, top_k = weight_TK.shape
     y_padded = ops.concat((y_ECH.reshape(-1, hidden), ops.zeros((1, hidden), y_ECH.dtype)), 0)
-    y_AH = ops.gather(y_padded, slot_A, 0)
-    weighted_TKH = y_AH.reshape(num_tokens, top_k, hidden) * weight_TK.astype(y_AH.dtype).expand_dims(-1)
-    return weighted_TKH.sum(1)
+    y_TKH = ops.gather(y_padded, slot_A, 0).reshape(num_tokens, top_k, hidden)
+    # [1, K] x [K, H] per token: as a batched MatMul this ran (forward + backward) 2x faster on CPU
+    # than a multiply and a ReduceSum over K, whose backward sums over H.
+    return _BMM(weight_TK.astype(y_TKH.dtype).expand_dims(1), y_TKH).squeeze(1)
 
 
 def dense_combine_weights(topk_idx_TK, weight_TK, num_experts: int):

@@ -1,0 +1,58 @@
+"""The optimizer of train.optim (mindformers AdamW, fused update) against torch.optim.AdamW."""
+import numpy as np
+import mindspore as ms
+from mindspore import Parameter, Tensor
+import pytest
+import torch
+
+from train.config import TrainConfig
+from train.optim import build_lr_schedule, build_optimizer
+
+
+@pytest.mark.parametrize("warmup_ratio", [0.0, 0.5])
+def test_fused_adamw_matches_torch_adamw_with_decay_groups(warmup_ratio):
+    rng = np.random.default_rng(0)
+    shapes = {"layer.weight": (6, 5), "layer.bias": (6,), "norm.weight": (5,), "experts.up_proj": (3, 4, 5)}
+    initial = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+    steps = 4
+    grads = [{name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+             for _ in range(steps)]
+    # With warmup the first step has lr 0 (nothing may move, nothing may turn NaN); torch gets the
+    # same per-step learning rates from the schedule.
+    cfg = TrainConfig(max_steps=steps, lr=1e-2, warmup_ratio=warmup_ratio, min_lr_ratio=1.0, weight_decay=0.1,
+                      betas=[0.9, 0.95], eps=1e-6)
+    schedule = build_lr_schedule(cfg)
+    lrs = [float(schedule(Tensor(np.array([step], np.int32))).asnumpy().reshape(-1)[0]) for step in range(steps)]
+    assert (lrs[0] == 0.0) == (warmup_ratio > 0)
+
+    params = [Parameter(Tensor(value.copy()), name=name) for name, value in initial.items()]
+    optimizer = build_optimizer(params, cfg)
+
+    @ms.jit
+    def update(gradients):
+        return optimizer(gradients)
+
+    torch_params = {name: torch.nn.Parameter(torch.from_numpy(value.copy())) for name, value in initial.items()}
+    decayed = [p for name, p in torch_params.items() if len(shapes[name]) > 1]
+    not_decayed = [p for name, p in torch_params.items() if len(shapes[name]) == 1]
+    reference = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1},
+                                   {"params": not_decayed, "weight_decay": 0.0}],
+                                  lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
+    for lr, step_grads in zip(lrs, grads):
+        update(tuple(Tensor(step_grads[p.name]) for p in params))
+        for group in reference.param_groups:
+            group["lr"] = lr
+        for name, p in torch_params.items():
+            p.grad = torch.from_numpy(step_grads[name])
+        reference.step()
+
+    for p in params:
+        expected = torch_params[p.name].detach().numpy()
+        assert not np.allclose(expected, initial[p.name], atol=1e-3), p.name
+        np.testing.assert_allclose(p.asnumpy(), expected, rtol=1e-5, atol=1e-6, err_msg=p.name)
+    # The moments are kept as mindformers keeps them (checkpoints hold them), and equal torch's.
+    for p, exp_avg, exp_avg_sq in zip(optimizer.parameters, optimizer.exp_avg, optimizer.exp_avg_sq):
+        state = reference.state[torch_params[p.name]]
+        np.testing.assert_allclose(exp_avg.asnumpy(), state["exp_avg"].numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(exp_avg_sq.asnumpy(), state["exp_avg_sq"].numpy(), rtol=1e-5, atol=1e-9)
+    assert int(optimizer.global_step.asnumpy().reshape(-1)[0]) == steps
