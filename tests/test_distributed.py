@@ -186,7 +186,7 @@ def test_a_world_that_does_not_divide_fails_before_any_worker_starts(tmp_path, d
 def test_several_nodes_need_an_explicit_shared_run_dir(tmp_path, data_cache):
     # Run from tmp_path: the default run dir is relative to the working directory.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-m", "launch.cli", "launch.nodes=2", "launch.dry_run=true",
+    result = subprocess.run([sys.executable, "-m", "launch.cli", "launch.nodes=2",
                              "hydra.output_subdir=null", f"data.cache_dir={data_cache}"],
                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 2 and "hydra.run.dir=/shared/path" in result.stderr
