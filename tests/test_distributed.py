@@ -1,7 +1,6 @@
 """mindmoe-launch and data-parallel training: the msrun command, layout errors before any worker
 starts, and multi-process runs on CPU (mccl) that must reproduce one process accumulating the same
 micro-batches. Multi-process runs go through the real ``mindmoe-launch`` entry point."""
-import json
 import os
 import shlex
 import signal
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_reliability import losses_by_step
 from train.distributed import resolve_layout
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,16 +79,6 @@ def start(processes, command):
 def finish(process, timeout=900):
     stdout, stderr = process.communicate(timeout=timeout)
     return process.returncode, stdout, stderr
-
-
-def losses_by_step(run_dir):
-    """Per-step training loss; a step logged twice (before a kill and after resume) keeps the last."""
-    losses = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            losses[row["step"]] = row["loss"]
-    return losses
 
 
 def assert_same_losses(actual: dict, expected: dict, steps):
