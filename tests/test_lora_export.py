@@ -54,3 +54,27 @@ def test_a_lora_checkpoint_is_not_an_export_source(tmp_path):
     cfg = compose_config([f"checkpoint={checkpoint}"])
     with pytest.raises(ValueError, match="export.adapter=.*step_000010/adapter"):
         resolve_source(cfg, {})
+
+
+def test_mindir_export_with_adapter_equals_the_unmerged_model_with_adapters(adapter_dir, tmp_path):
+    """The exported prefill graph of base + adapter gives the last-position logits of mindmoe's own
+    model with the adapters applied and not merged (LoRA branches computed in the graph)."""
+    from model.export.runner import ExportedModel
+    from model.peft_adapter import load_adapter, read_adapter_config
+    from train.export import run_export
+
+    out = tmp_path / "mindir"
+    overrides = [f"model.pretrained={BASE}", f"export.out={out}", f"export.adapter={adapter_dir}"]
+    run_export(compose_config(overrides), tmp_path, overrides)
+    _, unmerged, _ = load_hf_pretrained(BASE, {"dispatch": "dropless"})
+    apply_lora(unmerged, read_adapter_config(adapter_dir), seed=0)
+    load_adapter(unmerged, adapter_dir)
+    unmerged.set_train(False)
+    _, base, _ = load_hf_pretrained(BASE, {"dispatch": "dropless"})
+    exported = ExportedModel(out)
+    ids = np.random.default_rng(3).integers(0, 4096, size=(2, 20)).astype(np.int32)
+    expected = unmerged(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()[:, -1]
+    plain = base(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()[:, -1]
+    ours = exported.prefill(Tensor(ids))[0].asnumpy()
+    assert np.abs(expected - plain).max() > 0.05, "the adapter must change the logits"
+    np.testing.assert_allclose(ours, expected, atol=1e-5, rtol=0)
