@@ -23,9 +23,11 @@ from train.checkpoint import CorruptCheckpointError
 from train.step import Trainer
 
 REPO = Path(__file__).resolve().parent.parent
+# Long enough that a kill or SIGTERM sent after an early checkpoint lands while training still runs.
+MAX_STEPS = 40
 SMALL_RUN = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
              "model.intermediate_size=128", "model.moe_intermediate_size=32", "model.num_experts=4",
-             "data.seq_len=32", "data.global_batch_size=4", "data.micro_batch_size=4", "train.max_steps=8",
+             "data.seq_len=32", "data.global_batch_size=4", "data.micro_batch_size=4", f"train.max_steps={MAX_STEPS}",
              "train.log_every=1", "train.save_every=1", "train.keep_last=3", "train.eval_every=0",
              "train.eval_batches=1", "train.progress_bar=false", "train.peak_gflops=100"]
 
@@ -45,12 +47,18 @@ def losses_by_step(run_dir):
     return losses
 
 
-def wait_for(path: Path, process, timeout=600):
+def checkpoint_steps(root: Path):
+    return [int(path.name.split("_")[1]) for path in list_checkpoints(root)] if root.exists() else []
+
+
+def wait_for_checkpoint(root: Path, step: int, process, timeout=600):
+    """Until a checkpoint of ``step`` or later exists (older ones are pruned by train.keep_last)."""
     start = time.time()
-    while not path.exists():
+    while not any(s >= step for s in checkpoint_steps(root)):
         assert process.poll() is None, f"training exited early:\n{process.stderr.read()}"
-        assert time.time() - start < timeout, f"{path} did not appear"
-        time.sleep(0.2)
+        assert time.time() - start < timeout, f"no checkpoint of step >= {step} in {root}"
+        time.sleep(0.05)
+    return max(checkpoint_steps(root))
 
 
 @pytest.fixture(scope="module")
@@ -65,13 +73,15 @@ def test_sigkill_then_sigterm_then_resume_reproduces_the_uninterrupted_losses(un
     run_dir = tmp_path / "interrupted"
     killed = subprocess.Popen(train_command(run_dir, data_cache), cwd=REPO, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True)
-    wait_for(run_dir / "checkpoints" / "step_000003", killed)
+    wait_for_checkpoint(run_dir / "checkpoints", 3, killed)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
+    killed_after = max(checkpoint_steps(run_dir / "checkpoints"))
+    assert killed_after < MAX_STEPS, "the kill must land before the run ends"
 
     terminated = subprocess.Popen(train_command(run_dir, data_cache), cwd=REPO, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
-    wait_for(run_dir / "checkpoints" / "step_000005", terminated)
+    wait_for_checkpoint(run_dir / "checkpoints", killed_after + 2, terminated)
     terminated.send_signal(signal.SIGTERM)
     _, stderr = terminated.communicate(timeout=120)
     assert terminated.returncode == 3, stderr
@@ -81,7 +91,7 @@ def test_sigkill_then_sigterm_then_resume_reproduces_the_uninterrupted_losses(un
 
     subprocess.run(train_command(run_dir, data_cache), cwd=REPO, check=True, capture_output=True, timeout=900)
     resumed = losses_by_step(run_dir)
-    assert sorted(resumed) == list(range(1, 9)) == sorted(uninterrupted)
+    assert sorted(resumed) == list(range(1, MAX_STEPS + 1)) == sorted(uninterrupted)
     # Bit-identical on one CPU process: same data position, optimizer state, LR step and weights.
     assert resumed == uninterrupted
 

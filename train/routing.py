@@ -33,6 +33,7 @@ class RouterStepUpdates:
         # expert they hold (not 0 when experts are split over ranks, train/expert_parallel.py).
         expert_params = [[p for p in block.experts.get_parameters() if len(p.shape) == 3 and p.requires_grad]
                          for block in moe_blocks] if self.scales_updates else []
+        self.expert_params = expert_params
         first_experts = [getattr(block.experts, "first_expert", 0) for block in moe_blocks]
         snapshots = [[Parameter(ops.zeros(p.shape, p.dtype), name="update_snapshot." + p.name, requires_grad=False)
                       for p in layer_params] for layer_params in expert_params]
