@@ -21,7 +21,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from train.step import sum_of_squares
+from train.step import global_squared_norm
 
 log = logging.getLogger("mindmoe.train")
 
@@ -167,14 +167,12 @@ class Distributed:
         expert_idx = [i for i, p in enumerate(params) if p.name in self.sharded]
         dense_idx = [i for i, p in enumerate(params) if p.name not in self.sharded]
         if not expert_idx:
-            def squared_norm(grads):
-                return ops.stack([sum_of_squares(g) for g in grads]).sum()
-            return squared_norm
+            return global_squared_norm
         group_all_reduce = ops.AllReduce(group=self.ep_group)
 
         def squared_norm(grads):
-            dense = ops.stack([sum_of_squares(grads[i]) for i in dense_idx]).sum()
-            experts = ops.stack([sum_of_squares(grads[i]) for i in expert_idx]).sum()
+            dense = global_squared_norm(tuple(grads[i] for i in dense_idx))
+            experts = global_squared_norm(tuple(grads[i] for i in expert_idx))
             return dense + group_all_reduce(experts)
         return squared_norm
 

@@ -28,7 +28,7 @@ from model.hf.export import TOKENIZER_FILES
 from model.hf.load import weight_files
 from train.checkpoint import MODEL_FILE, read_state, resolve_checkpoint, verify_checkpoint
 from train.export_config import ExportConfig, validate_export_config
-from train.init_model import explicit_model_keys
+from train.init_model import explicit_model_keys, model_overrides
 
 log = logging.getLogger("mindmoe.export")
 
@@ -52,8 +52,7 @@ class ExportSource:
 def command_line_model_overrides(cfg, override_args) -> dict:
     """``model.*`` keys given on the command line (``model.rope_scaling.type=...`` counts as ``rope_scaling``),
     with their typed values from ``cfg``; ``model.pretrained`` itself is not an override."""
-    model_cfg = OmegaConf.to_object(cfg.model)
-    return {key: getattr(model_cfg, key) for key in sorted(explicit_model_keys(override_args))}
+    return model_overrides(OmegaConf.to_object(cfg.model), explicit_model_keys(override_args))
 
 
 def resolve_source(cfg, model_overrides: dict) -> ExportSource:

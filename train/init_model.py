@@ -27,6 +27,11 @@ def explicit_model_keys(task_overrides) -> set:
     return keys
 
 
+def model_overrides(model_cfg: ModelConfig, explicit_keys) -> dict:
+    """``{field: value}`` of the explicitly set ``model.*`` fields, with their typed values from ``model_cfg``."""
+    return {key: getattr(model_cfg, key) for key in sorted(explicit_keys)}
+
+
 def planned_model_config(cfg, explicit_keys=()) -> ModelConfig:
     """The architecture the run will build, known before the data is prepared: ``model.pretrained``'s
     config.json with the command-line overrides (so a wrong directory or a conflicting key fails
@@ -36,8 +41,8 @@ def planned_model_config(cfg, explicit_keys=()) -> ModelConfig:
         return model_cfg
     from model.hf import read_pretrained_config
 
-    overrides = {key: getattr(model_cfg, key) for key in sorted(explicit_keys)}
-    return read_pretrained_config(model_cfg.pretrained, overrides, max_seq_len=cfg.data.seq_len).model_config
+    return read_pretrained_config(model_cfg.pretrained, model_overrides(model_cfg, explicit_keys),
+                                  max_seq_len=cfg.data.seq_len).model_config
 
 
 def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = True):
@@ -50,8 +55,8 @@ def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = Tru
 
     model_cfg = OmegaConf.to_object(cfg.model)
     if model_cfg.pretrained:
-        overrides = {key: getattr(model_cfg, key) for key in sorted(explicit_keys)}
-        return _pretrained(model_cfg.pretrained, vocab_size, overrides, cfg.data.seq_len, load_weights)
+        return _pretrained(model_cfg.pretrained, vocab_size, model_overrides(model_cfg, explicit_keys),
+                           cfg.data.seq_len, load_weights)
     model_cfg = dataclasses.replace(model_cfg)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = vocab_size

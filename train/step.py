@@ -42,6 +42,11 @@ def sum_of_squares(tensor):
     return _DOT(flat_1N, flat_1N).reshape(())
 
 
+def global_squared_norm(grads):
+    """``sum_i |g_i|^2`` over a tuple of gradients (fp32)."""
+    return ops.stack([sum_of_squares(g) for g in grads]).sum()
+
+
 def split_window(batch: dict):
     """Packed ``seq_len + 1`` windows -> model inputs, labels and the loss mask (numpy, int32).
 
@@ -140,8 +145,7 @@ class Trainer:
             def synchronise(grads, loss):
                 return grads, loss
 
-            def squared_norm(grads):
-                return ops.stack([sum_of_squares(g) for g in grads]).sum()
+            squared_norm = global_squared_norm
         else:
             synchronise = dist.grad_reducer(params)
             squared_norm = dist.squared_grad_norm(params)
