@@ -20,40 +20,74 @@ from model.rope import apply_rope
 MASK_VALUE = -1e9
 
 
-def document_causal_mask(doc_ids_BS):
-    """Additive mask ``[B, 1, S, S]``: 0 where key j <= query i and both are in one document."""
+def document_causal_mask(doc_ids_BS, num_heads: int = 1):
+    """Additive mask ``[B, num_heads, S, S]``: 0 where key j <= query i and both are in one document.
+
+    The model builds it once per forward with every query head's copy (``num_heads``): adding a
+    mask of the scores' own shape ran about 3x faster on CPU than broadcasting one over the heads,
+    and every layer adds it."""
     seq_len = doc_ids_BS.shape[1]
     causal_SS = ops.tril(ops.ones((seq_len, seq_len), ms.bool_))
     same_doc_BSS = ops.equal(doc_ids_BS.expand_dims(2), doc_ids_BS.expand_dims(1))
     allowed_BSS = ops.logical_and(same_doc_BSS, causal_SS)
     mask_BSS = ops.select(allowed_BSS, ops.zeros_like(same_doc_BSS, dtype=ms.float32),
                           ops.fill(ms.float32, allowed_BSS.shape, MASK_VALUE))
-    return mask_BSS.expand_dims(1)
+    mask_B1SS = ops.stop_gradient(mask_BSS).expand_dims(1)
+    if num_heads == 1:
+        return mask_B1SS
+    return ops.tile(mask_B1SS, (1, num_heads, 1, 1))
 
 
-class MaskedSoftmax(nn.Cell):
-    """``softmax(scores + mask, -1)`` over ``[B, N, S, S]``, with a hand-written backward.
+class AttentionCore(nn.Cell):
+    """``softmax(q k^T * scale + mask) v`` for queries grouped by their key/value head, with a hand-written backward.
 
-    The backward is the usual ``p * (dp - sum(dp * p, -1))``, but the row sum is a MatMul with
-    a ones column: MindSpore 2.9's CPU ReduceSum over the last axis ran ~5x slower than that
-    MatMul and than the whole softmax forward, and made up most of attention's non-MatMul time.
-    The mask is a constant of the input ids, so it gets no gradient (the default backward also
-    reduced the [B, N, S, S] gradient onto the [B, 1, S, S] mask).
+    Shapes: q ``[B, G, R, D]`` where the R = group x S rows of a key/value head are its query
+    heads' positions (a contiguous reshape of ``[B, N, S, D]``), k/v ``[B, G, K, D]``, mask
+    ``[B, G, R, K]`` fp32. Returns ``(out [B, G, R, D], probs [B, G, R, K])``; the probabilities
+    are an output only so the backward can reuse them.
+
+    Grouping the queries instead of repeating k/v per query head makes the gradients of k and v
+    come out of the BatchMatMuls already summed over the group (the repeat's backward was a
+    reduction over a 5-D tensor). The backward uses FlashAttention's identity
+    ``sum_k p_rk dp_rk = dout_r . out_r`` (Dao et al. 2022): for fp32 the row term enters the
+    ``dout v^T`` BatchMatMul as an extra column (``[dout, -delta] [v, 1]^T = dp - delta``), so
+    the softmax backward costs one elementwise pass over the scores instead of four. Scores,
+    softmax and the score gradients are fp32 whatever the dtype of q/k/v.
     """
 
-    def __init__(self):
+    def __init__(self, scale: float):
         super().__init__()
-        self.row_sum = ops.MatMul()
+        self.scale = scale
+        self.bmm_nt = ops.BatchMatMul(transpose_b=True)
+        self.bmm_nn = ops.BatchMatMul()
+        self.bmm_tn = ops.BatchMatMul(transpose_a=True)
+        self.row_dot = ops.MatMul()
 
-    def construct(self, scores_BNSS, mask_B1SS):
-        return ops.softmax(scores_BNSS + mask_B1SS, -1)
+    def construct(self, q_BGRD, k_BGKD, v_BGKD, mask_BGRK):
+        scores_BGRK = self.bmm_nt(q_BGRD * self.scale, k_BGKD).astype(ms.float32)
+        probs_BGRK = ops.softmax(scores_BGRK + mask_BGRK, -1)
+        out_BGRD = self.bmm_nn(probs_BGRK.astype(v_BGKD.dtype), v_BGKD)
+        return out_BGRD, probs_BGRK
 
-    def bprop(self, scores_BNSS, mask_B1SS, probs_BNSS, dprobs_BNSS):
-        seq_len = probs_BNSS.shape[-1]
-        weighted_RS = (dprobs_BNSS * probs_BNSS).reshape(-1, seq_len)
-        ones_S1 = ops.ones((seq_len, 1), weighted_RS.dtype)
-        dot_BNS1 = self.row_sum(weighted_RS, ones_S1).reshape(probs_BNSS.shape[:-1] + (1,))
-        return probs_BNSS * (dprobs_BNSS - dot_BNS1), ops.zeros_like(mask_B1SS)
+    def bprop(self, q_BGRD, k_BGKD, v_BGKD, mask_BGRK, out, dout):
+        out_BGRD, probs_BGRK = out
+        dout_BGRD = dout[0]
+        head_dim = q_BGRD.shape[-1]
+        rows_shape = out_BGRD.shape[:-1] + (1,)
+        ones_D1 = ops.ones((head_dim, 1), ms.float32)
+        products_XD = (dout_BGRD.astype(ms.float32) * out_BGRD.astype(ms.float32)).reshape(-1, head_dim)
+        delta_BGR1 = self.row_dot(products_XD, ones_D1).reshape(rows_shape)
+        if v_BGKD.dtype == ms.float32:
+            ones_BGK1 = ops.ones(k_BGKD.shape[:-1] + (1,), ms.float32)
+            dprobs_shifted_BGRK = self.bmm_nt(ops.concat((dout_BGRD, -delta_BGR1), -1),
+                                              ops.concat((v_BGKD, ones_BGK1), -1))
+        else:
+            dprobs_shifted_BGRK = self.bmm_nt(dout_BGRD, v_BGKD).astype(ms.float32) - delta_BGR1
+        dscores_BGRK = (probs_BGRK * dprobs_shifted_BGRK).astype(q_BGRD.dtype)
+        dq_BGRD = self.bmm_nn(dscores_BGRK, k_BGKD) * self.scale
+        dk_BGKD = self.bmm_tn(dscores_BGRK, q_BGRD) * self.scale
+        dv_BGKD = self.bmm_tn(probs_BGRK.astype(v_BGKD.dtype), dout_BGRD)
+        return dq_BGRD, dk_BGKD, dv_BGKD, ops.zeros_like(mask_BGRK)
 
 
 class Attention(nn.Cell):
@@ -75,9 +109,7 @@ class Attention(nn.Cell):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.bmm_qk = ops.BatchMatMul(transpose_b=True)
-        self.bmm_pv = ops.BatchMatMul()
-        self.masked_softmax = MaskedSoftmax()
+        self.core = AttentionCore(self.scale)
 
     def construct(self, x_BSH, cos, sin, mask_B1SS):
         q_BNSD, k_BGSD, v_BGSD = self.project_qkv(x_BSH, cos, sin)
@@ -96,18 +128,18 @@ class Attention(nn.Cell):
         k_BGSD = apply_rope(k_BGSD, cos, sin, self.interleaved)
         return q_BNSD, k_BGSD, v_BGSD
 
-    def attend(self, q_BNSD, k_BGKD, v_BGKD, mask_B1SK):
+    def attend(self, q_BNSD, k_BGKD, v_BGKD, mask_BMSK):
         """``softmax(q k^T / sqrt(D) + mask) v`` projected back to ``[B, S, H]``; K keys (K = S in training,
-        cached + new ones when decoding)."""
-        batch, _, seq_len, _ = q_BNSD.shape
+        cached + new ones when decoding); the mask is per query head (M = N) or shared (M = 1)."""
+        batch, _, seq_len, head_dim = q_BNSD.shape
+        num_keys = k_BGKD.shape[2]
         group = self.num_heads // self.num_kv_heads
-        if group > 1:
-            # Query head n uses key/value head n // group (HF repeat_kv order).
-            k_BGKD = ops.repeat_interleave(k_BGKD, group, 1)
-            v_BGKD = ops.repeat_interleave(v_BGKD, group, 1)
-        # Scaling q ([B, N, S, D]) instead of the scores ([B, N, S, K]) saves an S x K pass each way.
-        scores_BNSK = self.bmm_qk(q_BNSD * self.scale, k_BGKD).astype(ms.float32)
-        probs_BNSK = self.masked_softmax(scores_BNSK, mask_B1SK).astype(v_BGKD.dtype)
-        out_BNSD = self.bmm_pv(probs_BNSK, v_BGKD)
-        out_BSH = out_BNSD.transpose(0, 2, 1, 3).reshape(batch, seq_len, self.num_heads * self.head_dim)
-        return self.o_proj(out_BSH)
+        if mask_BMSK.shape[1] != self.num_heads:
+            mask_BMSK = ops.tile(mask_BMSK, (1, self.num_heads, 1, 1))
+        # Query head n uses key/value head n // group (HF repeat_kv order), so [B, N, S, D] is
+        # [B, G, group * S, D] without moving data.
+        rows = group * seq_len
+        out_BGRD, _ = self.core(q_BNSD.reshape(batch, self.num_kv_heads, rows, head_dim), k_BGKD, v_BGKD,
+                                mask_BMSK.reshape(batch, self.num_kv_heads, rows, num_keys))
+        out_BSH = out_BGRD.reshape(batch, self.num_heads, seq_len, head_dim).transpose(0, 2, 1, 3)
+        return self.o_proj(out_BSH.reshape(batch, seq_len, self.num_heads * head_dim))

@@ -53,16 +53,16 @@ class DecoderLayer(nn.Cell):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, rng)
 
-    def construct(self, x_BSH, cos, sin, mask_B1SS):
-        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_B1SS)
+    def construct(self, x_BSH, cos, sin, mask_BNSS):
+        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_BNSS)
         return x_BSH + self.mlp(self.post_attention_layernorm(x_BSH))
 
 
 class MoEDecoderLayer(DecoderLayer):
     """A :class:`DecoderLayer` whose FFN is an MoE block; also returns the router's losses and statistics."""
 
-    def construct(self, x_BSH, cos, sin, mask_B1SS, doc_ids_BS):
-        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_B1SS)
+    def construct(self, x_BSH, cos, sin, mask_BNSS, doc_ids_BS):
+        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_BNSS)
         ffn_BSH, aux, router_z, routing_stats, layer_stats = self.mlp(self.post_attention_layernorm(x_BSH),
                                                                       doc_ids_BS)
         return x_BSH + ffn_BSH, aux, router_z, routing_stats, layer_stats
@@ -103,7 +103,7 @@ class MoETransformer(nn.Cell):
     def construct(self, input_ids_BS, doc_ids_BS):
         batch, seq_len = input_ids_BS.shape
         cos, sin = self.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
-        mask_B1SS = document_causal_mask(doc_ids_BS)
+        mask_BNSS = document_causal_mask(doc_ids_BS, self.config.num_heads)
         x_BSH = self.embed_tokens(input_ids_BS)
         aux_losses = []
         z_losses = []
@@ -111,9 +111,9 @@ class MoETransformer(nn.Cell):
         layer_stats = []
         for layer_idx, layer in enumerate(self.layers):
             if layer_idx < self.num_dense:
-                x_BSH = layer(x_BSH, cos, sin, mask_B1SS)
+                x_BSH = layer(x_BSH, cos, sin, mask_BNSS)
             else:
-                x_BSH, aux, router_z, layer_routing, layer_scalars = layer(x_BSH, cos, sin, mask_B1SS, doc_ids_BS)
+                x_BSH, aux, router_z, layer_routing, layer_scalars = layer(x_BSH, cos, sin, mask_BNSS, doc_ids_BS)
                 aux_losses.append(aux)
                 z_losses.append(router_z)
                 routing_stats.append(layer_routing)
