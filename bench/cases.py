@@ -68,12 +68,12 @@ def gemm_peak(size: BenchSize, trials: int = 3, repeats: int = 8) -> dict:
     return row
 
 
-def build_trainer(cfg, seed: int = 0):
+def build_trainer(cfg, seed: int = 0, cell_reuse: bool = False):
     from model.transformer import MoETransformer
     from train.config import TrainConfig
     from train.optim import build_optimizer
     from train.step import Trainer
-    model = MoETransformer(cfg, seed=seed)
+    model = MoETransformer(cfg, seed=seed, cell_reuse=cell_reuse)
     optimizer = build_optimizer(model.trainable_params(), TrainConfig(max_steps=1000, warmup_ratio=0.0))
     trainer = Trainer(model, optimizer, grad_clip=1.0, accum_steps=1)
     num_params = sum(int(np.prod(p.shape)) for p in model.trainable_params())
@@ -194,22 +194,12 @@ def dispatch_seconds(cfg, num_tokens: int, repeats: int = 5) -> float:
 def compile_time(size: BenchSize, num_layers: int, lazy_inline: bool = False) -> dict:
     """Compile seconds of the MoE train step with ``num_layers`` layers (first step minus a steady step).
 
-    ``lazy_inline`` builds the MoE decoder layers with MindSpore's ``lazy_inline`` cell reuse (one
-    compiled layer body called L times); where that fails, the row carries the error instead.
+    ``lazy_inline`` builds the model as ``train.cell_reuse=true`` does (one compiled layer body
+    called L times, MindSpore's ``lazy_inline``); where that fails, the row carries the error instead.
     """
     _graph_mode()
-    import model.transformer as transformer
-    if lazy_inline:
-        from mindspore import lazy_inline as reuse_cell
-
-        class ReusedMoEDecoderLayer(transformer.MoEDecoderLayer):
-            @reuse_cell
-            def __init__(self, cfg, layer_idx, rng):
-                super().__init__(cfg, layer_idx, rng)
-
-        transformer.MoEDecoderLayer = ReusedMoEDecoderLayer
     cfg = model_config(size, "moe", num_layers=num_layers, hidden_size=size.compile_hidden)
-    trainer, _ = build_trainer(cfg)
+    trainer, _ = build_trainer(cfg, cell_reuse=lazy_inline)
     batches = [random_windows(size, 1, seed) for seed in range(3)]
     row = {"layers": num_layers, "hidden_size": cfg.hidden_size, "lazy_inline": lazy_inline}
     try:

@@ -17,8 +17,10 @@ Parameter names are the checkpoint format (see README "Checkpoint format"):
     norm.weight                                          [H]
     lm_head.weight                                       [V, H] unless tie_word_embeddings
 """
+import functools
+
 import numpy as np
-from mindspore import Parameter, nn, ops
+from mindspore import Parameter, lazy_inline, nn, ops
 import mindspore as ms
 
 from model.attention import Attention, document_causal_mask
@@ -68,6 +70,23 @@ class MoEDecoderLayer(DecoderLayer):
         return x_BSH + ffn_BSH, aux, router_z, routing_stats, layer_stats
 
 
+@functools.lru_cache(maxsize=None)
+def reused_layer_class(layer_cls):
+    """``layer_cls`` whose instances MindSpore compiles once per kind and calls for every layer (``lazy_inline``).
+
+    Layers are built from the same config and differ only in being dense or MoE (``is_moe``), so
+    that attribute is the reuse key: all MoE layers share one compiled body, all dense layers another.
+    """
+
+    class Reused(layer_cls):
+        @lazy_inline(attrs=["is_moe"])
+        def __init__(self, cfg: ModelConfig, layer_idx: int, rng: np.random.Generator):
+            super().__init__(cfg, layer_idx, rng)
+
+    Reused.__name__ = Reused.__qualname__ = "Reused" + layer_cls.__name__
+    return Reused
+
+
 class MoETransformer(nn.Cell):
     """``construct(input_ids [B,S], doc_ids [B,S])`` -> ``(logits [B,S,V] fp32, aux_loss, z_loss,
     routing_stats [L_moe, 3, E], layer_stats [L_moe, 5])``.
@@ -75,9 +94,11 @@ class MoETransformer(nn.Cell):
     The aux and z losses are summed over MoE layers (each layer's balanced aux loss equals the
     coefficient); the statistics rows are named by ``model.moe.layer.ROUTING_STATS`` /
     ``LAYER_STATS``.
+
+    ``cell_reuse`` (``train.cell_reuse``, Ascend only) builds the layers with :func:`reused_layer_class`.
     """
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0):
+    def __init__(self, cfg: ModelConfig, seed: int = 0, cell_reuse: bool = False):
         super().__init__()
         validate_model_config(cfg)
         if cfg.vocab_size <= 0:
@@ -89,6 +110,8 @@ class MoETransformer(nn.Cell):
         layers = []
         for layer_idx in range(cfg.num_layers):
             layer_cls = MoEDecoderLayer if layer_idx >= cfg.first_k_dense else DecoderLayer
+            if cell_reuse:
+                layer_cls = reused_layer_class(layer_cls)
             layers.append(layer_cls(cfg, layer_idx, rng))
         self.layers = nn.CellList(layers)
         self.num_dense = cfg.first_k_dense

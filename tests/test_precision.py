@@ -1,5 +1,6 @@
-"""``train.dtype`` and ``train.recompute``: CPU refuses low precision, dynamic loss scaling follows its
-published rule and leaves updates unchanged, recompute leaves loss and gradients unchanged."""
+"""``train.dtype``, ``train.recompute`` and ``train.cell_reuse``: CPU refuses low precision and cell reuse,
+dynamic loss scaling follows its published rule and leaves updates unchanged, recompute leaves loss and
+gradients unchanged, cell reuse gives all layers of a kind one reuse key."""
 import mindspore as ms
 import numpy as np
 import pytest
@@ -41,6 +42,18 @@ def test_low_precision_is_refused_on_cpu_naming_the_key(dtype):
     validate_precision(TrainConfig(dtype=dtype), "Ascend")
     with pytest.raises(ValueError, match="train.dtype='fp8' must be one of fp32, bf16, fp16"):
         validate_precision(TrainConfig(dtype="fp8"), "Ascend")
+
+
+def test_cell_reuse_is_refused_on_cpu_naming_the_key_and_keys_layers_by_kind():
+    with pytest.raises(ValueError, match="train.cell_reuse=true: .* Ascend .* train.cell_reuse=false on CPU"):
+        validate_precision(TrainConfig(cell_reuse=True), "CPU")
+    validate_precision(TrainConfig(cell_reuse=True), "Ascend")
+    # lazy_inline compiles one body per distinct key: the layers of one kind must share it.
+    cfg = ModelConfig(vocab_size=96, hidden_size=32, num_layers=4, first_k_dense=1, num_heads=2, num_kv_heads=1,
+                      intermediate_size=64, moe_intermediate_size=16, num_experts=4, top_k=2)
+    keys = [layer.cell_init_args for layer in MoETransformer(cfg, cell_reuse=True).layers]
+    assert keys[1] == keys[2] == keys[3] != keys[0]
+    assert not any(hasattr(layer, "cell_init_args") for layer in MoETransformer(cfg).layers)
 
 
 def test_power_of_two_loss_scale_leaves_every_update_unchanged_and_doubles_after_its_window():

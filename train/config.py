@@ -55,3 +55,7 @@ class TrainConfig:
     loss_scale_window: int = 1000
     #: Recompute each decoder layer's activations in backward instead of storing them.
     recompute: bool = False
+    #: Compile one decoder-layer body and call it for every layer of the same kind (MindSpore's
+    #: ``lazy_inline`` cell reuse), so compile time stops growing with depth. Ascend only: the CPU
+    #: backend of MindSpore 2.9 cannot run the reused-cell graph.
+    cell_reuse: bool = False

@@ -56,25 +56,25 @@ def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = Tru
     model_cfg = OmegaConf.to_object(cfg.model)
     if model_cfg.pretrained:
         return _pretrained(model_cfg.pretrained, vocab_size, model_overrides(model_cfg, explicit_keys),
-                           cfg.data.seq_len, load_weights)
+                           cfg.data.seq_len, load_weights, cfg.train.cell_reuse)
     model_cfg = dataclasses.replace(model_cfg)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = vocab_size
     _check_vocab(model_cfg, vocab_size)
     validate_model_config(model_cfg)
-    return model_cfg, MoETransformer(model_cfg, seed=cfg.train.seed)
+    return model_cfg, MoETransformer(model_cfg, seed=cfg.train.seed, cell_reuse=cfg.train.cell_reuse)
 
 
-def _pretrained(path: str, vocab_size: int, overrides: dict, seq_len: int, load_weights: bool):
+def _pretrained(path: str, vocab_size: int, overrides: dict, seq_len: int, load_weights: bool, cell_reuse: bool):
     from model.hf import load_hf_pretrained, read_pretrained_config
     from model.transformer import MoETransformer
 
     if load_weights:
-        model_cfg, model, notes = load_hf_pretrained(path, overrides, max_seq_len=seq_len)
+        model_cfg, model, notes = load_hf_pretrained(path, overrides, max_seq_len=seq_len, cell_reuse=cell_reuse)
     else:
         imported = read_pretrained_config(path, overrides, max_seq_len=seq_len)
         model_cfg, notes = imported.model_config, imported.notes
-        model = MoETransformer(model_cfg)
+        model = MoETransformer(model_cfg, cell_reuse=cell_reuse)
     for note in notes:
         log.info("model.pretrained: %s", note)
     model_cfg = dataclasses.replace(model_cfg, pretrained=str(path))

@@ -62,7 +62,7 @@ def setup_lora(cfg, model_cfg: ModelConfig, model, vocab_size: int):
             raise ValueError(f"lora.base_checkpoint={lora_cfg.base_checkpoint!r} and model.pretrained="
                              f"{model_cfg.pretrained!r} both name a base model; keep one")
     elif lora_cfg.base_checkpoint:
-        model_cfg, model = _checkpoint_base(lora_cfg.base_checkpoint, vocab_size)
+        model_cfg, model = _checkpoint_base(lora_cfg.base_checkpoint, vocab_size, cfg.train.cell_reuse)
         base_name = str(lora_cfg.base_checkpoint)
     report = apply_lora(model, lora_cfg, seed=cfg.train.seed, model_type=model_type)
     log.info("%s", report.summary())
@@ -70,7 +70,7 @@ def setup_lora(cfg, model_cfg: ModelConfig, model, vocab_size: int):
     return model_cfg, model, LoraRun(lora_cfg, report, model, model_type, base_name)
 
 
-def _checkpoint_base(path: str, vocab_size: int):
+def _checkpoint_base(path: str, vocab_size: int, cell_reuse: bool):
     from model.transformer import MoETransformer
     from train.checkpoint import load_model_weights, read_state, resolve_checkpoint, verify_checkpoint
 
@@ -85,7 +85,7 @@ def _checkpoint_base(path: str, vocab_size: int):
     if model_cfg.vocab_size < vocab_size:
         raise ValueError(f"lora.base_checkpoint={path!r}: vocab_size={model_cfg.vocab_size} is smaller than the "
                          f"tokenizer's {vocab_size}")
-    model = MoETransformer(model_cfg)
+    model = MoETransformer(model_cfg, cell_reuse=cell_reuse)
     try:
         load_model_weights(list(model.get_parameters()), directory)
     except ValueError as err:

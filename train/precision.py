@@ -1,4 +1,5 @@
-"""Compute precision and activation recompute of a run (``train.dtype``, ``train.recompute``).
+"""Compute precision, activation recompute and cell reuse of a run (``train.dtype``, ``train.recompute``,
+``train.cell_reuse``).
 
 Applied to the model from outside, once, before the first compile. Parameters, optimizer
 moments and the loss always stay fp32 ("master weights"); ``bf16``/``fp16`` lower the compute
@@ -34,6 +35,10 @@ def validate_precision(train, device_target: str) -> None:
         raise ValueError(f"train.dtype={train.dtype}: the CPU backend has no {train.dtype} kernels for "
                          "MatMul/Softmax/TopK (or runs them slower than fp32); use train.dtype=fp32 on CPU "
                          "and bf16/fp16 on Ascend")
+    if train.cell_reuse and device_target == "CPU":
+        raise ValueError("train.cell_reuse=true: MindSpore's lazy_inline cell reuse needs the Ascend backend; the "
+                         "CPU backend of MindSpore 2.9 fails on the reused-layer graph (\"Input[0] must be a Primitive "
+                         "ValueNode\"). Use train.cell_reuse=false on CPU")
     if train.loss_scale <= 0 or train.loss_scale_window < 1:
         raise ValueError(f"train.loss_scale={train.loss_scale} must be > 0 and train.loss_scale_window="
                          f"{train.loss_scale_window} >= 1")

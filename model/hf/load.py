@@ -49,17 +49,18 @@ def read_pretrained_config(path, overrides: dict = None, max_seq_len: int = 0) -
     return imported
 
 
-def load_hf_pretrained(path, overrides: dict = None, max_seq_len: int = 0):
+def load_hf_pretrained(path, overrides: dict = None, max_seq_len: int = 0, cell_reuse: bool = False):
     """``(ModelConfig, MoETransformer with the HF weights, notes)`` from a local HF directory.
 
     ``overrides``: ``model.*`` settings the user gave (see :func:`model.hf.config_map.apply_overrides`);
-    ``max_seq_len``: the longest sequence that will be run (checked against sliding windows).
+    ``max_seq_len``: the longest sequence that will be run (checked against sliding windows);
+    ``cell_reuse``: see :class:`model.transformer.MoETransformer`.
     """
     from model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
 
     imported = read_pretrained_config(path, overrides, max_seq_len)
     plan = plan_hf_weights(path, imported)
-    model = MoETransformer(imported.model_config)
+    model = MoETransformer(imported.model_config, cell_reuse=cell_reuse)
     notes = imported.notes + load_hf_weights(model, plan)
     return imported.model_config, model, notes
 
