@@ -23,7 +23,7 @@ import numpy as np
 from mindspore import Parameter, lazy_inline, nn, ops
 import mindspore as ms
 
-from model.attention import Attention, document_causal_mask
+from model.attention import Attention, causal_chunks, document_causal_mask
 from model.config import ModelConfig, validate_model_config
 from model.linear import normal_init
 from model.mlp import SwiGLU
@@ -55,16 +55,16 @@ class DecoderLayer(nn.Cell):
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, rng)
 
-    def construct(self, x_BSH, cos, sin, mask_BNSS):
-        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_BNSS)
+    def construct(self, x_BSH, cos, sin, mask):
+        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask)
         return x_BSH + self.mlp(self.post_attention_layernorm(x_BSH))
 
 
 class MoEDecoderLayer(DecoderLayer):
     """A :class:`DecoderLayer` whose FFN is an MoE block; also returns the router's losses and statistics."""
 
-    def construct(self, x_BSH, cos, sin, mask_BNSS, doc_ids_BS):
-        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask_BNSS)
+    def construct(self, x_BSH, cos, sin, mask, doc_ids_BS):
+        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask)
         ffn_BSH, aux, router_z, routing_stats, layer_stats = self.mlp(self.post_attention_layernorm(x_BSH),
                                                                       doc_ids_BS)
         return x_BSH + ffn_BSH, aux, router_z, routing_stats, layer_stats
@@ -126,7 +126,10 @@ class MoETransformer(nn.Cell):
     def construct(self, input_ids_BS, doc_ids_BS):
         batch, seq_len = input_ids_BS.shape
         cos, sin = self.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
-        mask_BNSS = document_causal_mask(doc_ids_BS, self.config.num_heads)
+        if ops.is_sequence_value_unknown(input_ids_BS.shape):
+            masks = document_causal_mask(doc_ids_BS, self.config.num_heads)  # a graph compiled for any length
+        else:
+            masks = document_causal_mask(doc_ids_BS, self.config.num_heads, causal_chunks(seq_len))
         x_BSH = self.embed_tokens(input_ids_BS)
         aux_losses = []
         z_losses = []
@@ -134,9 +137,9 @@ class MoETransformer(nn.Cell):
         layer_stats = []
         for layer_idx, layer in enumerate(self.layers):
             if layer_idx < self.num_dense:
-                x_BSH = layer(x_BSH, cos, sin, mask_BNSS)
+                x_BSH = layer(x_BSH, cos, sin, masks)
             else:
-                x_BSH, aux, router_z, layer_routing, layer_scalars = layer(x_BSH, cos, sin, mask_BNSS, doc_ids_BS)
+                x_BSH, aux, router_z, layer_routing, layer_scalars = layer(x_BSH, cos, sin, masks, doc_ids_BS)
                 aux_losses.append(aux)
                 z_losses.append(router_z)
                 routing_stats.append(layer_routing)

@@ -12,7 +12,7 @@ from mindspore import Tensor
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeAttention, Glm4MoeRotaryEmbedding
 
-from model.attention import Attention, document_causal_mask
+from model.attention import Attention, causal_chunks, document_causal_mask
 from model.config import ModelConfig
 from model.rope import default_inv_freq, rope_tables
 
@@ -133,3 +133,41 @@ def test_document_causal_mask_blocks_other_documents_and_the_future():
 def test_document_causal_mask_under_jit_blocks_other_documents_and_the_future():
     mask = ms.jit(document_causal_mask)(Tensor(DOC_IDS.astype(np.int32))).asnumpy()
     check_mask_against_reference(mask, DOC_IDS)
+
+
+def test_document_causal_mask_chunks_are_the_visible_blocks_of_the_full_mask():
+    doc_ids = np.array([[0] * 3 + [1] * 9, [4] * 12])
+    chunks = ms.jit(document_causal_mask, static_argnums=(1, 2))(Tensor(doc_ids.astype(np.int32)), 3, 4)
+    assert len(chunks) == 4
+    allowed = reference_allowed(doc_ids)
+    for c, chunk in enumerate(chunks):
+        chunk = chunk.asnumpy()
+        assert chunk.shape == (2, 3, 3, 3 * (c + 1))  # 3 heads, 3 queries, the keys up to the chunk's end
+        expected = np.where(allowed[:, 3 * c:3 * (c + 1), :3 * (c + 1)], 0.0, chunk.min())
+        np.testing.assert_array_equal(chunk, np.broadcast_to(expected[:, None], chunk.shape))
+        # Everything the chunk leaves out is in the future of all its queries.
+        assert not allowed[:, 3 * c:3 * (c + 1), 3 * (c + 1):].any()
+    assert causal_chunks(512) == 4 and causal_chunks(256) == 2 and causal_chunks(200) == 1
+    assert causal_chunks(384) == 2  # 96-query chunks would be too small
+
+
+def test_chunked_attention_equals_hf_and_the_unchunked_gradients(attention, hf_attention):
+    cell, cos, sin = attention
+    x = np.random.default_rng(6).normal(size=(2, 12, HIDDEN)).astype(np.float32)
+    doc_ids = np.array([[0] * 5 + [1] * 7, [0] * 2 + [1] * 6 + [2] * 4])
+    doc_ids_t = Tensor(doc_ids.astype(np.int32))
+    upstream = Tensor(np.random.default_rng(7).normal(size=x.shape).astype(np.float32))
+
+    def loss(x_BSH, mask):
+        return (cell(x_BSH, cos[:12], sin[:12], mask) * upstream).sum()
+
+    grad = ms.jit(ms.value_and_grad(loss, 0, cell.trainable_params()))
+    full_value, (full_dx, full_dw) = grad(Tensor(x), document_causal_mask(doc_ids_t, HEADS))
+    chunked = document_causal_mask(doc_ids_t, HEADS, 3)
+    value, (dx, dw) = grad(Tensor(x), chunked)
+    out = cell(Tensor(x), cos[:12], sin[:12], chunked).asnumpy()
+    np.testing.assert_allclose(out, run_hf(hf_attention, x, doc_ids), atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(value.asnumpy(), full_value.asnumpy(), rtol=1e-5)
+    np.testing.assert_allclose(dx.asnumpy(), full_dx.asnumpy(), atol=1e-5, rtol=1e-4)
+    for chunked_grad, full_grad in zip(dw, full_dw):
+        np.testing.assert_allclose(chunked_grad.asnumpy(), full_grad.asnumpy(), atol=1e-5, rtol=1e-4)
