@@ -32,7 +32,7 @@ class BenchSize:
 
 
 FULL = BenchSize(hidden_size=512, num_layers=8, num_heads=8, num_kv_heads=2, expert_width=512, vocab_size=8192,
-                 seq_len=512, micro_batch=4, timed_steps=4, warmup_steps=1, gemm_size=2048,
+                 seq_len=512, micro_batch=4, timed_steps=5, warmup_steps=2, gemm_size=2048,
                  compile_layers=(2, 8, 24), compile_hidden=128, data_windows=512, data_batches=64, activation_probe=True)
 QUICK = BenchSize(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, expert_width=32, vocab_size=256,
                   seq_len=32, micro_batch=2, timed_steps=1, warmup_steps=1, gemm_size=256,
