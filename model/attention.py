@@ -135,9 +135,9 @@ class Attention(nn.Cell):
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.core = AttentionCore(self.scale)
 
-    def construct(self, x_BSH, cos, sin, mask_B1SS):
+    def construct(self, x_BSH, cos, sin, mask):
         q_BNSD, k_BGSD, v_BGSD = self.project_qkv(x_BSH, cos, sin)
-        return self.attend(q_BNSD, k_BGSD, v_BGSD, mask_B1SS)
+        return self.attend(q_BNSD, k_BGSD, v_BGSD, mask)
 
     def project_qkv(self, x_BSH, cos, sin):
         """Queries ``[B, N, S, D]`` and keys/values ``[B, G, S, D]`` after QK-norm and RoPE (what a KV cache holds)."""

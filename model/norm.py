@@ -50,7 +50,6 @@ class RMSNorm(nn.Cell):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.eps = eps
         self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
         self.normalize = RowRMSNormalize(dim, eps)
 

@@ -92,13 +92,14 @@ class PrefillGraph(_ServingGraph):
         batch, seq_len = input_ids.shape
         model = self.model
         cos, sin = model.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
-        mask_B1SS = document_causal_mask(ops.zeros_like(input_ids))
+        # Built at every query head's shape once, not tiled again by each layer's attention.
+        mask_BNSS = document_causal_mask(ops.zeros_like(input_ids), model.config.num_heads)
         x_BSH = model.embed_tokens(input_ids)
         kv_cache = []
         lock_states = []
         for layer_idx, layer in enumerate(model.layers):
             q_BNSD, k_BGSD, v_BGSD = layer.self_attn.project_qkv(layer.input_layernorm(x_BSH), cos, sin)
-            x_BSH = x_BSH + layer.self_attn.attend(q_BNSD, k_BGSD, v_BGSD, mask_B1SS)
+            x_BSH = x_BSH + layer.self_attn.attend(q_BNSD, k_BGSD, v_BGSD, mask_BNSS)
             kv_cache.append(ops.stack((k_BGSD, v_BGSD)))
             h_BSH = layer.post_attention_layernorm(x_BSH)
             if layer_idx < self.num_dense:
