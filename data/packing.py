@@ -91,6 +91,15 @@ def loss_mask_from_doc_ids(doc_ids: np.ndarray) -> np.ndarray:
     return doc_ids[..., 1:] == doc_ids[..., :-1]
 
 
+def label_mask(windows: PackedWindows) -> np.ndarray:
+    """bool ``[..., seq_len]``: the labels the trainer scores. Label ``t+1`` counts when it is in the
+    document of input ``t`` and, for SFT windows (with ``loss_mask``), is an assistant token."""
+    scored = loss_mask_from_doc_ids(windows.doc_ids)
+    if windows.loss_mask is not None:
+        scored = scored & (windows.loss_mask[..., 1:] > 0)
+    return scored
+
+
 def attention_allowed(doc_ids: np.ndarray) -> np.ndarray:
     """bool ``[..., S, S]`` from the inputs' doc ids ``[..., S]`` (``window_doc_ids[..., :-1]``):
     query i may attend key j iff j <= i and both are in the same document.
@@ -108,8 +117,8 @@ def unigram_loss(train: PackedWindows, valid: PackedWindows, vocab_size: int) ->
     positions the trainer scores. A language model that does not beat this
     number has learnt nothing beyond token frequencies.
     """
-    train_labels = train.input_ids[:, 1:][loss_mask_from_doc_ids(train.doc_ids)]
+    train_labels = train.input_ids[:, 1:][label_mask(train)]
     counts = np.bincount(train_labels, minlength=vocab_size).astype(np.float64)
     log_probs = np.log(counts + 1.0) - np.log(counts.sum() + vocab_size)
-    valid_labels = valid.input_ids[:, 1:][loss_mask_from_doc_ids(valid.doc_ids)]
+    valid_labels = valid.input_ids[:, 1:][label_mask(valid)]
     return float(-log_probs[valid_labels].mean())

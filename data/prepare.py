@@ -31,7 +31,7 @@ from data.mindrecord import write_shards
 from data.packing import PackedWindows, mix_sources, mixture_counts, pack_documents, unigram_loss
 from data.hf_tokenizer import open_tokenizer, tokenizer_files
 from data.reader import DataInputError, Source, checked_file, concatenate, read_source, tokenize_documents
-from data.sft import OVERLONG_POLICIES, build_sft_windows, sft_unigram_loss
+from data.sft import OVERLONG_POLICIES, build_sft_windows
 from data.tokenizer import Tokenizer, train_sentencepiece
 
 logger = logging.getLogger(__name__)
@@ -277,7 +277,7 @@ def _prepare_sft(root: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dic
                 "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
                 "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows) if valid else [],
                 "num_train_windows": len(train_windows), "num_valid_windows": len(valid_windows) if valid else 0,
-                "unigram_val_loss": sft_unigram_loss(train_windows, valid_windows, tokenizer.vocab_size)
+                "unigram_val_loss": unigram_loss(train_windows, valid_windows, tokenizer.vocab_size)
                 if valid else None,
                 "sources": train_stats, "valid_sources": valid_stats, "tokenizer": tokenizer_path,
                 "seq_len": cfg.seq_len, "data_format": "sft"}

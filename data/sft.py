@@ -29,7 +29,7 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from data.packing import PackedWindows
+from data.packing import PackedWindows, label_mask
 from data.reader import DataInputError
 
 logger = logging.getLogger(__name__)
@@ -210,20 +210,7 @@ def pack_conversations(encoded: Sequence[Tuple[np.ndarray, np.ndarray]], seq_len
     if truncated:
         logger.warning("%s: %d conversations longer than data.seq_len + 1 = %d truncated, %d of them dropped "
                        "(no assistant token left)", where, truncated, window, dropped)
-    return SFTWindows(windows, used, truncated, dropped, int(sft_label_mask(windows).sum()))
-
-
-def sft_label_mask(windows: PackedWindows) -> np.ndarray:
-    """bool ``[..., seq_len]``: label ``t+1`` is scored iff it is an assistant token of the same
-    conversation as input ``t``."""
-    return (windows.doc_ids[..., 1:] == windows.doc_ids[..., :-1]) & (windows.loss_mask[..., 1:] > 0)
-
-
-def sft_unigram_loss(train: PackedWindows, valid: PackedWindows, vocab_size: int) -> float:
-    """The unigram baseline of :func:`data.packing.unigram_loss` on the scored (assistant) labels."""
-    counts = np.bincount(train.input_ids[:, 1:][sft_label_mask(train)], minlength=vocab_size).astype(np.float64)
-    log_probs = np.log(counts + 1.0) - np.log(counts.sum() + vocab_size)
-    return float(-log_probs[valid.input_ids[:, 1:][sft_label_mask(valid)]].mean())
+    return SFTWindows(windows, used, truncated, dropped, int(label_mask(windows).sum()))
 
 
 def build_sft_windows(files: dict, tokenizer, seq_len: int, overlong: str) -> Tuple[PackedWindows, dict]:

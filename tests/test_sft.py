@@ -13,8 +13,8 @@ from mindspore import Tensor
 from data.hf_tokenizer import render_chat_template
 from data.mindrecord import EvalLoader, WindowLoader, write_shards
 from data.reader import DataInputError
-from data.sft import (conversation_messages, encode_conversation, pack_conversations, read_conversations,
-                      sft_label_mask)
+from data.packing import label_mask
+from data.sft import conversation_messages, encode_conversation, pack_conversations, read_conversations
 from train.step import masked_cross_entropy, split_window
 
 # A chat template in the style of HF ones (Jinja), closing each assistant reply with an end marker.
@@ -111,7 +111,7 @@ def test_packing_keeps_conversations_whole_and_pads_with_an_unscored_document():
     assert packed.input_ids.tolist() == [[4] * 4 + [5] * 5 + [0], [3] * 3 + [0] * 7]
     assert packed.doc_ids.tolist()[1] == [0] * 3 + [1] * 7
     assert packed.loss_mask.tolist()[1] == [1] * 3 + [0] * 7
-    assert sft_label_mask(packed)[1].tolist() == [True, True] + [False] * 7
+    assert label_mask(packed)[1].tolist() == [True, True] + [False] * 7
 
 
 def test_overlong_conversations_are_errors_or_counted_truncations():

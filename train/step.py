@@ -18,6 +18,8 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 import mindspore as ms
 
+from data.packing import PackedWindows, label_mask
+
 
 def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
     """Mean negative log-likelihood over positions where ``loss_mask`` is 1 (fp32)."""
@@ -50,13 +52,10 @@ def global_squared_norm(grads):
 def split_window(batch: dict):
     """Packed ``seq_len + 1`` windows -> model inputs, labels and the loss mask (numpy, int32).
 
-    A label counts when it is in the input token's document and, for SFT windows (with a
-    ``loss_mask`` column), is an assistant token."""
+    Which labels count is :func:`data.packing.label_mask` (same document; SFT: assistant tokens)."""
     tokens = batch["input_ids"]
     doc_ids = batch["doc_ids"]
-    loss_mask = (doc_ids[:, 1:] == doc_ids[:, :-1]).astype(np.int32)
-    if "loss_mask" in batch:  # SFT: only assistant tokens are labels
-        loss_mask = loss_mask * (batch["loss_mask"][:, 1:] > 0).astype(np.int32)
+    loss_mask = label_mask(PackedWindows(tokens, doc_ids, batch.get("loss_mask"))).astype(np.int32)
     return (Tensor(tokens[:, :-1].astype(np.int32)), Tensor(doc_ids[:, :-1].astype(np.int32)),
             Tensor(tokens[:, 1:].astype(np.int32)), Tensor(loss_mask))
 
