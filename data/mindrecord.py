@@ -60,11 +60,11 @@ def count_windows(shard_files: Sequence[str]) -> int:
     return msd.MindDataset(list(shard_files), columns_list=COLUMNS, shuffle=False).get_dataset_size()
 
 
-def _read(shard_files: Sequence[str], indices: np.ndarray, batch_size: int) -> Iterator[Dict[str, np.ndarray]]:
-    """Windows ``indices`` (positions in the concatenated shards), in that order, in batches."""
+def _read(shard_files: Sequence[str], columns: List[str], indices: np.ndarray,
+          batch_size: int) -> Iterator[Dict[str, np.ndarray]]:
+    """Windows ``indices`` (positions in the concatenated shards), in that order, in batches of ``columns``."""
     if len(indices) == 0:
         return
-    columns = shard_columns(shard_files)
     # One worker keeps memory low; order is fixed by the sampler either way.
     dataset = msd.MindDataset(list(shard_files), columns_list=columns, num_parallel_workers=1,
                               sampler=msd.SubsetSampler(indices.tolist()))
@@ -96,6 +96,7 @@ class WindowLoader:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside data-parallel size {world_size}")
         self.shard_files = list(shard_files)
+        self.columns = shard_columns(self.shard_files)
         self.micro_batch_size = micro_batch_size
         self.global_batch_size = global_batch_size
         self.seed = seed
@@ -138,7 +139,7 @@ class WindowLoader:
             epoch, first_step = divmod(self.step, self.steps_per_epoch)
             logger.debug("rank %d: epoch %d from step %d", self.rank, epoch, first_step)
             indices = self.rank_indices(epoch, first_step)
-            for number, batch in enumerate(_read(self.shard_files, indices, self.micro_batch_size), 1):
+            for number, batch in enumerate(_read(self.shard_files, self.columns, indices, self.micro_batch_size), 1):
                 if number % self.accumulation_steps == 0:
                     self.step += 1
                 yield batch
@@ -161,6 +162,7 @@ class EvalLoader:
     def __init__(self, shard_files: Sequence[str], batch_size: int, rank: int = 0, world_size: int = 1,
                  max_batches: int = 0):
         self.shard_files = list(shard_files)
+        self.columns = shard_columns(self.shard_files)
         self.batch_size = batch_size
         self.rank = rank
         self.world_size = world_size
@@ -170,12 +172,13 @@ class EvalLoader:
         if max_batches > 0:
             self.num_batches = min(self.num_batches, max_batches)
         self.evaluated_windows = min(self.num_windows, self.num_batches * per_batch)
-        self.window_length = next(_read(self.shard_files, np.zeros(1, np.int64), 1))["input_ids"].shape[1]
+        first = next(_read(self.shard_files, self.columns, np.zeros(1, np.int64), 1))
+        self.window_length = first["input_ids"].shape[1]
 
     def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
         positions = np.arange(self.num_batches * self.batch_size * self.world_size)
         positions = positions.reshape(self.num_batches, self.world_size, self.batch_size)[:, self.rank].reshape(-1)
-        real = _read(self.shard_files, positions[positions < self.num_windows], self.batch_size)
+        real = _read(self.shard_files, self.columns, positions[positions < self.num_windows], self.batch_size)
         for _ in range(self.num_batches):
             yield self._filled(next(real, None))
 
@@ -187,5 +190,5 @@ class EvalLoader:
                    "doc_ids": np.tile(np.arange(self.window_length, dtype=np.int32), (missing, 1)),
                    LOSS_MASK: np.zeros((missing, self.window_length), np.int32)}
         if batch is None:
-            return {name: padding[name] for name in shard_columns(self.shard_files)}
+            return {name: padding[name] for name in self.columns}
         return {name: np.concatenate([batch[name], padding[name]]) for name in batch}
