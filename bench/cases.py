@@ -10,17 +10,8 @@ import time
 
 import numpy as np
 
+from bench.hf_load_memory import current_rss_bytes, peak_rss_bytes
 from bench.specs import BenchSize, model_config, theoretical_train_bytes
-
-
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def current_rss_bytes() -> int:
-    import os
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def _graph_mode():
@@ -45,7 +36,7 @@ def gemm_peak(size: BenchSize, trials: int = 3, repeats: int = 8) -> dict:
     _graph_mode()
     from train.metrics import measure_peak_gflops
     n = size.gemm_size
-    mindspore_gflops = max(measure_peak_gflops(n, repeats) for _ in range(trials))
+    mindspore_gflops = measure_peak_gflops(n, repeats, trials)
     a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
 
     def best(fn):

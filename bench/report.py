@@ -2,6 +2,8 @@
 import os
 import platform
 
+from bench.specs import CAPACITY_FACTOR, NUM_EXPERTS, TOP_K
+
 GIB = 2 ** 30
 # Acceptance targets of the benchmark figures (issue "Benchmarks and speed").
 TARGETS = {"mfu_moe": 0.5, "mfu_dense": 0.55, "torch_ratio": 1.0, "moe_overhead": 0.8, "compile_ratio": 2.0,
@@ -89,8 +91,8 @@ def render_markdown(rows: list, machine: dict, run_id: str, size) -> str:
              " (the machine is shared; each row records the load during its case)",
              f"- Models: hidden {size.hidden_size}, {size.num_layers} layers, {size.num_heads} heads "
              f"({size.num_kv_heads} kv), vocab {size.vocab_size}, seq {size.seq_len}, micro-batch {size.micro_batch}; "
-             f"dense FFN width {2 * size.expert_width} vs 8 experts of width {size.expert_width}, top-2, capacity "
-             "factor 1.25 (equal active parameters)",
+             f"dense FFN width {TOP_K * size.expert_width} vs {NUM_EXPERTS} experts of width {size.expert_width}, "
+             f"top-{TOP_K}, capacity factor {CAPACITY_FACTOR} (equal active parameters)",
              "- FLOPs per token (training) = 6 x active matmul params + 6 x layers x seq x heads x head_dim "
              "(`train.metrics.train_flops_per_token`; the second term is causal attention)", ""]
     headline = headline_rows(rows)

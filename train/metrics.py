@@ -67,17 +67,22 @@ def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     return 6.0 * active_matmul_params(cfg) + attention
 
 
-def measure_peak_gflops(size: int = 1024, repeats: int = 8) -> float:
-    """Achieved fp32 GFLOP/s of a square MatMul here: the practical ceiling MFU is measured against."""
+def measure_peak_gflops(size: int = 1024, repeats: int = 8, trials: int = 3) -> float:
+    """Achieved fp32 GFLOP/s of a square MatMul here: the practical ceiling MFU is measured against.
+
+    The best of ``trials`` timings: one ~0.1 s timing caught by a moment of load from another
+    process read low, and the MFU of a run against it came out above 1."""
     a = Tensor(np.random.default_rng(0).standard_normal((size, size)).astype(np.float32))
     matmul = ops.MatMul()
     matmul(a, a).asnumpy()
-    start = time.perf_counter()
-    for _ in range(repeats):
-        out = matmul(a, a)
-    out.asnumpy()
-    elapsed = time.perf_counter() - start
-    return 2.0 * size ** 3 * repeats / elapsed / 1e9
+    best = float("inf")
+    for _ in range(trials):
+        start = time.perf_counter()
+        for _ in range(repeats):
+            out = matmul(a, a)
+        out.asnumpy()
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size ** 3 * repeats / best / 1e9
 
 
 def load_imbalance(counts_LE: np.ndarray) -> list:
