@@ -47,7 +47,7 @@ def peft_tensor_names(param_name: str, shape, names: NameMap) -> list:
 
 def adapter_parameters(model) -> list:
     """The parameters an adapter file holds: the adapters and the modules_to_save (= trainable)."""
-    return [p for p in model.get_parameters() if p.requires_grad]
+    return list(model.trainable_params())
 
 
 def peft_config_dict(cfg: LoraConfig, base_model_name_or_path=None) -> dict:

@@ -23,6 +23,7 @@ from omegaconf import OmegaConf
 
 from data.prepare import file_sha256
 from model.config import ModelConfig, validate_model_config
+from model.export.runner import MANIFEST_FILE
 from model.hf import ImportedConfig, apply_overrides, export_hf, read_pretrained_config
 from model.hf.export import TOKENIZER_FILES
 from model.hf.load import weight_files
@@ -32,7 +33,6 @@ from train.init_model import explicit_model_keys, model_overrides
 
 log = logging.getLogger("mindmoe.export")
 
-MANIFEST_FILE = "manifest.json"
 MANIFEST_FORMAT = "mindmoe-mindir/1"
 
 

@@ -12,7 +12,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from model.export.lock_state import lock_state_width
-from model.export.serving import PrefillGraph, decode_graph
+from model.export.serving import PrefillGraph, carries_lock_state, decode_graph
 
 EXPORT_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -48,7 +48,7 @@ def graph_signatures(cfg, dtype: str) -> dict:
         return {"name": "logits", "shape": [BATCH, cfg.vocab_size], "dtype": "float32", "description": what}
 
     def lock() -> list:
-        if not (cfg.expert_lock and cfg.num_moe_layers > 0):
+        if not carries_lock_state(cfg):
             return []
         return [{"name": "lock_state", "shape": [cfg.num_moe_layers, BATCH, lock_state_width(cfg.top_k)],
                  "dtype": "int32", "description": "expert-lock state per MoE layer (model/export/lock_state.py)"}]

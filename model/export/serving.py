@@ -33,6 +33,11 @@ from model.moe.dispatch import dense_combine_weights
 from model.moe.router import gather_weights, router_scores, select_experts
 
 
+def carries_lock_state(cfg) -> bool:
+    """Whether the serving graphs take and return the expert-lock state (locking on, some MoE layer)."""
+    return cfg.expert_lock and cfg.num_moe_layers > 0
+
+
 def stack_layers(tensors):
     """``ops.stack`` of a list built with ``append``, written as a concat: in a MindIR graph loaded with
     dynamic shapes, MindSpore 2.9's ``stack`` of such a list keeps the output shape of its first run."""
@@ -73,7 +78,7 @@ class _ServingGraph(nn.Cell):
         self.model = model
         self.num_dense = cfg.first_k_dense
         self.top_k = cfg.top_k
-        self.expert_lock = cfg.expert_lock and cfg.num_moe_layers > 0
+        self.expert_lock = carries_lock_state(cfg)
         self.lock_run_length = cfg.lock_run_length
         self.lock_span = cfg.lock_span
         self.moe_layers = nn.CellList([ServingMoE(layer.mlp) for layer in model.layers if layer.is_moe])
@@ -182,4 +187,4 @@ class LockedDecodeGraph(DecodeGraph):
 def decode_graph(model):
     """The decode graph matching ``model``'s config (with lock state iff expert locking is on)."""
     cfg = model.config
-    return LockedDecodeGraph(model) if cfg.expert_lock and cfg.num_moe_layers > 0 else DecodeGraph(model)
+    return LockedDecodeGraph(model) if carries_lock_state(cfg) else DecodeGraph(model)
