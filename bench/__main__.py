@@ -1,4 +1,4 @@
-"""``python -m bench`` / ``mindmoe-bench``: measure, print one JSON line per row, append them to a
+"""``python -m mindmoe.bench`` / ``mindmoe-bench``: measure, print one JSON line per row, append them to a
 results file and regenerate BENCHMARKS.md.
 
     mindmoe-bench                        # the default cases at the full size (< 20 min on 2 cores)
@@ -9,6 +9,7 @@ results file and regenerate BENCHMARKS.md.
 Each measurement runs in a fresh process, so ``peak_rss`` (``ru_maxrss``) is that case's alone;
 the ratios (``mfu``, ``torch_ratio``, ``moe_overhead``) are formed from rows of the same run.
 """
+
 import argparse
 import json
 import os
@@ -17,17 +18,23 @@ import sys
 import time
 from pathlib import Path
 
-from bench.report import machine_description, render_markdown
-from bench.specs import SIZES
+from mindmoe.bench.report import machine_description, render_markdown
+from mindmoe.bench.specs import SIZES
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULT_MARK = "BENCH_RESULT "
 DEFAULT_CASES = ("gemm_peak", "train_step", "torch_reference", "moe_overhead", "compile_scaling", "data_pipeline")
 OPT_IN_CASES = ("hf_load_memory",)
 # Cases whose figures are ratios of other cases' measurements.
-NEEDS = {"gemm_peak": (), "train_step": ("gemm_peak",), "torch_reference": ("train_step",),
-         "moe_overhead": ("train_step",), "compile_scaling": (), "data_pipeline": ("train_step",),
-         "hf_load_memory": ()}
+NEEDS = {
+    "gemm_peak": (),
+    "train_step": ("gemm_peak",),
+    "torch_reference": ("train_step",),
+    "moe_overhead": ("train_step",),
+    "compile_scaling": (),
+    "data_pipeline": ("train_step",),
+    "hf_load_memory": (),
+}
 HF_LOAD_GIB = {"full": 1.0, "quick": 0.02}
 
 
@@ -42,25 +49,32 @@ def run_child(task: dict) -> dict:
     root = str(BENCH_DIR.parent)
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     load_before = load_average()
-    child = subprocess.run([sys.executable, "-m", "bench", "--child", json.dumps(task)], capture_output=True,
-                           text=True, env=env, check=False)
+    child = subprocess.run(
+        [sys.executable, "-m", "mindmoe.bench", "--child", json.dumps(task)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     lines = [line for line in child.stdout.splitlines() if line.startswith(RESULT_MARK)]
     if child.returncode or not lines:
         raise RuntimeError(f"benchmark task {task} failed (exit {child.returncode}):\n{child.stderr[-3000:]}")
-    result = json.loads(lines[-1][len(RESULT_MARK):])
+    result = json.loads(lines[-1][len(RESULT_MARK) :])
     result["load_avg"] = round(max(load_before, load_average()), 2)
     return result
 
 
 def child_main(task: dict) -> None:
-    from bench import cases
+    from mindmoe.bench import cases
+
     size = SIZES[task["size"]]
     name = task["task"]
     if name == "gemm_peak":
         result = cases.gemm_peak(size)
     elif name == "train_step":
-        result = cases.train_step(size, task["model"], task.get("micro_batch", 0), task.get("steps", 0),
-                                  task.get("with_torch", False))
+        result = cases.train_step(
+            size, task["model"], task.get("micro_batch", 0), task.get("steps", 0), task.get("with_torch", False)
+        )
     elif name == "compile":
         result = cases.compile_time(size, task["layers"], task.get("lazy_inline", False))
     elif name == "data_pipeline":
@@ -74,8 +88,13 @@ def child_main(task: dict) -> None:
 def hf_load_memory(size_name: str) -> dict:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(BENCH_DIR.parent) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    child = subprocess.run([sys.executable, str(BENCH_DIR / "hf_load_memory.py"), "--gib",
-                            str(HF_LOAD_GIB[size_name])], capture_output=True, text=True, env=env, check=False)
+    child = subprocess.run(
+        [sys.executable, str(BENCH_DIR / "hf_load_memory.py"), "--gib", str(HF_LOAD_GIB[size_name])],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if child.returncode:
         raise RuntimeError(f"hf_load_memory failed:\n{child.stderr[-3000:]}")
     row = json.loads(child.stdout.strip().splitlines()[-1])
@@ -163,8 +182,9 @@ class Run:
                 # windows (probing at 2B would need twice the memory of the measured run).
                 half = self.task(task="train_step", model=kind, micro_batch=row["micro_batch"] // 2, steps=1)
                 row["activation_bytes"] = 2 * max(row["peak_rss"] - half["peak_rss"], 0)
-            row["peak_rss_ratio"] = ((row["peak_rss"] - row["framework_rss"])
-                                     / (row["theoretical_bytes"] + row["activation_bytes"]))
+            row["peak_rss_ratio"] = (row["peak_rss"] - row["framework_rss"]) / (
+                row["theoretical_bytes"] + row["activation_bytes"]
+            )
             measured[kind] = row
         add_mfu(self.measured["gemm_peak"], list(measured.values()))
         return {kind: self.emit("train_step", row) for kind, row in measured.items()}
@@ -183,25 +203,37 @@ class Run:
 
     def case_moe_overhead(self):
         dense, moe = self.measured["train_step"]["dense"], self.measured["train_step"]["moe"]
-        return self.emit("moe_overhead", {
-            "moe_overhead": moe["tokens_per_s"] / dense["tokens_per_s"],
-            # The two steps ran minutes apart; CPU time is far less sensitive to the load in between.
-            "moe_overhead_cpu": moe["tokens_per_cpu_s"] / dense["tokens_per_cpu_s"],
-            "dispatch_share": moe["dispatch_s"] / moe["step_s"], "dispatch_s": moe["dispatch_s"],
-            "moe_step_s": moe["step_s"], "dense_step_s": dense["step_s"]})
+        return self.emit(
+            "moe_overhead",
+            {
+                "moe_overhead": moe["tokens_per_s"] / dense["tokens_per_s"],
+                # The two steps ran minutes apart; CPU time is far less sensitive to the load in between.
+                "moe_overhead_cpu": moe["tokens_per_cpu_s"] / dense["tokens_per_cpu_s"],
+                "dispatch_share": moe["dispatch_s"] / moe["step_s"],
+                "dispatch_s": moe["dispatch_s"],
+                "moe_step_s": moe["step_s"],
+                "dense_step_s": dense["step_s"],
+            },
+        )
 
     def case_compile_scaling(self):
         rows = [self.task(task="compile", layers=layers) for layers in self.size.compile_layers]
         for row in rows:
             self.emit("compile_scaling", row)
         # Cell reuse (lazy_inline) is documented for Ascend; try it here and report what happens.
-        reuse = self.emit("compile_scaling", self.task(task="compile", layers=self.size.compile_layers[0],
-                                                        lazy_inline=True))
-        cell_reuse = ("works" if "error" not in reuse else f"fails here: {reuse['error']}")
-        return self.emit("compile_scaling", {
-            "layers": [row["layers"] for row in rows], "compile_s": rows[-1]["compile_s"],
-            "compile_ratio": rows[-1]["compile_s"] / max(rows[0]["compile_s"], 1e-9),
-            "cell_reuse": "lazy_inline " + cell_reuse})
+        reuse = self.emit(
+            "compile_scaling", self.task(task="compile", layers=self.size.compile_layers[0], lazy_inline=True)
+        )
+        cell_reuse = "works" if "error" not in reuse else f"fails here: {reuse['error']}"
+        return self.emit(
+            "compile_scaling",
+            {
+                "layers": [row["layers"] for row in rows],
+                "compile_s": rows[-1]["compile_s"],
+                "compile_ratio": rows[-1]["compile_s"] / max(rows[0]["compile_s"], 1e-9),
+                "cell_reuse": "lazy_inline " + cell_reuse,
+            },
+        )
 
     def case_data_pipeline(self):
         row = self.task(task="data_pipeline")
@@ -224,16 +256,29 @@ def parse_cases(text: str) -> list:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="mindmoe-bench", description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(DEFAULT_CASES),
-                        help=f"comma-separated cases (default: {','.join(DEFAULT_CASES)}; "
-                             f"opt-in: {','.join(OPT_IN_CASES)})")
+    parser.add_argument(
+        "--cases",
+        default=",".join(DEFAULT_CASES),
+        help=f"comma-separated cases (default: {','.join(DEFAULT_CASES)}; opt-in: {','.join(OPT_IN_CASES)})",
+    )
     parser.add_argument("--quick", action="store_true", help="tiny models: checks the command, not the machine")
-    parser.add_argument("--results", type=Path, default=BENCH_DIR / "results.jsonl",
-                        help="JSON lines are appended here (default: bench/results.jsonl)")
-    parser.add_argument("--markdown", type=Path, default=BENCH_DIR.parent / "BENCHMARKS.md",
-                        help="regenerated from this run's rows (default: BENCHMARKS.md); '-' to skip")
-    parser.add_argument("--rerender", action="store_true",
-                        help="only rewrite --markdown from the last run in --results, measuring nothing")
+    parser.add_argument(
+        "--results",
+        type=Path,
+        default=BENCH_DIR / "results.jsonl",
+        help="JSON lines are appended here (default: bench/results.jsonl)",
+    )
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=BENCH_DIR.parent / "BENCHMARKS.md",
+        help="regenerated from this run's rows (default: BENCHMARKS.md); '-' to skip",
+    )
+    parser.add_argument(
+        "--rerender",
+        action="store_true",
+        help="only rewrite --markdown from the last run in --results, measuring nothing",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:

@@ -4,18 +4,20 @@ Every function returns a dict of raw measurements; ratios between cases (MFU aga
 gemm_peak, mindmoe/torch, MoE/dense) are formed by the parent from rows of the same run.
 Shape legend: B micro-batch, S sequence, T = B*S tokens, H hidden, E experts, K top-k.
 """
+
 import resource
 import tempfile
 import time
 
 import numpy as np
 
-from bench.hf_load_memory import current_rss_bytes, peak_rss_bytes
-from bench.specs import BenchSize, model_config, theoretical_train_bytes
+from mindmoe.bench.hf_load_memory import current_rss_bytes, peak_rss_bytes
+from mindmoe.bench.specs import BenchSize, model_config, theoretical_train_bytes
 
 
 def _graph_mode():
     import mindspore as ms
+
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     return ms
@@ -34,7 +36,8 @@ def random_windows(size: BenchSize, batch: int, seed: int, docs_per_window: int 
 def gemm_peak(size: BenchSize, trials: int = 3, repeats: int = 8) -> dict:
     """Best of ``trials`` timings of ``repeats`` square fp32 MatMuls, in MindSpore, NumPy and torch."""
     _graph_mode()
-    from train.metrics import measure_peak_gflops
+    from mindmoe.train.metrics import measure_peak_gflops
+
     n = size.gemm_size
     mindspore_gflops = measure_peak_gflops(n, repeats, trials)
     a = np.random.default_rng(0).standard_normal((n, n)).astype(np.float32)
@@ -47,11 +50,12 @@ def gemm_peak(size: BenchSize, trials: int = 3, repeats: int = 8) -> dict:
             for _ in range(repeats):
                 fn()
             timings.append(time.perf_counter() - start)
-        return 2.0 * n ** 3 * repeats / min(timings) / 1e9
+        return 2.0 * n**3 * repeats / min(timings) / 1e9
 
     row = {"gflops": mindspore_gflops, "numpy_gflops": best(lambda: a @ a), "matrix_size": n}
     try:
         import torch
+
         t = torch.from_numpy(a)
         row["torch_gflops"] = best(lambda: t @ t)
     except ImportError:
@@ -60,10 +64,11 @@ def gemm_peak(size: BenchSize, trials: int = 3, repeats: int = 8) -> dict:
 
 
 def build_trainer(cfg, seed: int = 0, cell_reuse: bool = False):
-    from model.transformer import MoETransformer
-    from train.config import TrainConfig
-    from train.optim import build_optimizer
-    from train.step import Trainer
+    from mindmoe.model.transformer import MoETransformer
+    from mindmoe.train.config import TrainConfig
+    from mindmoe.train.optim import build_optimizer
+    from mindmoe.train.step import Trainer
+
     model = MoETransformer(cfg, seed=seed, cell_reuse=cell_reuse)
     optimizer = build_optimizer(model.trainable_params(), TrainConfig(max_steps=1000, warmup_ratio=0.0))
     trainer = Trainer(model, optimizer, grad_clip=1.0, accum_steps=1)
@@ -92,8 +97,9 @@ def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0,
     of mindmoe is read before PyTorch allocates anything.
     """
     _graph_mode()
-    import train.optim  # noqa: F401  (mindformers and MindSpore in the framework baseline)
-    from train.metrics import active_matmul_params, measure_peak_gflops, train_flops_per_token
+    import mindmoe.train.optim  # noqa: F401  (mindformers and MindSpore in the framework baseline)
+    from mindmoe.train.metrics import active_matmul_params, measure_peak_gflops, train_flops_per_token
+
     framework_rss = current_rss_bytes()
     cfg = model_config(size, kind)
     batch = micro_batch or size.micro_batch
@@ -107,17 +113,18 @@ def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0,
             raise RuntimeError(f"benchmark step produced loss {stats.loss}")
 
     first_s, _ = timed(mindmoe_step, batches[0])
-    for window in batches[1:size.warmup_steps]:
+    for window in batches[1 : size.warmup_steps]:
         mindmoe_step(window)
     timings = []
     torch_step, torch_timings = None, []
-    for window in batches[size.warmup_steps:]:
+    for window in batches[size.warmup_steps :]:
         timings.append(timed(mindmoe_step, window))
         if with_torch and torch_step is None:
             peak_rss = peak_rss_bytes()
-            from bench.torch_reference import TorchTrainStep
+            from mindmoe.bench.torch_reference import TorchTrainStep
+
             torch_step = TorchTrainStep(size, kind)
-            for warm in batches[:size.warmup_steps]:
+            for warm in batches[: size.warmup_steps]:
                 torch_step(warm)
         if torch_step is not None:
             torch_timings.append(timed(torch_step, window))
@@ -125,27 +132,45 @@ def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0,
         peak_rss = peak_rss_bytes()
     step_s, cpu_s = (float(np.median(column)) for column in zip(*timings))
     tokens = batch * size.seq_len
-    row = {"model": kind, "micro_batch": batch, "seq_len": size.seq_len, "params": num_params,
-           "active_matmul_params": active_matmul_params(cfg),
-           "flops_per_token": train_flops_per_token(cfg, size.seq_len),
-           "step_s": step_s, "step_s_all": [t for t, _ in timings], "cpu_s": cpu_s,
-           "tokens_per_s": tokens / step_s, "tokens_per_cpu_s": tokens / cpu_s,
-           "first_step_s": first_s, "compile_s": max(first_s - step_s, 0.0),
-           "framework_rss": framework_rss, "mindmoe_peak_rss": peak_rss,
-           "theoretical_bytes": theoretical_train_bytes(num_params)}
+    row = {
+        "model": kind,
+        "micro_batch": batch,
+        "seq_len": size.seq_len,
+        "params": num_params,
+        "active_matmul_params": active_matmul_params(cfg),
+        "flops_per_token": train_flops_per_token(cfg, size.seq_len),
+        "step_s": step_s,
+        "step_s_all": [t for t, _ in timings],
+        "cpu_s": cpu_s,
+        "tokens_per_s": tokens / step_s,
+        "tokens_per_cpu_s": tokens / cpu_s,
+        "first_step_s": first_s,
+        "compile_s": max(first_s - step_s, 0.0),
+        "framework_rss": framework_rss,
+        "mindmoe_peak_rss": peak_rss,
+        "theoretical_bytes": theoretical_train_bytes(num_params),
+    }
     if kind == "moe":
         row["dispatch_s"] = dispatch_seconds(cfg, tokens) * cfg.num_moe_layers
     row["local_gflops"] = measure_peak_gflops(size.gemm_size)
     if torch_step is not None:
         torch_s, torch_cpu_s = (float(np.median(column)) for column in zip(*torch_timings))
-        row["torch"] = {"model": kind, "step_s": torch_s, "step_s_all": [t for t, _ in torch_timings],
-                        "cpu_s": torch_cpu_s, "tokens_per_s": tokens / torch_s, "tokens_per_cpu_s": tokens / torch_cpu_s,
-                        "threads": _torch_threads(), "params": torch_step.params}
+        row["torch"] = {
+            "model": kind,
+            "step_s": torch_s,
+            "step_s_all": [t for t, _ in torch_timings],
+            "cpu_s": torch_cpu_s,
+            "tokens_per_s": tokens / torch_s,
+            "tokens_per_cpu_s": tokens / torch_cpu_s,
+            "threads": _torch_threads(),
+            "params": torch_step.params,
+        }
     return row
 
 
 def _torch_threads() -> int:
     import torch
+
     return torch.get_num_threads()
 
 
@@ -156,8 +181,10 @@ def dispatch_seconds(cfg, num_tokens: int, repeats: int = 5) -> float:
     """
     import mindspore as ms
     from mindspore import Tensor
-    from model.moe.dispatch import capacity_slots, combine_from_slots, expert_capacity, gather_to_slots
-    from model.moe.router import gather_weights, router_scores, select_experts
+
+    from mindmoe.model.moe.dispatch import capacity_slots, combine_from_slots, expert_capacity, gather_to_slots
+    from mindmoe.model.moe.router import gather_weights, router_scores, select_experts
+
     capacity = expert_capacity(num_tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
 
     def route_and_move(x_TH, logits_TE):
@@ -208,14 +235,23 @@ def compile_time(size: BenchSize, num_layers: int, lazy_inline: bool = False) ->
 def data_pipeline(size: BenchSize) -> dict:
     """Micro-batches/s of the MindRecord WindowLoader over freshly written shards."""
     _graph_mode()
-    from data.mindrecord import WindowLoader, write_shards
-    from data.packing import PackedWindows
+    from mindmoe.data.mindrecord import WindowLoader, write_shards
+    from mindmoe.data.packing import PackedWindows
+
     windows = random_windows(size, size.data_windows, seed=0)
     with tempfile.TemporaryDirectory(prefix="mindmoe_bench_data_") as tmp:
-        names = write_shards(PackedWindows(windows["input_ids"], windows["doc_ids"]), tmp, "train",
-                             shard_windows=max(1, size.data_windows // 4))
-        loader = WindowLoader([f"{tmp}/{name}" for name in names], micro_batch_size=size.micro_batch,
-                              global_batch_size=size.micro_batch, seed=0)
+        names = write_shards(
+            PackedWindows(windows["input_ids"], windows["doc_ids"]),
+            tmp,
+            "train",
+            shard_windows=max(1, size.data_windows // 4),
+        )
+        loader = WindowLoader(
+            [f"{tmp}/{name}" for name in names],
+            micro_batch_size=size.micro_batch,
+            global_batch_size=size.micro_batch,
+            seed=0,
+        )
         next(loader)  # the first batch starts the reader pipeline
         start = time.perf_counter()
         for _ in range(size.data_batches):
@@ -223,5 +259,9 @@ def data_pipeline(size: BenchSize) -> dict:
         elapsed = time.perf_counter() - start
     if batch["input_ids"].shape != (size.micro_batch, size.seq_len + 1):
         raise RuntimeError(f"loader returned {batch['input_ids'].shape}")
-    return {"micro_batch": size.micro_batch, "seq_len": size.seq_len, "batches": size.data_batches,
-            "batches_per_s": size.data_batches / elapsed}
+    return {
+        "micro_batch": size.micro_batch,
+        "seq_len": size.seq_len,
+        "batches": size.data_batches,
+        "batches_per_s": size.data_batches / elapsed,
+    }

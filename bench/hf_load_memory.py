@@ -8,6 +8,7 @@ index, generated tensor by tensor so the writer itself stays small), then loads 
 Prints one JSON line ``{"case": "hf_load_memory", ...}``; ``mindmoe-bench --cases hf_load_memory``
 runs it as an opt-in benchmark case. Not part of the test suite.
 """
+
 import argparse
 import json
 import os
@@ -29,12 +30,31 @@ from safetensors.numpy import save_file  # noqa: E402
 # Shaped like a shrunken GLM-4.5: 1 dense layer then MoE layers with a shared expert, q/k/v bias,
 # QK-norm, sigmoid router with correction bias. Experts hold most of the bytes, as in the real one.
 BASE_CONFIG = dict(
-    model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], vocab_size=32000, hidden_size=1024,
-    intermediate_size=4096, num_attention_heads=16, num_key_value_heads=4, head_dim=64,
-    partial_rotary_factor=0.5, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=1e6,
-    attention_bias=True, use_qk_norm=True, moe_intermediate_size=1024, num_experts_per_tok=4,
-    n_shared_experts=1, n_routed_experts=16, routed_scaling_factor=2.5, n_group=1, topk_group=1,
-    first_k_dense_replace=1, norm_topk_prob=True, tie_word_embeddings=False, hidden_act="silu",
+    model_type="glm4_moe",
+    architectures=["Glm4MoeForCausalLM"],
+    vocab_size=32000,
+    hidden_size=1024,
+    intermediate_size=4096,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    head_dim=64,
+    partial_rotary_factor=0.5,
+    max_position_embeddings=4096,
+    rms_norm_eps=1e-5,
+    rope_theta=1e6,
+    attention_bias=True,
+    use_qk_norm=True,
+    moe_intermediate_size=1024,
+    num_experts_per_tok=4,
+    n_shared_experts=1,
+    n_routed_experts=16,
+    routed_scaling_factor=2.5,
+    n_group=1,
+    topk_group=1,
+    first_k_dense_replace=1,
+    norm_topk_prob=True,
+    tie_word_embeddings=False,
+    hidden_act="silu",
     torch_dtype="float32",
 )
 SHARD_BYTES = 200 * 2**20
@@ -48,21 +68,26 @@ def hf_tensor_shapes(config: dict) -> list:
     shapes = [("model.embed_tokens.weight", (config["vocab_size"], hidden))]
     for layer in range(config["num_hidden_layers"]):
         prefix = f"model.layers.{layer}."
-        shapes += [(prefix + "input_layernorm.weight", (hidden,)),
-                   (prefix + "post_attention_layernorm.weight", (hidden,)),
-                   (prefix + "self_attn.q_proj.weight", (q_out, hidden)),
-                   (prefix + "self_attn.q_proj.bias", (q_out,)),
-                   (prefix + "self_attn.k_proj.weight", (kv_out, hidden)),
-                   (prefix + "self_attn.k_proj.bias", (kv_out,)),
-                   (prefix + "self_attn.v_proj.weight", (kv_out, hidden)),
-                   (prefix + "self_attn.v_proj.bias", (kv_out,)),
-                   (prefix + "self_attn.o_proj.weight", (hidden, q_out)),
-                   (prefix + "self_attn.q_norm.weight", (head_dim,)), (prefix + "self_attn.k_norm.weight", (head_dim,))]
+        shapes += [
+            (prefix + "input_layernorm.weight", (hidden,)),
+            (prefix + "post_attention_layernorm.weight", (hidden,)),
+            (prefix + "self_attn.q_proj.weight", (q_out, hidden)),
+            (prefix + "self_attn.q_proj.bias", (q_out,)),
+            (prefix + "self_attn.k_proj.weight", (kv_out, hidden)),
+            (prefix + "self_attn.k_proj.bias", (kv_out,)),
+            (prefix + "self_attn.v_proj.weight", (kv_out, hidden)),
+            (prefix + "self_attn.v_proj.bias", (kv_out,)),
+            (prefix + "self_attn.o_proj.weight", (hidden, q_out)),
+            (prefix + "self_attn.q_norm.weight", (head_dim,)),
+            (prefix + "self_attn.k_norm.weight", (head_dim,)),
+        ]
         if layer < config["first_k_dense_replace"]:
             shapes += swiglu(prefix + "mlp.", hidden, config["intermediate_size"])
             continue
-        shapes += [(prefix + "mlp.gate.weight", (experts, hidden)),
-                   (prefix + "mlp.gate.e_score_correction_bias", (experts,))]
+        shapes += [
+            (prefix + "mlp.gate.weight", (experts, hidden)),
+            (prefix + "mlp.gate.e_score_correction_bias", (experts,)),
+        ]
         for expert in range(experts):
             shapes += swiglu(f"{prefix}mlp.experts.{expert}.", hidden, width)
         shapes += swiglu(prefix + "mlp.shared_experts.", hidden, width * config["n_shared_experts"])
@@ -71,8 +96,11 @@ def hf_tensor_shapes(config: dict) -> list:
 
 
 def swiglu(prefix, hidden, width):
-    return [(prefix + "gate_proj.weight", (width, hidden)), (prefix + "up_proj.weight", (width, hidden)),
-            (prefix + "down_proj.weight", (hidden, width))]
+    return [
+        (prefix + "gate_proj.weight", (width, hidden)),
+        (prefix + "up_proj.weight", (width, hidden)),
+        (prefix + "down_proj.weight", (hidden, width)),
+    ]
 
 
 def write_checkpoint(directory: Path, target_bytes: int) -> int:
@@ -100,7 +128,8 @@ def write_checkpoint(directory: Path, target_bytes: int) -> int:
     flush()
     weight_map = {tensor: name for name, tensors in shards for tensor in tensors}
     (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
+    )
     return total
 
 
@@ -115,8 +144,9 @@ def current_rss_bytes() -> int:
 
 def load_in_this_process(directory: str):
     import mindspore  # noqa: F401  (the baseline includes the framework)
-    from model.hf import load_hf_weights, plan_hf_weights, read_pretrained_config
-    from model.transformer import MoETransformer
+
+    from mindmoe.model.hf import load_hf_weights, plan_hf_weights, read_pretrained_config
+    from mindmoe.model.transformer import MoETransformer
 
     baseline = current_rss_bytes()
     # The steps of load_hf_pretrained, timed and measured one by one.
@@ -129,10 +159,20 @@ def load_in_this_process(directory: str):
     load_hf_weights(model, plan)
     loaded = time.perf_counter()
     param_bytes = sum(int(np.prod(p.shape)) * 4 for p in model.get_parameters())
-    print(json.dumps({"baseline_rss": baseline, "peak_rss_after_build": peak_after_build,
-                      "peak_rss": peak_rss_bytes(), "final_rss": current_rss_bytes(), "param_bytes": param_bytes,
-                      "build_seconds": round(built - started, 2), "stream_seconds": round(loaded - built, 2),
-                      "layers": imported.model_config.num_layers}))
+    print(
+        json.dumps(
+            {
+                "baseline_rss": baseline,
+                "peak_rss_after_build": peak_after_build,
+                "peak_rss": peak_rss_bytes(),
+                "final_rss": current_rss_bytes(),
+                "param_bytes": param_bytes,
+                "build_seconds": round(built - started, 2),
+                "stream_seconds": round(loaded - built, 2),
+                "layers": imported.model_config.num_layers,
+            }
+        )
+    )
 
 
 def main():
@@ -148,26 +188,36 @@ def main():
         directory = Path(args.keep or tmp)
         directory.mkdir(parents=True, exist_ok=True)
         file_bytes = write_checkpoint(directory, int(args.gib * 2**30))
-        child = subprocess.run([sys.executable, __file__, "--load", str(directory)], capture_output=True,
-                               text=True, check=False)
+        child = subprocess.run(
+            [sys.executable, __file__, "--load", str(directory)], capture_output=True, text=True, check=False
+        )
         if child.returncode:
             sys.exit(f"loading failed:\n{child.stderr[-4000:]}")
         measured = json.loads(child.stdout.strip().splitlines()[-1])
     growth = measured["peak_rss"] - measured["baseline_rss"]
     gib = 2**30
-    print(json.dumps({
-        "case": "hf_load_memory", "file_gib": round(file_bytes / gib, 3),
-        "model_param_gib": round(measured["param_bytes"] / gib, 3),
-        "baseline_rss_gib": round(measured["baseline_rss"] / gib, 3),
-        "peak_rss_gib": round(measured["peak_rss"] / gib, 3), "peak_growth_gib": round(growth / gib, 3),
-        # The budget is 1.5 N beyond the model; this is how much of N the loader used on top of it.
-        "overhead_over_model_in_N": round((growth - measured["param_bytes"]) / file_bytes, 3),
-        "budget_met": growth <= 1.5 * file_bytes + measured["param_bytes"],
-        "peak_growth_while_building_gib": round((measured["peak_rss_after_build"] - measured["baseline_rss"]) / gib, 3),
-        "final_rss_gib": round(measured["final_rss"] / gib, 3),
-        "build_seconds": measured["build_seconds"], "stream_seconds": measured["stream_seconds"],
-        "layers": measured["layers"],
-    }))
+    print(
+        json.dumps(
+            {
+                "case": "hf_load_memory",
+                "file_gib": round(file_bytes / gib, 3),
+                "model_param_gib": round(measured["param_bytes"] / gib, 3),
+                "baseline_rss_gib": round(measured["baseline_rss"] / gib, 3),
+                "peak_rss_gib": round(measured["peak_rss"] / gib, 3),
+                "peak_growth_gib": round(growth / gib, 3),
+                # The budget is 1.5 N beyond the model; this is how much of N the loader used on top of it.
+                "overhead_over_model_in_N": round((growth - measured["param_bytes"]) / file_bytes, 3),
+                "budget_met": growth <= 1.5 * file_bytes + measured["param_bytes"],
+                "peak_growth_while_building_gib": round(
+                    (measured["peak_rss_after_build"] - measured["baseline_rss"]) / gib, 3
+                ),
+                "final_rss_gib": round(measured["final_rss"] / gib, 3),
+                "build_seconds": measured["build_seconds"],
+                "stream_seconds": measured["stream_seconds"],
+                "layers": measured["layers"],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -8,13 +8,14 @@ cross-entropy; global-norm clipping; ``torch.optim.AdamW``. The experts run the 
 
 Shape legend: B batch, S sequence, H hidden, N query heads, G kv heads, D head dim, T tokens, E experts, K top-k.
 """
+
 import math
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
-from bench.specs import BenchSize, model_config
+from mindmoe.bench.specs import BenchSize, model_config
 
 
 class RMSNorm(nn.Module):
@@ -75,8 +76,7 @@ class MoE(nn.Module):
         self.top_k, self.num_experts = cfg.top_k, cfg.num_experts
         self.aux_coeff, self.z_coeff = cfg.aux_loss_coeff, cfg.z_loss_coeff
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size)
-                                     for _ in range(cfg.num_experts))
+        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 
     def forward(self, x_BSH):
         x_TH = x_BSH.reshape(-1, x_BSH.shape[-1])
@@ -132,7 +132,8 @@ class Transformer(nn.Module):
         angles = torch.cat((angles, angles), -1)
         cos, sin = angles.cos().float(), angles.sin().float()
         allowed = (doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]) & torch.ones(
-            seq_len, seq_len, dtype=torch.bool).tril()
+            seq_len, seq_len, dtype=torch.bool
+        ).tril()
         mask = torch.where(allowed, 0.0, -1e9)[:, None]
         x = self.embed_tokens(input_ids_BS)
         router_loss = x.new_zeros(())
@@ -149,9 +150,15 @@ class TorchTrainStep:
         torch.manual_seed(0)
         self.model = Transformer(model_config(size, kind))
         params = list(self.model.parameters())
-        self.optimizer = torch.optim.AdamW([{"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
-                                            {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0}],
-                                           lr=3e-4, betas=(0.9, 0.95), eps=1e-8)
+        self.optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for p in params if p.dim() > 1], "weight_decay": 0.1},
+                {"params": [p for p in params if p.dim() <= 1], "weight_decay": 0.0},
+            ],
+            lr=3e-4,
+            betas=(0.9, 0.95),
+            eps=1e-8,
+        )
         self.params = sum(p.numel() for p in params)
 
     def __call__(self, window: dict) -> float:

@@ -3,6 +3,7 @@
 Registering the dataclasses makes every YAML file and command-line override type-checked:
 an unknown key or a value of the wrong type fails before anything runs, naming the key.
 """
+
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -10,14 +11,14 @@ from typing import Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from data.config import DataConfig
-from launch.config import LaunchConfig, ParallelConfig
-from launch.plan import PlanConfig
-from model.config import ModelConfig
-from model.lora import LoraConfig
-from train.config import TrainConfig
-from train.eval_config import EvalConfig
-from train.export_config import ExportConfig
+from mindmoe.data.config import DataConfig
+from mindmoe.launch.config import LaunchConfig, ParallelConfig
+from mindmoe.launch.plan import PlanConfig
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.lora import LoraConfig
+from mindmoe.train.config import TrainConfig
+from mindmoe.train.eval_config import EvalConfig
+from mindmoe.train.export_config import ExportConfig
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "data" / "samples"
 

@@ -3,18 +3,20 @@
 Training does the same on demand; running it first (once per cluster node or shared cache)
 keeps workers from waiting on each other.
 """
+
 import sys
 
 import hydra
 
-from conf.schema import register_configs
+from mindmoe.conf.schema import register_configs
 
 register_configs()
 
 
-@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
 def _main(cfg) -> None:
-    from data.prepare import prepare_data, with_pretrained_tokenizer
+    from mindmoe.data.prepare import prepare_data, with_pretrained_tokenizer
+
     try:
         prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
     except (ValueError, FileNotFoundError) as error:

@@ -1,10 +1,10 @@
 """Data section of the run config (``data.*`` keys)."""
+
 from dataclasses import dataclass, field
 from typing import List, Optional
 
 # "${samples:}" is an OmegaConf resolver (registered in conf.schema) giving the
 # installed data/samples directory, so the defaults work after a non-editable install.
-
 
 
 @dataclass

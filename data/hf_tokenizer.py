@@ -6,6 +6,7 @@ Special tokens and the chat template come from ``tokenizer_config.json`` (or
 ``chat_template.jinja``, where newer transformers save it). The template is a Jinja program
 shipped with the checkpoint, so it is rendered in Jinja's immutable sandbox, as transformers does.
 """
+
 import json
 from datetime import datetime
 from pathlib import Path
@@ -13,8 +14,8 @@ from typing import List, Optional, Sequence, Union
 
 from tokenizers import Tokenizer as FastTokenizer
 
-from data.tokenizer import Tokenizer as SentencePieceTokenizer
-from data.tokenizer import load_tokenizer
+from mindmoe.data.tokenizer import Tokenizer as SentencePieceTokenizer
+from mindmoe.data.tokenizer import load_tokenizer
 
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -70,8 +71,13 @@ class HFTokenizer:
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
         """The conversation as the checkpoint's chat template renders it."""
-        return render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
 
 
 class HFSentencePieceTokenizer(SentencePieceTokenizer):
@@ -83,9 +89,13 @@ class HFSentencePieceTokenizer(SentencePieceTokenizer):
 
     def apply_chat_template(self, messages: Sequence[dict], add_generation_prompt: bool = False) -> str:
         piece = self._processor.id_to_piece
-        return render_chat_template(self.chat_template, messages, add_generation_prompt,
-                                    bos_token=piece(self.bos_id) if self.bos_id >= 0 else "",
-                                    eos_token=piece(self.eos_id) if self.eos_id >= 0 else "")
+        return render_chat_template(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            bos_token=piece(self.bos_id) if self.bos_id >= 0 else "",
+            eos_token=piece(self.eos_id) if self.eos_id >= 0 else "",
+        )
 
 
 def load_hf_tokenizer(path: Union[str, Path], config_key: str = "model.pretrained"):
@@ -122,8 +132,9 @@ def tokenizer_files(path: Union[str, Path]) -> List[Path]:
     return [path / name for name in names if (path / name).is_file()]
 
 
-def render_chat_template(template: Optional[str], messages: Sequence[dict], add_generation_prompt: bool = False,
-                         **special_tokens) -> str:
+def render_chat_template(
+    template: Optional[str], messages: Sequence[dict], add_generation_prompt: bool = False, **special_tokens
+) -> str:
     """Render a HF chat template (Jinja, sandboxed) for ``messages`` (``[{"role", "content"}, ...]``)."""
     if not template:
         raise ValueError("the tokenizer has no chat_template (tokenizer_config.json or chat_template.jinja)")
@@ -135,17 +146,16 @@ def render_chat_template(template: Optional[str], messages: Sequence[dict], add_
 
     def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
         # transformers' filter: Jinja's own escapes HTML characters, which would change prompts.
-        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     # The environment transformers 4.57.1 renders chat templates in (minus its {% generation %} tag).
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    return env.from_string(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                            **special_tokens)
+    return env.from_string(template).render(
+        messages=list(messages), add_generation_prompt=add_generation_prompt, **special_tokens
+    )
 
 
 def _json_file(path: Path) -> dict:

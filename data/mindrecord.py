@@ -14,6 +14,7 @@ Reading uses ``MindDataset`` with a ``SubsetSampler`` over this rank's indices
 for the rest of the epoch, rebuilt once per epoch; MindSpore's own shuffling
 and sharding are not used because they cannot resume mid-epoch.
 """
+
 import logging
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence
@@ -22,7 +23,7 @@ import mindspore.dataset as msd
 import numpy as np
 from mindspore.mindrecord import FileWriter
 
-from data.packing import PackedWindows
+from mindmoe.data.packing import PackedWindows
 
 logger = logging.getLogger(__name__)
 
@@ -45,12 +46,19 @@ def write_shards(windows: PackedWindows, out_dir: Path, prefix: str, shard_windo
         writer.set_header_size(1 << 20)
         writer.set_page_size(min(1 << 28, max(1 << 20, 2 * window_bytes)))
         has_mask = windows.loss_mask is not None
-        writer.add_schema(dict(SCHEMA, **({LOSS_MASK: SCHEMA["input_ids"]} if has_mask else {})),
-                          "packed token windows")
+        writer.add_schema(
+            dict(SCHEMA, **({LOSS_MASK: SCHEMA["input_ids"]} if has_mask else {})), "packed token windows"
+        )
         stop = min(start + shard_windows, len(windows))
-        writer.write_raw_data([dict({"input_ids": windows.input_ids[i], "doc_ids": windows.doc_ids[i]},
-                                    **({LOSS_MASK: windows.loss_mask[i]} if has_mask else {}))
-                               for i in range(start, stop)])
+        writer.write_raw_data(
+            [
+                dict(
+                    {"input_ids": windows.input_ids[i], "doc_ids": windows.doc_ids[i]},
+                    **({LOSS_MASK: windows.loss_mask[i]} if has_mask else {}),
+                )
+                for i in range(start, stop)
+            ]
+        )
         writer.commit()
         names.append(name)
     return names
@@ -60,14 +68,16 @@ def count_windows(shard_files: Sequence[str]) -> int:
     return msd.MindDataset(list(shard_files), columns_list=COLUMNS, shuffle=False).get_dataset_size()
 
 
-def _read(shard_files: Sequence[str], columns: List[str], indices: np.ndarray,
-          batch_size: int) -> Iterator[Dict[str, np.ndarray]]:
+def _read(
+    shard_files: Sequence[str], columns: List[str], indices: np.ndarray, batch_size: int
+) -> Iterator[Dict[str, np.ndarray]]:
     """Windows ``indices`` (positions in the concatenated shards), in that order, in batches of ``columns``."""
     if len(indices) == 0:
         return
     # One worker keeps memory low; order is fixed by the sampler either way.
-    dataset = msd.MindDataset(list(shard_files), columns_list=columns, num_parallel_workers=1,
-                              sampler=msd.SubsetSampler(indices.tolist()))
+    dataset = msd.MindDataset(
+        list(shard_files), columns_list=columns, num_parallel_workers=1, sampler=msd.SubsetSampler(indices.tolist())
+    )
     dataset = dataset.batch(batch_size, drop_remainder=False)
     for row in dataset.create_tuple_iterator(output_numpy=True, num_epochs=1):
         yield dict(zip(columns, row))
@@ -88,11 +98,22 @@ class WindowLoader:
     ``start_step``): save it with a checkpoint and pass it back as ``start_step``.
     """
 
-    def __init__(self, shard_files: Sequence[str], micro_batch_size: int, global_batch_size: int, seed: int,
-                 rank: int = 0, world_size: int = 1, shuffle: bool = True, start_step: int = 0):
+    def __init__(
+        self,
+        shard_files: Sequence[str],
+        micro_batch_size: int,
+        global_batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        start_step: int = 0,
+    ):
         if global_batch_size % (micro_batch_size * world_size):
-            raise ValueError(f"data.global_batch_size={global_batch_size} must be a multiple of "
-                             f"data.micro_batch_size={micro_batch_size} x data-parallel size {world_size}")
+            raise ValueError(
+                f"data.global_batch_size={global_batch_size} must be a multiple of "
+                f"data.micro_batch_size={micro_batch_size} x data-parallel size {world_size}"
+            )
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside data-parallel size {world_size}")
         self.shard_files = list(shard_files)
@@ -107,8 +128,10 @@ class WindowLoader:
         self.num_windows = count_windows(self.shard_files)
         self.steps_per_epoch = self.num_windows // global_batch_size
         if self.steps_per_epoch == 0:
-            raise ValueError(f"the training data has {self.num_windows} windows, fewer than one global batch "
-                             f"(data.global_batch_size={global_batch_size}); add data or lower data.seq_len")
+            raise ValueError(
+                f"the training data has {self.num_windows} windows, fewer than one global batch "
+                f"(data.global_batch_size={global_batch_size}); add data or lower data.seq_len"
+            )
         self.accumulation_steps = global_batch_size // (micro_batch_size * world_size)
         self._batches = self._generate()
 
@@ -159,8 +182,9 @@ class EvalLoader:
     real windows scored.
     """
 
-    def __init__(self, shard_files: Sequence[str], batch_size: int, rank: int = 0, world_size: int = 1,
-                 max_batches: int = 0):
+    def __init__(
+        self, shard_files: Sequence[str], batch_size: int, rank: int = 0, world_size: int = 1, max_batches: int = 0
+    ):
         self.shard_files = list(shard_files)
         self.columns = shard_columns(self.shard_files)
         self.batch_size = batch_size
@@ -186,9 +210,11 @@ class EvalLoader:
         missing = self.batch_size - (0 if batch is None else len(batch["input_ids"]))
         if missing == 0:
             return batch
-        padding = {"input_ids": np.zeros((missing, self.window_length), np.int32),
-                   "doc_ids": np.tile(np.arange(self.window_length, dtype=np.int32), (missing, 1)),
-                   LOSS_MASK: np.zeros((missing, self.window_length), np.int32)}
+        padding = {
+            "input_ids": np.zeros((missing, self.window_length), np.int32),
+            "doc_ids": np.tile(np.arange(self.window_length, dtype=np.int32), (missing, 1)),
+            LOSS_MASK: np.zeros((missing, self.window_length), np.int32),
+        }
         if batch is None:
             return {name: padding[name] for name in self.columns}
         return {name: np.concatenate([batch[name], padding[name]]) for name in batch}

@@ -11,6 +11,7 @@ from the previous window is document 0 here). Tokens attend only to earlier
 tokens of their own document, and a label counts only when it belongs to the
 same document as its input token, so packing is invisible to the model.
 """
+
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -29,8 +30,9 @@ class PackedWindows:
         return len(self.input_ids)
 
     def take(self, indices: np.ndarray) -> "PackedWindows":
-        return PackedWindows(self.input_ids[indices], self.doc_ids[indices],
-                             None if self.loss_mask is None else self.loss_mask[indices])
+        return PackedWindows(
+            self.input_ids[indices], self.doc_ids[indices], None if self.loss_mask is None else self.loss_mask[indices]
+        )
 
 
 def pack_documents(tokens: np.ndarray, doc_lengths: np.ndarray, seq_len: int) -> PackedWindows:
@@ -40,8 +42,10 @@ def pack_documents(tokens: np.ndarray, doc_lengths: np.ndarray, seq_len: int) ->
     used = num_windows * window
     stream_doc = np.repeat(np.arange(len(doc_lengths), dtype=np.int64), doc_lengths)[:used]
     doc_in_stream = stream_doc.reshape(num_windows, window)
-    return PackedWindows(input_ids=tokens[:used].reshape(num_windows, window).astype(np.int32),
-                         doc_ids=(doc_in_stream - doc_in_stream[:, :1]).astype(np.int32))
+    return PackedWindows(
+        input_ids=tokens[:used].reshape(num_windows, window).astype(np.int32),
+        doc_ids=(doc_in_stream - doc_in_stream[:, :1]).astype(np.int32),
+    )
 
 
 def mixture_counts(available: Sequence[int], weights: Optional[Sequence[float]]) -> List[int]:
@@ -79,10 +83,14 @@ def select_windows(available: int, wanted: int, rng: np.random.Generator) -> np.
 def mix_sources(sources: Sequence[PackedWindows], counts: Sequence[int], seed: int) -> PackedWindows:
     """The training windows: ``counts[i]`` windows of ``sources[i]``, sources in order."""
     rng = np.random.default_rng(seed)
-    parts = [source.take(select_windows(len(source), count, rng))
-             for source, count in zip(sources, counts, strict=True) if count > 0]
-    return PackedWindows(input_ids=np.concatenate([p.input_ids for p in parts]),
-                         doc_ids=np.concatenate([p.doc_ids for p in parts]))
+    parts = [
+        source.take(select_windows(len(source), count, rng))
+        for source, count in zip(sources, counts, strict=True)
+        if count > 0
+    ]
+    return PackedWindows(
+        input_ids=np.concatenate([p.input_ids for p in parts]), doc_ids=np.concatenate([p.doc_ids for p in parts])
+    )
 
 
 def loss_mask_from_doc_ids(doc_ids: np.ndarray) -> np.ndarray:

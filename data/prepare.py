@@ -13,6 +13,7 @@ beside it and renamed into place with its ``meta.json`` written last, under a
 ``FileLock``; concurrent processes (all ``msrun`` workers call this) wait for
 the first one and reuse its result. An entry with a ``meta.json`` is complete.
 """
+
 import hashlib
 import json
 import logging
@@ -26,13 +27,13 @@ from typing import Callable, Dict, List, Optional
 import numpy as np
 from filelock import FileLock
 
-from data.config import DataConfig
-from data.mindrecord import write_shards
-from data.packing import PackedWindows, mix_sources, mixture_counts, pack_documents, unigram_loss
-from data.hf_tokenizer import open_tokenizer, tokenizer_files
-from data.reader import DataInputError, Source, checked_file, concatenate, read_source, tokenize_documents
-from data.sft import OVERLONG_POLICIES, build_sft_windows
-from data.tokenizer import Tokenizer, train_sentencepiece
+from mindmoe.data.config import DataConfig
+from mindmoe.data.hf_tokenizer import open_tokenizer, tokenizer_files
+from mindmoe.data.mindrecord import write_shards
+from mindmoe.data.packing import PackedWindows, mix_sources, mixture_counts, pack_documents, unigram_loss
+from mindmoe.data.reader import DataInputError, Source, checked_file, concatenate, read_source, tokenize_documents
+from mindmoe.data.sft import OVERLONG_POLICIES, build_sft_windows
+from mindmoe.data.tokenizer import Tokenizer, train_sentencepiece
 
 logger = logging.getLogger(__name__)
 
@@ -80,8 +81,10 @@ def _check_config(cfg: DataConfig) -> None:
         raise ValueError("data.train_files is empty; list at least one training file")
     if cfg.weights is not None:
         if len(cfg.weights) != len(cfg.train_files):
-            raise ValueError(f"data.weights has {len(cfg.weights)} entries but data.train_files has "
-                             f"{len(cfg.train_files)}; give one weight per training file")
+            raise ValueError(
+                f"data.weights has {len(cfg.weights)} entries but data.train_files has "
+                f"{len(cfg.train_files)}; give one weight per training file"
+            )
         if any(w < 0 for w in cfg.weights) or sum(cfg.weights) <= 0:
             raise ValueError(f"data.weights={list(cfg.weights)} must be non-negative with a positive sum")
     for name in ("seq_len", "vocab_size", "shard_windows", "num_proc"):
@@ -94,8 +97,9 @@ def _check_config(cfg: DataConfig) -> None:
     if cfg.format == "sft" and cfg.weights is not None:
         raise ValueError("data.weights: mixture weights apply to data.format=text; SFT files are used whole")
     if cfg.format == "sft" and not cfg.tokenizer:
-        raise ValueError("data.format=sft needs a tokenizer: set model.pretrained (its tokenizer is used) or "
-                         "data.tokenizer")
+        raise ValueError(
+            "data.format=sft needs a tokenizer: set model.pretrained (its tokenizer is used) or data.tokenizer"
+        )
 
 
 def _weights(cfg: DataConfig) -> Optional[List[float]]:
@@ -154,6 +158,7 @@ def with_pretrained_tokenizer(cfg: DataConfig, pretrained: Optional[str]) -> Dat
     directory when the user gave none: a pretrained model only understands its own token ids."""
     if not isinstance(cfg, DataConfig):
         from omegaconf import OmegaConf
+
         cfg = OmegaConf.to_object(cfg)
     if pretrained and not cfg.tokenizer:
         cfg = replace(cfg, tokenizer=str(pretrained))
@@ -163,10 +168,8 @@ def with_pretrained_tokenizer(cfg: DataConfig, pretrained: Optional[str]) -> Dat
 def prepare_data(cfg: DataConfig) -> PreparedData:
     """Tokenizer and packed shards for ``cfg``, from the cache when it has them."""
     _check_config(cfg)
-    train = {f"data.train_files[{i}]": checked_file(p, f"data.train_files[{i}]")
-             for i, p in enumerate(cfg.train_files)}
-    valid = {f"data.valid_files[{i}]": checked_file(p, f"data.valid_files[{i}]")
-             for i, p in enumerate(cfg.valid_files)}
+    train = {f"data.train_files[{i}]": checked_file(p, f"data.train_files[{i}]") for i, p in enumerate(cfg.train_files)}
+    valid = {f"data.valid_files[{i}]": checked_file(p, f"data.valid_files[{i}]") for i, p in enumerate(cfg.valid_files)}
     hashes = {key: file_sha256(path) for key, path in {**train, **valid}.items()}
     root = cache_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
@@ -179,26 +182,51 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
             tokenizer_path = _cached_tokenizer(root, cfg, train, hashes, corpus)
         if cfg.format == "sft":
             return _prepare_sft(root, cfg, train, valid, hashes, tokenizer_path)
-        key = _key({"format": FORMAT_VERSION, "mixture_seed": MIXTURE_SEED,
-                    "train": [hashes[k] for k in train], "valid": [hashes[k] for k in valid],
-                    "text_field": cfg.text_field, "seq_len": cfg.seq_len, "weights": _weights(cfg),
-                    "shard_windows": cfg.shard_windows,
-                    "tokenizer": [file_sha256(path) for path in tokenizer_files(tokenizer_path)]})
+        key = _key(
+            {
+                "format": FORMAT_VERSION,
+                "mixture_seed": MIXTURE_SEED,
+                "train": [hashes[k] for k in train],
+                "valid": [hashes[k] for k in valid],
+                "text_field": cfg.text_field,
+                "seq_len": cfg.seq_len,
+                "weights": _weights(cfg),
+                "shard_windows": cfg.shard_windows,
+                "tokenizer": [file_sha256(path) for path in tokenizer_files(tokenizer_path)],
+            }
+        )
         entry = root / "data" / key
         meta = build_once(entry, lambda staging: _build_shards(staging, cfg, train, valid, tokenizer_path, corpus))
-    logger.info("data ready: %d train windows, %d valid windows, vocab %d, unigram val loss %s",
-                meta["num_train_windows"], meta["num_valid_windows"], meta["vocab_size"], meta["unigram_val_loss"])
-    return PreparedData(tokenizer_path=tokenizer_path, vocab_size=meta["vocab_size"],
-                        train_shards=[str(entry / name) for name in meta["train_shards"]],
-                        valid_shards=[str(entry / name) for name in meta["valid_shards"]],
-                        num_train_windows=meta["num_train_windows"], num_valid_windows=meta["num_valid_windows"],
-                        unigram_val_loss=meta["unigram_val_loss"], cache_key=key)
+    logger.info(
+        "data ready: %d train windows, %d valid windows, vocab %d, unigram val loss %s",
+        meta["num_train_windows"],
+        meta["num_valid_windows"],
+        meta["vocab_size"],
+        meta["unigram_val_loss"],
+    )
+    return PreparedData(
+        tokenizer_path=tokenizer_path,
+        vocab_size=meta["vocab_size"],
+        train_shards=[str(entry / name) for name in meta["train_shards"]],
+        valid_shards=[str(entry / name) for name in meta["valid_shards"]],
+        num_train_windows=meta["num_train_windows"],
+        num_valid_windows=meta["num_valid_windows"],
+        unigram_val_loss=meta["unigram_val_loss"],
+        cache_key=key,
+    )
 
 
-def _cached_tokenizer(root: Path, cfg: DataConfig, train: Dict[str, Path], hashes: Dict[str, str],
-                      corpus: _Corpus) -> str:
-    key = _key({"format": FORMAT_VERSION, "train": [hashes[k] for k in train],
-                "text_field": cfg.text_field, "vocab_size": cfg.vocab_size})
+def _cached_tokenizer(
+    root: Path, cfg: DataConfig, train: Dict[str, Path], hashes: Dict[str, str], corpus: _Corpus
+) -> str:
+    key = _key(
+        {
+            "format": FORMAT_VERSION,
+            "train": [hashes[k] for k in train],
+            "text_field": cfg.text_field,
+            "vocab_size": cfg.vocab_size,
+        }
+    )
     entry = root / "tokenizer" / key
 
     def build(staging: Path) -> Dict:
@@ -214,8 +242,9 @@ def _cached_tokenizer(root: Path, cfg: DataConfig, train: Dict[str, Path], hashe
     return str(entry / "spm.model")
 
 
-def _build_shards(staging: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path],
-                  tokenizer_path: str, corpus: _Corpus) -> Dict:
+def _build_shards(
+    staging: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path], tokenizer_path: str, corpus: _Corpus
+) -> Dict:
     tokenizer = open_tokenizer(tokenizer_path)
     sources, source_meta = [], []
     for key, path in train.items():
@@ -223,25 +252,41 @@ def _build_shards(staging: Path, cfg: DataConfig, train: Dict[str, Path], valid:
         tokens = tokenize_documents(dataset, tokenizer, cfg.num_proc)
         windows = pack_documents(tokens.tokens, tokens.doc_lengths, cfg.seq_len)
         if len(windows) == 0:
-            raise DataInputError(f"{key}: {path} has {len(tokens.tokens)} tokens, fewer than one window of "
-                                 f"data.seq_len + 1 = {cfg.seq_len + 1}; merge it into another file")
+            raise DataInputError(
+                f"{key}: {path} has {len(tokens.tokens)} tokens, fewer than one window of "
+                f"data.seq_len + 1 = {cfg.seq_len + 1}; merge it into another file"
+            )
         sources.append(windows)
         source_meta.append({**asdict(stats), "tokens": int(len(tokens.tokens)), "windows": len(windows)})
     counts = mixture_counts([len(s) for s in sources], _weights(cfg))
     for meta, count in zip(source_meta, counts, strict=True):
         meta["windows_used"] = count
-        logger.info("%s: %d documents, %d tokens, %d windows, %d used in the mixture",
-                    meta["file"], meta["documents"], meta["tokens"], meta["windows"], count)
+        logger.info(
+            "%s: %d documents, %d tokens, %d windows, %d used in the mixture",
+            meta["file"],
+            meta["documents"],
+            meta["tokens"],
+            meta["windows"],
+            count,
+        )
     train_windows = mix_sources(sources, counts, MIXTURE_SEED)
     valid_windows = _valid_windows(cfg, valid, tokenizer, corpus)
     val_loss = unigram_loss(train_windows, valid_windows, tokenizer.vocab_size) if valid else None
-    return {"format": FORMAT_VERSION, "vocab_size": tokenizer.vocab_size,
-            "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
-            "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows),
-            "num_train_windows": len(train_windows), "num_valid_windows": len(valid_windows),
-            "unigram_val_loss": val_loss, "sources": source_meta,
-            "valid_files": [str(p) for p in valid.values()], "tokenizer": tokenizer_path,
-            "seq_len": cfg.seq_len, "weights": _weights(cfg), "text_field": cfg.text_field}
+    return {
+        "format": FORMAT_VERSION,
+        "vocab_size": tokenizer.vocab_size,
+        "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
+        "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows),
+        "num_train_windows": len(train_windows),
+        "num_valid_windows": len(valid_windows),
+        "unigram_val_loss": val_loss,
+        "sources": source_meta,
+        "valid_files": [str(p) for p in valid.values()],
+        "tokenizer": tokenizer_path,
+        "seq_len": cfg.seq_len,
+        "weights": _weights(cfg),
+        "text_field": cfg.text_field,
+    }
 
 
 def _valid_windows(cfg: DataConfig, valid: Dict[str, Path], tokenizer: Tokenizer, corpus: _Corpus) -> PackedWindows:
@@ -249,44 +294,78 @@ def _valid_windows(cfg: DataConfig, valid: Dict[str, Path], tokenizer: Tokenizer
     window = cfg.seq_len + 1
     if not valid:
         return PackedWindows(np.zeros((0, window), np.int32), np.zeros((0, window), np.int32))
-    streams = [tokenize_documents(corpus.source(key, str(path)).dataset, tokenizer, cfg.num_proc)
-               for key, path in valid.items()]
+    streams = [
+        tokenize_documents(corpus.source(key, str(path)).dataset, tokenizer, cfg.num_proc)
+        for key, path in valid.items()
+    ]
     stream = concatenate(streams)
     windows = pack_documents(stream.tokens, stream.doc_lengths, cfg.seq_len)
     if len(windows) == 0:
-        raise DataInputError(f"data.valid_files: {len(stream.tokens)} tokens in all, fewer than one window of "
-                             f"data.seq_len + 1 = {window}")
+        raise DataInputError(
+            f"data.valid_files: {len(stream.tokens)} tokens in all, fewer than one window of "
+            f"data.seq_len + 1 = {window}"
+        )
     return windows
 
 
-def _prepare_sft(root: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path],
-                 hashes: Dict[str, str], tokenizer_path: str) -> PreparedData:
+def _prepare_sft(
+    root: Path,
+    cfg: DataConfig,
+    train: Dict[str, Path],
+    valid: Dict[str, Path],
+    hashes: Dict[str, str],
+    tokenizer_path: str,
+) -> PreparedData:
     """Conversations (``data.format=sft``) packed with their assistant-token loss mask, cached."""
-    key = _key({"format": FORMAT_VERSION, "data_format": "sft", "train": [hashes[k] for k in train],
-                "valid": [hashes[k] for k in valid], "seq_len": cfg.seq_len, "overlong": cfg.sft_overlong,
-                "shard_windows": cfg.shard_windows,
-                "tokenizer": [file_sha256(path) for path in tokenizer_files(tokenizer_path)]})
+    key = _key(
+        {
+            "format": FORMAT_VERSION,
+            "data_format": "sft",
+            "train": [hashes[k] for k in train],
+            "valid": [hashes[k] for k in valid],
+            "seq_len": cfg.seq_len,
+            "overlong": cfg.sft_overlong,
+            "shard_windows": cfg.shard_windows,
+            "tokenizer": [file_sha256(path) for path in tokenizer_files(tokenizer_path)],
+        }
+    )
     entry = root / "data" / key
 
     def build(staging: Path) -> Dict:
         tokenizer = open_tokenizer(tokenizer_path)
         train_windows, train_stats = build_sft_windows(train, tokenizer, cfg.seq_len, cfg.sft_overlong)
-        valid_windows, valid_stats = (build_sft_windows(valid, tokenizer, cfg.seq_len, cfg.sft_overlong)
-                                      if valid else (None, []))
-        return {"format": FORMAT_VERSION, "vocab_size": tokenizer.vocab_size,
-                "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
-                "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows) if valid else [],
-                "num_train_windows": len(train_windows), "num_valid_windows": len(valid_windows) if valid else 0,
-                "unigram_val_loss": unigram_loss(train_windows, valid_windows, tokenizer.vocab_size)
-                if valid else None,
-                "sources": train_stats, "valid_sources": valid_stats, "tokenizer": tokenizer_path,
-                "seq_len": cfg.seq_len, "data_format": "sft"}
+        valid_windows, valid_stats = (
+            build_sft_windows(valid, tokenizer, cfg.seq_len, cfg.sft_overlong) if valid else (None, [])
+        )
+        return {
+            "format": FORMAT_VERSION,
+            "vocab_size": tokenizer.vocab_size,
+            "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
+            "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows) if valid else [],
+            "num_train_windows": len(train_windows),
+            "num_valid_windows": len(valid_windows) if valid else 0,
+            "unigram_val_loss": unigram_loss(train_windows, valid_windows, tokenizer.vocab_size) if valid else None,
+            "sources": train_stats,
+            "valid_sources": valid_stats,
+            "tokenizer": tokenizer_path,
+            "seq_len": cfg.seq_len,
+            "data_format": "sft",
+        }
 
     meta = build_once(entry, build)
-    logger.info("SFT data ready: %d train windows, %d valid windows, vocab %d", meta["num_train_windows"],
-                meta["num_valid_windows"], meta["vocab_size"])
-    return PreparedData(tokenizer_path=tokenizer_path, vocab_size=meta["vocab_size"],
-                        train_shards=[str(entry / name) for name in meta["train_shards"]],
-                        valid_shards=[str(entry / name) for name in meta["valid_shards"]],
-                        num_train_windows=meta["num_train_windows"], num_valid_windows=meta["num_valid_windows"],
-                        unigram_val_loss=meta["unigram_val_loss"], cache_key=key)
+    logger.info(
+        "SFT data ready: %d train windows, %d valid windows, vocab %d",
+        meta["num_train_windows"],
+        meta["num_valid_windows"],
+        meta["vocab_size"],
+    )
+    return PreparedData(
+        tokenizer_path=tokenizer_path,
+        vocab_size=meta["vocab_size"],
+        train_shards=[str(entry / name) for name in meta["train_shards"]],
+        valid_shards=[str(entry / name) for name in meta["valid_shards"]],
+        num_train_windows=meta["num_train_windows"],
+        num_valid_windows=meta["num_valid_windows"],
+        unigram_val_loss=meta["unigram_val_loss"],
+        cache_key=key,
+    )

@@ -16,6 +16,7 @@ string``), which real exports do; those fields are irrelevant here.
 
 Empty or null texts are skipped and counted; a file with no text at all is an error.
 """
+
 import json
 import logging
 import os
@@ -31,7 +32,7 @@ import datasets  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from datasets.exceptions import DatasetGenerationError  # noqa: E402
 
-from data.tokenizer import Tokenizer  # noqa: E402
+from mindmoe.data.tokenizer import Tokenizer  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -76,8 +77,10 @@ def checked_file(path: str, config_key: str) -> Path:
     if not resolved.is_file():
         raise DataInputError(f"{config_key}: {resolved} is not a file (list the files themselves)")
     if resolved.suffix.lower() not in SUPPORTED_SUFFIXES:
-        raise DataInputError(f"{config_key}: {resolved}: unsupported file type '{resolved.suffix}' "
-                             f"(use one of {', '.join(SUPPORTED_SUFFIXES)})")
+        raise DataInputError(
+            f"{config_key}: {resolved}: unsupported file type '{resolved.suffix}' "
+            f"(use one of {', '.join(SUPPORTED_SUFFIXES)})"
+        )
     return resolved
 
 
@@ -93,9 +96,11 @@ def read_source(path: str, text_field: str, config_key: str, work_dir: Path) -> 
     else:
         try:
             dataset = datasets.Dataset.from_generator(
-                _text_rows, features=TEXT_FEATURES, cache_dir=str(work_dir),
-                gen_kwargs={"path": resolved, "text_field": text_field, "config_key": config_key,
-                            "stats": stats})
+                _text_rows,
+                features=TEXT_FEATURES,
+                cache_dir=str(work_dir),
+                gen_kwargs={"path": resolved, "text_field": text_field, "config_key": config_key, "stats": stats},
+            )
         except DatasetGenerationError as err:
             # datasets wraps whatever the generator raises; our message is the useful one.
             if isinstance(err.__cause__, DataInputError):
@@ -143,7 +148,8 @@ def _decoded_lines(path: Path, config_key: str) -> Iterator[Tuple[int, str]]:
             except UnicodeDecodeError as err:
                 raise DataInputError(
                     f"{config_key}: {path} line {number} is not valid UTF-8 "
-                    f"(byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the line)") from None
+                    f"(byte 0x{raw[err.start]:02x} at byte {err.start + 1} of the line)"
+                ) from None
 
 
 def _paragraphs(lines: Iterator[Tuple[int, str]]) -> Iterator[str]:
@@ -165,8 +171,9 @@ def _json_line_texts(lines: Iterator[Tuple[int, str]], path: Path, text_field: s
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise DataInputError(f"{config_key}: {path} line {number} is not valid JSON "
-                                 f"({err.msg}, column {err.colno})") from None
+            raise DataInputError(
+                f"{config_key}: {path} line {number} is not valid JSON ({err.msg}, column {err.colno})"
+            ) from None
         yield _field_text(row, text_field, f"{config_key}: {path} line {number}")
 
 
@@ -182,44 +189,47 @@ def _json_array_texts(path: Path, text_field: str, config_key: str) -> Iterator[
         rows = json.loads(raw.decode("utf-8-sig"))
     except UnicodeDecodeError as err:
         line = raw.count(b"\n", 0, err.start) + 1
-        raise DataInputError(f"{config_key}: {path} line {line} is not valid UTF-8 "
-                             f"(byte 0x{raw[err.start]:02x})") from None
+        raise DataInputError(
+            f"{config_key}: {path} line {line} is not valid UTF-8 (byte 0x{raw[err.start]:02x})"
+        ) from None
     except json.JSONDecodeError as err:
-        raise DataInputError(f"{config_key}: {path} line {err.lineno} is not valid JSON "
-                             f"({err.msg}, column {err.colno})") from None
+        raise DataInputError(
+            f"{config_key}: {path} line {err.lineno} is not valid JSON ({err.msg}, column {err.colno})"
+        ) from None
     for index, row in enumerate(rows):
         yield _field_text(row, text_field, f"{config_key}: {path} array element {index}")
 
 
 def _field_text(row, text_field: str, where: str):
     if not isinstance(row, dict):
-        raise DataInputError(f"{where} is a JSON {type(row).__name__}, expected an object "
-                             f"with a '{text_field}' field")
+        raise DataInputError(f"{where} is a JSON {type(row).__name__}, expected an object with a '{text_field}' field")
     if text_field not in row:
         fields = ", ".join(repr(name) for name in row) or "none"
-        raise DataInputError(f"{where} has no field '{text_field}' (fields: {fields}); "
-                             f"set data.text_field to the field holding the text")
+        raise DataInputError(
+            f"{where} has no field '{text_field}' (fields: {fields}); set data.text_field to the field holding the text"
+        )
     text = row[text_field]
     if text is not None and not isinstance(text, str):
         raise DataInputError(f"{where}: field '{text_field}' is a JSON {type(text).__name__}, expected a string")
     return text
 
 
-def _read_parquet(path: Path, text_field: str, config_key: str, work_dir: Path,
-                  stats: SourceStats) -> datasets.Dataset:
+def _read_parquet(path: Path, text_field: str, config_key: str, work_dir: Path, stats: SourceStats) -> datasets.Dataset:
     schema = pq.read_schema(path)
     if text_field not in schema.names:
-        raise DataInputError(f"{config_key}: {path} has no column '{text_field}' (columns: "
-                             f"{', '.join(schema.names)}); set data.text_field to the column holding the text")
+        raise DataInputError(
+            f"{config_key}: {path} has no column '{text_field}' (columns: "
+            f"{', '.join(schema.names)}); set data.text_field to the column holding the text"
+        )
     column_type = schema.field(text_field).type
     if str(column_type) not in ("string", "large_string"):
         raise DataInputError(f"{config_key}: {path} column '{text_field}' has type {column_type}, expected string")
-    table = datasets.load_dataset("parquet", data_files=[str(path)], columns=[text_field], split="train",
-                                  cache_dir=str(work_dir))
+    table = datasets.load_dataset(
+        "parquet", data_files=[str(path)], columns=[text_field], split="train", cache_dir=str(work_dir)
+    )
     if text_field != "text":
         table = table.rename_column(text_field, "text")
-    kept = table.filter(lambda texts: [bool(t and t.strip()) for t in texts],
-                        input_columns=["text"], batched=True)
+    kept = table.filter(lambda texts: [bool(t and t.strip()) for t in texts], input_columns=["text"], batched=True)
     stats.skipped_empty = len(table) - len(kept)
     return kept
 
@@ -233,15 +243,24 @@ def _encode_batch(batch: dict, tokenizer: Tokenizer) -> dict:
 
 def tokenize_documents(dataset: datasets.Dataset, tokenizer: Tokenizer, num_proc: int) -> DocumentTokens:
     """Tokenise every document (``num_proc`` processes) into one concatenated stream."""
-    encoded = dataset.map(_encode_batch, fn_kwargs={"tokenizer": tokenizer}, batched=True,
-                          num_proc=num_proc if num_proc > 1 else None, remove_columns=["text"],
-                          features=IDS_FEATURES, desc="tokenising")
+    encoded = dataset.map(
+        _encode_batch,
+        fn_kwargs={"tokenizer": tokenizer},
+        batched=True,
+        num_proc=num_proc if num_proc > 1 else None,
+        remove_columns=["text"],
+        features=IDS_FEATURES,
+        desc="tokenising",
+    )
     ids = encoded.data.column("ids").combine_chunks()
-    return DocumentTokens(tokens=ids.flatten().to_numpy().astype(np.int32, copy=False),
-                          doc_lengths=np.diff(ids.offsets.to_numpy()).astype(np.int64))
+    return DocumentTokens(
+        tokens=ids.flatten().to_numpy().astype(np.int32, copy=False),
+        doc_lengths=np.diff(ids.offsets.to_numpy()).astype(np.int64),
+    )
 
 
 def concatenate(parts: Sequence[DocumentTokens]) -> DocumentTokens:
     """One stream of the documents of several sources, in order."""
-    return DocumentTokens(tokens=np.concatenate([p.tokens for p in parts]),
-                          doc_lengths=np.concatenate([p.doc_lengths for p in parts]))
+    return DocumentTokens(
+        tokens=np.concatenate([p.tokens for p in parts]), doc_lengths=np.concatenate([p.doc_lengths for p in parts])
+    )

@@ -21,6 +21,7 @@ never crosses conversations. A conversation longer than a window is an error, or
 ``data.sft_overlong=truncate`` is cut to the window (and dropped if no assistant token is left),
 and counted.
 """
+
 import json
 import logging
 from dataclasses import dataclass
@@ -29,20 +30,23 @@ from typing import List, Sequence, Tuple
 
 import numpy as np
 
-from data.packing import PackedWindows, label_mask
-from data.reader import DataInputError
+from mindmoe.data.packing import PackedWindows, label_mask
+from mindmoe.data.reader import DataInputError
 
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
 OVERLONG_POLICIES = ("error", "truncate")
-DEFAULT_TEMPLATE_DOC = ("<bos> then per message '<|system|>\\n{content}\\n', '<|user|>\\n{content}\\n', "
-                        "'<|assistant|>\\n' + {content} + <eos>; the assistant content and <eos> are scored")
+DEFAULT_TEMPLATE_DOC = (
+    "<bos> then per message '<|system|>\\n{content}\\n', '<|user|>\\n{content}\\n', "
+    "'<|assistant|>\\n' + {content} + <eos>; the assistant content and <eos> are scored"
+)
 
 
 @dataclass
 class SFTWindows:
     """Packed conversations: the windows (with ``loss_mask``) and what packing did."""
+
     windows: PackedWindows
     conversations: int
     truncated: int
@@ -84,14 +88,15 @@ def conversation_messages(row, where: str) -> List[dict]:
     elif "prompt" in row or "response" in row:
         for key in ("prompt", "response"):
             if not isinstance(row.get(key), str):
-                raise DataInputError(f"{where}: a prompt/response row needs string 'prompt' and 'response' "
-                                     f"('{key}' is {type(row.get(key)).__name__})")
+                raise DataInputError(
+                    f"{where}: a prompt/response row needs string 'prompt' and 'response' "
+                    f"('{key}' is {type(row.get(key)).__name__})"
+                )
         messages = [{"role": "user", "content": row["prompt"]}, {"role": "assistant", "content": row["response"]}]
         if row.get("system") is not None:
             messages.insert(0, {"role": "system", "content": row["system"]})
     else:
-        raise DataInputError(f"{where}: expected 'messages' or 'prompt' and 'response' "
-                             f"(found keys {sorted(row)[:6]})")
+        raise DataInputError(f"{where}: expected 'messages' or 'prompt' and 'response' (found keys {sorted(row)[:6]})")
     checked = []
     for index, message in enumerate(messages):
         item = f"{where}: message {index}"
@@ -108,8 +113,10 @@ def conversation_messages(row, where: str) -> List[dict]:
         expected = "user" if index % 2 == 0 else "assistant"
         if message["role"] != expected:
             position = index + len(checked) - len(turns)
-            raise DataInputError(f"{where}: message {position} is from the {message['role']}, expected the "
-                                 f"{expected} (after an optional system message, turns alternate user/assistant)")
+            raise DataInputError(
+                f"{where}: message {position} is from the {message['role']}, expected the "
+                f"{expected} (after an optional system message, turns alternate user/assistant)"
+            )
     if not turns or turns[-1]["role"] != "assistant":
         raise DataInputError(f"{where}: the conversation must end with an assistant message (nothing to learn)")
     return checked
@@ -122,9 +129,11 @@ def _template_segments(messages: Sequence[dict], render) -> List[Tuple[str, bool
     def extend(text: str, scored: bool, what: str):
         nonlocal done
         if not text.startswith(done):
-            raise DataInputError(f"the chat template renders {what} so that it no longer starts with the "
-                                 "rendering of the messages before it; its assistant tokens cannot be located")
-        segments.append((text[len(done):], scored))
+            raise DataInputError(
+                f"the chat template renders {what} so that it no longer starts with the "
+                "rendering of the messages before it; its assistant tokens cannot be located"
+            )
+        segments.append((text[len(done) :], scored))
         done = text
 
     for index, message in enumerate(messages):
@@ -161,8 +170,9 @@ def encode_conversation(messages: Sequence[dict], tokenizer) -> Tuple[np.ndarray
     return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
 
 
-def pack_conversations(encoded: Sequence[Tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int,
-                       overlong: str, where: str) -> SFTWindows:
+def pack_conversations(
+    encoded: Sequence[Tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int, overlong: str, where: str
+) -> SFTWindows:
     """Whole conversations into ``seq_len + 1`` windows; ``where`` names the source in errors."""
     window = seq_len + 1
     rows_ids, rows_docs, rows_mask = [], [], []
@@ -178,9 +188,9 @@ def pack_conversations(encoded: Sequence[Tuple[np.ndarray, np.ndarray]], seq_len
         mask = np.zeros(window, np.int32)
         start = 0
         for doc, (conv_ids, conv_mask) in enumerate(current):
-            ids[start:start + len(conv_ids)] = conv_ids
-            docs[start:start + len(conv_ids)] = doc
-            mask[start:start + len(conv_ids)] = conv_mask
+            ids[start : start + len(conv_ids)] = conv_ids
+            docs[start : start + len(conv_ids)] = doc
+            mask[start : start + len(conv_ids)] = conv_mask
             start += len(conv_ids)
         rows_ids.append(ids)
         rows_docs.append(docs)
@@ -190,9 +200,11 @@ def pack_conversations(encoded: Sequence[Tuple[np.ndarray, np.ndarray]], seq_len
     for number, (ids, mask) in enumerate(encoded):
         if len(ids) > window:
             if overlong == "error":
-                raise DataInputError(f"{where}: conversation {number + 1} has {len(ids)} tokens, more than "
-                                     f"data.seq_len + 1 = {window}; raise data.seq_len or set "
-                                     "data.sft_overlong=truncate")
+                raise DataInputError(
+                    f"{where}: conversation {number + 1} has {len(ids)} tokens, more than "
+                    f"data.seq_len + 1 = {window}; raise data.seq_len or set "
+                    "data.sft_overlong=truncate"
+                )
             ids, mask = ids[:window], mask[:window]
             truncated += 1
             if not mask[1:].any():
@@ -208,8 +220,14 @@ def pack_conversations(encoded: Sequence[Tuple[np.ndarray, np.ndarray]], seq_len
     ids, docs, mask = np.stack(rows_ids), np.stack(rows_docs), np.stack(rows_mask)
     windows = PackedWindows(ids, docs, mask)
     if truncated:
-        logger.warning("%s: %d conversations longer than data.seq_len + 1 = %d truncated, %d of them dropped "
-                       "(no assistant token left)", where, truncated, window, dropped)
+        logger.warning(
+            "%s: %d conversations longer than data.seq_len + 1 = %d truncated, %d of them dropped "
+            "(no assistant token left)",
+            where,
+            truncated,
+            window,
+            dropped,
+        )
     return SFTWindows(windows, used, truncated, dropped, int(label_mask(windows).sum()))
 
 
@@ -227,10 +245,25 @@ def build_sft_windows(files: dict, tokenizer, seq_len: int, overlong: str) -> Tu
                 raise DataInputError(f"{key}: {path} conversation {number}: {err}") from None
         packed = pack_conversations(encoded, seq_len, pad_id, overlong, f"{key}: {path}")
         parts.append(packed.windows)
-        stats.append({"file": str(path), "conversations": packed.conversations, "truncated": packed.truncated,
-                      "dropped": packed.dropped, "windows": len(packed.windows),
-                      "scored_tokens": packed.scored_tokens})
-        logger.info("%s: %d conversations in %d windows, %d assistant tokens scored", path, packed.conversations,
-                    len(packed.windows), packed.scored_tokens)
-    return PackedWindows(np.concatenate([p.input_ids for p in parts]), np.concatenate([p.doc_ids for p in parts]),
-                         np.concatenate([p.loss_mask for p in parts])), stats
+        stats.append(
+            {
+                "file": str(path),
+                "conversations": packed.conversations,
+                "truncated": packed.truncated,
+                "dropped": packed.dropped,
+                "windows": len(packed.windows),
+                "scored_tokens": packed.scored_tokens,
+            }
+        )
+        logger.info(
+            "%s: %d conversations in %d windows, %d assistant tokens scored",
+            path,
+            packed.conversations,
+            len(packed.windows),
+            packed.scored_tokens,
+        )
+    return PackedWindows(
+        np.concatenate([p.input_ids for p in parts]),
+        np.concatenate([p.doc_ids for p in parts]),
+        np.concatenate([p.loss_mask for p in parts]),
+    ), stats

@@ -17,6 +17,7 @@ Training settings and why:
   written by the trainer records its own path), so the same corpus gives a
   byte-identical model, and the cache keys derived from its hash are stable.
 """
+
 import io
 import logging
 import re
@@ -118,7 +119,10 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_prefix: Union
             vocab_size=vocab_size,
             character_coverage=0.9995,
             byte_fallback=True,
-            pad_id=PAD_ID, unk_id=UNK_ID, bos_id=BOS_ID, eos_id=EOS_ID,
+            pad_id=PAD_ID,
+            unk_id=UNK_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
             user_defined_symbols=["\n"],
             normalization_rule_name="identity",
             remove_extra_whitespaces=False,

@@ -10,6 +10,7 @@ so the workers find them). Every worker gets the same overrides and the same run
 worker dies, msrun stops the others; this command then exits non-zero naming the failed rank's
 log. Exit codes: 0 done, 2 configuration error, otherwise the failure code of the job.
 """
+
 import dataclasses
 import re
 import signal
@@ -21,9 +22,19 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from conf.schema import register_configs
-from launch.msrun import (WORKER_BANNER, direct_workers, environment, is_local_address, log_dir, msrun_command,
-                          process_environment, render, validate_launch, world_size)
+from mindmoe.conf.schema import register_configs
+from mindmoe.launch.msrun import (
+    WORKER_BANNER,
+    direct_workers,
+    environment,
+    is_local_address,
+    log_dir,
+    msrun_command,
+    process_environment,
+    render,
+    validate_launch,
+    world_size,
+)
 
 register_configs()
 
@@ -40,23 +51,32 @@ class WorkerFailed(RuntimeError):
 
 def check_config(cfg, hydra_overrides, task_overrides=()) -> None:
     """Everything that can be wrong before a worker starts, naming the key to change."""
-    from model.config import validate_model_config
-    from train.distributed import resolve_layout
-    from train.init_model import explicit_model_keys, planned_model_config
-    from train.loop import validate_run_config
+    from mindmoe.model.config import validate_model_config
+    from mindmoe.train.distributed import resolve_layout
+    from mindmoe.train.init_model import explicit_model_keys, planned_model_config
+    from mindmoe.train.loop import validate_run_config
 
     launch = cfg.launch
     validate_launch(launch)
     if launch.nodes > 1 and not any(o.startswith("hydra.run.dir=") for o in hydra_overrides):
-        raise ValueError(f"launch.nodes={launch.nodes}: give every node the same shared run dir with "
-                         "hydra.run.dir=/shared/path (the default is a timestamp of each node's own clock)")
+        raise ValueError(
+            f"launch.nodes={launch.nodes}: give every node the same shared run dir with "
+            "hydra.run.dir=/shared/path (the default is a timestamp of each node's own clock)"
+        )
     validate_run_config(cfg)
     # With model.pretrained the architecture is the directory's config.json (read here, as data).
     model = planned_model_config(cfg, explicit_model_keys(task_overrides))
     # The real vocabulary comes from the tokenizer; any positive size checks the other keys.
     validate_model_config(dataclasses.replace(model, vocab_size=model.vocab_size or cfg.data.vocab_size))
-    resolve_layout(world_size(launch), cfg.parallel.dp, cfg.parallel.ep, model.num_experts,
-                   cfg.data.global_batch_size, cfg.data.micro_batch_size, model.num_layers > model.first_k_dense)
+    resolve_layout(
+        world_size(launch),
+        cfg.parallel.dp,
+        cfg.parallel.ep,
+        model.num_experts,
+        cfg.data.global_batch_size,
+        cfg.data.micro_batch_size,
+        model.num_layers > model.first_k_dense,
+    )
 
 
 def rank_log(logs: Path, pid: int):
@@ -77,14 +97,22 @@ def failure_message(logs: Path, run_dir: Path, pid: int, code: int) -> str:
     what = f"exited with code {code}"
     if code == STOPPED_ON_SIGNAL:
         what = "stopped on a signal after the checkpoint of that step was written"
-    return (f"{who} {what}; {where}. The other workers were stopped. Run the same command "
-            f"again to continue from the last checkpoint in {run_dir / 'checkpoints'} (train.resume=auto).")
+    return (
+        f"{who} {what}; {where}. The other workers were stopped. Run the same command "
+        f"again to continue from the last checkpoint in {run_dir / 'checkpoints'} (train.resume=auto)."
+    )
 
 
 def run_msrun(command, env, logs: Path, run_dir: Path) -> int:
     """Run msrun, echoing its output; on failure raise :class:`WorkerFailed` naming the rank's log."""
-    process = subprocess.Popen(command, env=process_environment(env), stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True, errors="replace")
+    process = subprocess.Popen(
+        command,
+        env=process_environment(env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        errors="replace",
+    )
     first_failure = None
     try:
         for line in process.stdout:
@@ -113,8 +141,15 @@ def run_direct(workers, env, run_dir: Path) -> int:
         worker["log"].parent.mkdir(parents=True, exist_ok=True)
         print(f"start worker rank {worker['rank']}, log file: {worker['log']}", flush=True)
         with open(worker["log"], "w", encoding="utf-8") as log_file:
-            processes.append(subprocess.Popen(worker["command"], env=process_environment(dict(env, **worker["env"])),
-                                              stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True))
+            processes.append(
+                subprocess.Popen(
+                    worker["command"],
+                    env=process_environment(dict(env, **worker["env"])),
+                    stdout=log_file,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     try:
         while True:
             codes = [p.poll() for p in processes]
@@ -152,10 +187,10 @@ def launch(cfg) -> int:
             print(f"mindmoe-launch: warning: the launch would stop here: {error}", file=sys.stderr)
         return 0
     check_config(cfg, list(hydra_cfg.overrides.hydra), overrides)
-    from data.prepare import prepare_data, with_pretrained_tokenizer
+    from mindmoe.data.prepare import prepare_data, with_pretrained_tokenizer
+
     prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
-    print(f"data ready: {prepared.num_train_windows} training windows, tokenizer {prepared.tokenizer_path}",
-          flush=True)
+    print(f"data ready: {prepared.num_train_windows} training windows, tokenizer {prepared.tokenizer_path}", flush=True)
     logs = log_dir(cfg.launch, run_dir)
     logs.mkdir(parents=True, exist_ok=True)
     if cfg.launch.node_rank > 0 and is_local_address(cfg.launch.master_addr):
@@ -164,7 +199,7 @@ def launch(cfg) -> int:
     return run_msrun(command, env, logs, run_dir)
 
 
-@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
 def _main(cfg) -> None:
     try:
         code = launch(cfg)

@@ -1,4 +1,5 @@
 """Parallel layout (``parallel.*``) and cluster launch (``launch.*``) keys of a run."""
+
 from dataclasses import dataclass
 from typing import Optional
 

@@ -1,10 +1,11 @@
 """The ``msrun`` command and environment of one node, built from ``launch.*`` keys.
 
 msrun (MindSpore's launcher) starts ``procs_per_node`` workers on this node and, on node 0, the
-scheduler they rendezvous at; every worker runs ``python -m train.cli`` with the same overrides
+scheduler they rendezvous at; every worker runs ``python -m mindmoe.train.cli`` with the same overrides
 and the same run dir, and writes ``worker_<rank>.log`` into the log dir. Nothing here runs a
 process: :mod:`launch.cli` does.
 """
+
 import ipaddress
 import os
 import shlex
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 #: The worker entry point: the ``mindmoe-train`` Hydra app.
-WORKER_MODULE = "train.cli"
+WORKER_MODULE = "mindmoe.train.cli"
 #: Every worker logs to stdout, which msrun writes to ``worker_<rank>.log``; Hydra's own log file and
 #: config copy are written once, by the launcher, instead of by every worker into the shared run dir.
 WORKER_HYDRA_OVERRIDES = ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
@@ -33,8 +34,9 @@ def validate_launch(launch) -> None:
         if getattr(launch, key) < 1:
             raise ValueError(f"launch.{key}={getattr(launch, key)} must be >= 1")
     if not 0 <= launch.node_rank < launch.nodes:
-        raise ValueError(f"launch.node_rank={launch.node_rank} must be in 0..{launch.nodes - 1} "
-                         f"(launch.nodes={launch.nodes})")
+        raise ValueError(
+            f"launch.node_rank={launch.node_rank} must be in 0..{launch.nodes - 1} (launch.nodes={launch.nodes})"
+        )
     if not 1024 <= launch.master_port <= 65535:
         raise ValueError(f"launch.master_port={launch.master_port} must be a port in 1024..65535")
     if not launch.master_addr:
@@ -89,10 +91,17 @@ def process_environment(env: Dict[str, str]) -> Dict[str, str]:
 
 
 def msrun_command(launch, run_dir: Path, overrides: Sequence[str]) -> List[str]:
-    command = ["msrun", f"--worker_num={world_size(launch)}", f"--local_worker_num={launch.procs_per_node}",
-               f"--master_addr={launch.master_addr}", f"--master_port={launch.master_port}",
-               f"--node_rank={launch.node_rank}", f"--log_dir={log_dir(launch, run_dir)}", "--join=True",
-               f"--cluster_time_out={launch.cluster_timeout}"]
+    command = [
+        "msrun",
+        f"--worker_num={world_size(launch)}",
+        f"--local_worker_num={launch.procs_per_node}",
+        f"--master_addr={launch.master_addr}",
+        f"--master_port={launch.master_port}",
+        f"--node_rank={launch.node_rank}",
+        f"--log_dir={log_dir(launch, run_dir)}",
+        "--join=True",
+        f"--cluster_time_out={launch.cluster_timeout}",
+    ]
     if launch.bind_core:
         command.append("--bind_core=True")
     return command + ["python", "-m", WORKER_MODULE, *worker_overrides(run_dir, overrides)]
@@ -101,8 +110,10 @@ def msrun_command(launch, run_dir: Path, overrides: Sequence[str]) -> List[str]:
 def render(command: Sequence[str], env: Dict[str, str], launch) -> str:
     """The shell lines an operator would type on this node: exports, then the command."""
     first = launch.node_rank * launch.procs_per_node
-    lines = [f"# node {launch.node_rank} of {launch.nodes}: ranks {first}..{first + launch.procs_per_node - 1} "
-             f"of {world_size(launch)}"]
+    lines = [
+        f"# node {launch.node_rank} of {launch.nodes}: ranks {first}..{first + launch.procs_per_node - 1} "
+        f"of {world_size(launch)}"
+    ]
     prefix = interpreter_path_prefix()
     if prefix:
         lines.append(f"export PATH={shlex.quote(prefix)}:$PATH")
@@ -137,10 +148,17 @@ def direct_workers(launch, run_dir: Path, overrides: Sequence[str]) -> List[dict
     workers = []
     for local_rank in range(launch.procs_per_node):
         rank = launch.node_rank * launch.procs_per_node + local_rank
-        env = {"MS_ROLE": "MS_WORKER", "MS_SCHED_HOST": launch.master_addr,
-               "MS_SCHED_PORT": str(launch.master_port), "MS_WORKER_NUM": str(world_size(launch)),
-               "MS_NODE_ID": str(rank), "MS_TOPO_TIMEOUT": str(launch.cluster_timeout),
-               "RANK_ID": str(rank), "RANK_SIZE": str(world_size(launch)), "DEVICE_ID": str(local_rank)}
+        env = {
+            "MS_ROLE": "MS_WORKER",
+            "MS_SCHED_HOST": launch.master_addr,
+            "MS_SCHED_PORT": str(launch.master_port),
+            "MS_WORKER_NUM": str(world_size(launch)),
+            "MS_NODE_ID": str(rank),
+            "MS_TOPO_TIMEOUT": str(launch.cluster_timeout),
+            "RANK_ID": str(rank),
+            "RANK_SIZE": str(world_size(launch)),
+            "DEVICE_ID": str(local_rank),
+        }
         command = [sys.executable, "-m", WORKER_MODULE, *worker_overrides(run_dir, overrides)]
         workers.append({"rank": rank, "command": command, "env": env, "log": logs / f"worker_{rank}.log"})
     return workers

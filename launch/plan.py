@@ -51,15 +51,16 @@ buffers ``2 * tokens * h * 2`` when ``tp > 1``; pipeline send/receive of activat
 gradients ``4 * tokens/tp * h * 2`` when ``pp > 1``. A layout fits when the sum is at most
 ``device_memory_gb - reserved_gb`` (runtime workspace, HCCL, fragmentation).
 """
+
 from dataclasses import dataclass
 from math import gcd, prod
 from typing import Dict, List, Optional
 
-from model.config import ModelConfig
-from model.param_count import layer_index, parameter_category, parameter_shapes
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.param_count import layer_index, parameter_category, parameter_shapes
 
-GIB = 2 ** 30
-MIB = 2 ** 20
+GIB = 2**30
+MIB = 2**20
 GRAD_BYTES = {"fp32": 4, "bf16": 2}
 #: Bytes per parameter: bf16 weights; fp32 master weights + Adam m and v.
 WEIGHT_BYTES, OPTIMIZER_BYTES, ACT_BYTES = 2, 12, 2
@@ -170,6 +171,7 @@ class Plan:
 
 def validate_plan_config(plan: PlanConfig) -> None:
     """Raise ValueError naming the ``plan.*`` key whose value cannot work."""
+
     def fail(key: str, why: str):
         raise ValueError(f"plan.{key}={getattr(plan, key)!r}: {why}")
 
@@ -195,18 +197,23 @@ def layout_errors(cfg: ModelConfig, layout: Layout, batch: Batch) -> List[str]:
     if min(batch.seq_len, batch.micro_batch, batch.global_batch) < 1:
         return ["data.seq_len, data.micro_batch_size and data.global_batch_size must be >= 1"]
     if cfg.num_heads % layout.tp or cfg.num_kv_heads % layout.tp:
-        errors.append(f"plan.tp={layout.tp} must divide model.num_heads={cfg.num_heads} and "
-                      f"model.num_kv_heads={cfg.num_kv_heads}")
+        errors.append(
+            f"plan.tp={layout.tp} must divide model.num_heads={cfg.num_heads} and model.num_kv_heads={cfg.num_kv_heads}"
+        )
     if batch.seq_len % layout.tp:
         errors.append(f"plan.tp={layout.tp} must divide data.seq_len={batch.seq_len} (sequence parallelism)")
     if layout.pp > cfg.num_layers:
         errors.append(f"plan.pp={layout.pp} exceeds model.num_layers={cfg.num_layers}")
     if cfg.num_experts % layout.ep or (layout.dp * layout.tp) % layout.ep:
-        errors.append(f"parallel.ep={layout.ep} must divide model.num_experts={cfg.num_experts} and "
-                      f"parallel.dp*plan.tp={layout.dp * layout.tp}")
+        errors.append(
+            f"parallel.ep={layout.ep} must divide model.num_experts={cfg.num_experts} and "
+            f"parallel.dp*plan.tp={layout.dp * layout.tp}"
+        )
     if batch.global_batch % (layout.dp * batch.micro_batch):
-        errors.append(f"data.global_batch_size={batch.global_batch} must be a multiple of "
-                      f"parallel.dp*data.micro_batch_size={layout.dp * batch.micro_batch}")
+        errors.append(
+            f"data.global_batch_size={batch.global_batch} must be a multiple of "
+            f"parallel.dp*data.micro_batch_size={layout.dp * batch.micro_batch}"
+        )
     return errors
 
 
@@ -223,8 +230,7 @@ def stage_layers(num_layers: int, pp: int) -> List[range]:
 
 def stage_parameters(cfg: ModelConfig, pp: int) -> List[Dict[str, int]]:
     """Per stage: parameters split over tp (``split``), replicated over tp (``replicated``), experts."""
-    stage_of_layer = {layer: stage for stage, block in enumerate(stage_layers(cfg.num_layers, pp))
-                      for layer in block}
+    stage_of_layer = {layer: stage for stage, block in enumerate(stage_layers(cfg.num_layers, pp)) for layer in block}
     stages = [{"split": 0, "replicated": 0, "experts": 0} for _ in range(pp)]
     for name, shape in parameter_shapes(cfg).items():
         layer = layer_index(name)
@@ -236,8 +242,7 @@ def stage_parameters(cfg: ModelConfig, pp: int) -> List[Dict[str, int]]:
         else:
             holders = [pp - 1]
         category = parameter_category(name)
-        kind = ("experts" if category == "experts"
-                else "replicated" if category in ("norms", "router") else "split")
+        kind = "experts" if category == "experts" else "replicated" if category in ("norms", "router") else "split"
         for stage in holders:
             stages[stage][kind] += prod(shape)
     return stages
@@ -255,8 +260,7 @@ def activation_bytes_per_token(cfg: ModelConfig, moe: bool, seq_len: int, flash_
         return attention + 4 * hidden + 6 * cfg.intermediate_size
     copies = expert_copies(cfg)
     shared_width = cfg.num_shared_experts * cfg.moe_intermediate_size
-    ffn = (4 * hidden + 8 * cfg.num_experts + copies * (4 * hidden + 6 * cfg.moe_intermediate_size)
-           + 6 * shared_width)
+    ffn = 4 * hidden + 8 * cfg.num_experts + copies * (4 * hidden + 6 * cfg.moe_intermediate_size) + 6 * shared_width
     return attention + ffn
 
 
@@ -265,8 +269,13 @@ def expert_copies(cfg: ModelConfig) -> float:
     return cfg.top_k * (cfg.capacity_factor if cfg.dispatch == "capacity" else 1.0)
 
 
-def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig,
-                stage_params: Optional[List[Dict[str, int]]] = None) -> Plan:
+def plan_layout(
+    cfg: ModelConfig,
+    layout: Layout,
+    batch: Batch,
+    plan: PlanConfig,
+    stage_params: Optional[List[Dict[str, int]]] = None,
+) -> Plan:
     """Per-device memory of every pipeline stage of ``layout`` (formulas in the module docstring).
 
     ``stage_params`` is :func:`stage_parameters` for ``layout.pp``, when the caller already has it.
@@ -291,8 +300,10 @@ def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig
         optimizer = OPTIMIZER_BYTES * (sharded if layout.zero >= 1 else held)
 
         in_flight = min(pp - stage, micro_batches)
-        per_layer = [activation_bytes_per_token(cfg, layer >= cfg.first_k_dense, batch.seq_len,
-                                                plan.flash_attention) for layer in block]
+        per_layer = [
+            activation_bytes_per_token(cfg, layer >= cfg.first_k_dense, batch.seq_len, plan.flash_attention)
+            for layer in block
+        ]
         if layout.recompute:
             per_token = in_flight * len(block) * ACT_BYTES * hidden + max(per_layer, default=0)
         else:
@@ -311,8 +322,13 @@ def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig
         if pp > 1:
             comm += 4 * local_tokens * hidden * ACT_BYTES
         stages.append(StageMemory(stage, len(block), weights, grads, optimizer, activations, comm))
-    return Plan(layout, stages, micro_batches, batch.global_batch * batch.seq_len,
-                budget=(plan.device_memory_gb - plan.reserved_gb) * GIB)
+    return Plan(
+        layout,
+        stages,
+        micro_batches,
+        batch.global_batch * batch.seq_len,
+        budget=(plan.device_memory_gb - plan.reserved_gb) * GIB,
+    )
 
 
 def divisors(n: int) -> List[int]:
@@ -344,6 +360,5 @@ def search_layouts(cfg: ModelConfig, devices: int, batch: Batch, plan: PlanConfi
                     candidate = plan_layout(cfg, layout, batch, plan, params_by_pp[pp])
                     if candidate.fits:
                         fitting.append(candidate)
-    fitting.sort(key=lambda p: (p.layout.tp * p.layout.pp, p.layout.recompute, p.layout.ep,
-                                p.worst.total))
+    fitting.sort(key=lambda p: (p.layout.tp * p.layout.pp, p.layout.recompute, p.layout.ep, p.worst.total))
     return fitting

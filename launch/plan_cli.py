@@ -8,27 +8,37 @@ breakdown, the memory of the layout ``parallel.dp`` x ``plan.tp`` x ``plan.pp`` 
 and the smallest layouts that fit on ``plan.devices``. No weights are allocated and no files are
 written. Exit 0 whenever a plan was made (also when nothing fits), 2 for a config it cannot plan.
 """
+
 import sys
 from typing import List
 
 import hydra
 from omegaconf import OmegaConf
 
-from conf.schema import register_configs
-from launch.plan import (GIB, Batch, Layout, Plan, PlanConfig, plan_layout, search_layouts,
-                         validate_plan_config)
-from model.config import ModelConfig, validate_model_config
-from model.param_count import CATEGORIES, count_parameters, mtp_layer_parameters
+from mindmoe.conf.schema import register_configs
+from mindmoe.launch.plan import GIB, Batch, Layout, Plan, PlanConfig, plan_layout, search_layouts, validate_plan_config
+from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.param_count import CATEGORIES, count_parameters, mtp_layer_parameters
 
 register_configs()
 
 #: A plan writes nothing: no run directory, no ``.hydra`` copy, no log file.
-QUIET_HYDRA = {"hydra.run.dir": ".", "hydra.output_subdir": "null",
-               "hydra/job_logging": "disabled", "hydra/hydra_logging": "disabled"}
+QUIET_HYDRA = {
+    "hydra.run.dir": ".",
+    "hydra.output_subdir": "null",
+    "hydra/job_logging": "disabled",
+    "hydra/hydra_logging": "disabled",
+}
 
-CATEGORY_LABELS = {"embeddings": "embeddings (input + LM head)", "attention": "attention",
-                   "dense_ffn": "dense FFN", "experts": "routed experts", "shared_experts": "shared experts",
-                   "router": "router", "norms": "norms"}
+CATEGORY_LABELS = {
+    "embeddings": "embeddings (input + LM head)",
+    "attention": "attention",
+    "dense_ffn": "dense FFN",
+    "experts": "routed experts",
+    "shared_experts": "shared experts",
+    "router": "router",
+    "norms": "norms",
+}
 
 
 def billions(count: float) -> str:
@@ -74,27 +84,33 @@ def gib(num_bytes: float) -> str:
 
 
 def layout_name(layout: Layout) -> str:
-    return (f"dp={layout.dp} tp={layout.tp} pp={layout.pp} ep={layout.ep} (edp={layout.edp}), "
-            f"zero={layout.zero}, recompute={'on' if layout.recompute else 'off'}")
+    return (
+        f"dp={layout.dp} tp={layout.tp} pp={layout.pp} ep={layout.ep} (edp={layout.edp}), "
+        f"zero={layout.zero}, recompute={'on' if layout.recompute else 'off'}"
+    )
 
 
 def memory_lines(plan: Plan, plan_cfg: PlanConfig, grad_dtype: str) -> List[str]:
     worst = plan.worst
     verdict = "fits" if plan.fits else "DOES NOT FIT"
     optimizer = "fp32 master + Adam m, v" + (f", ZeRO-{plan.layout.zero}" if plan.layout.zero else ", replicated")
-    usable = (f"of {plan.budget / GIB:.1f} usable ({plan_cfg.device_memory_gb:g} GiB - "
-              f"{plan_cfg.reserved_gb:g} reserved): {verdict}")
-    rows = [("weights", worst.weights, "bf16"), ("gradients", worst.grads, grad_dtype),
-            ("optimizer", worst.optimizer, optimizer), ("activations", worst.activations,
-                                                          "recomputed per layer" if plan.layout.recompute else
-                                                          "all kept"),
-            ("communication buffers", worst.comm, "estimate"), ("total", worst.total, usable)]
+    usable = (
+        f"of {plan.budget / GIB:.1f} usable ({plan_cfg.device_memory_gb:g} GiB - "
+        f"{plan_cfg.reserved_gb:g} reserved): {verdict}"
+    )
+    rows = [
+        ("weights", worst.weights, "bf16"),
+        ("gradients", worst.grads, grad_dtype),
+        ("optimizer", worst.optimizer, optimizer),
+        ("activations", worst.activations, "recomputed per layer" if plan.layout.recompute else "all kept"),
+        ("communication buffers", worst.comm, "estimate"),
+        ("total", worst.total, usable),
+    ]
     lines = [
         f"layout: {layout_name(plan.layout)} on {plan.layout.devices} devices",
         f"  tokens per step: {plan.tokens_per_step:,}; micro-batches per step per data-parallel rank: "
         f"{plan.micro_batches}; 1F1B pipeline bubble {100 * plan.bubble:.1f}%",
-        f"  per-device memory, GiB (worst: pipeline stage {worst.stage} of {len(plan.stages)}, "
-        f"{worst.layers} layers):",
+        f"  per-device memory, GiB (worst: pipeline stage {worst.stage} of {len(plan.stages)}, {worst.layers} layers):",
     ]
     lines += [f"    {label:<23}{gib(value)}   {note}" for label, value, note in rows]
     if len(plan.stages) > 1:
@@ -103,18 +119,27 @@ def memory_lines(plan: Plan, plan_cfg: PlanConfig, grad_dtype: str) -> List[str]
 
 
 def search_lines(fitting: List[Plan], devices: int, plan_cfg: PlanConfig) -> List[str]:
-    header = (f"smallest layouts that fit on {devices} devices of {plan_cfg.device_memory_gb:g} GiB "
-              f"(zero={plan_cfg.zero}, tp <= {plan_cfg.max_tp}): {len(fitting)} fit")
+    header = (
+        f"smallest layouts that fit on {devices} devices of {plan_cfg.device_memory_gb:g} GiB "
+        f"(zero={plan_cfg.zero}, tp <= {plan_cfg.max_tp}): {len(fitting)} fit"
+    )
     if not fitting:
-        return [header, "  none: add devices, raise plan.zero, lower data.micro_batch_size, or check that "
-                        "data.global_batch_size is a multiple of dp * data.micro_batch_size"]
-    lines = [header, f"  {'tp':>3} {'pp':>3} {'ep':>4} {'dp':>5} {'edp':>5} {'recompute':>9} "
-                     f"{'GiB/device':>10} {'bubble':>7}"]
-    for plan in fitting[:plan_cfg.show_layouts]:
+        return [
+            header,
+            "  none: add devices, raise plan.zero, lower data.micro_batch_size, or check that "
+            "data.global_batch_size is a multiple of dp * data.micro_batch_size",
+        ]
+    lines = [
+        header,
+        f"  {'tp':>3} {'pp':>3} {'ep':>4} {'dp':>5} {'edp':>5} {'recompute':>9} {'GiB/device':>10} {'bubble':>7}",
+    ]
+    for plan in fitting[: plan_cfg.show_layouts]:
         layout = plan.layout
-        lines.append(f"  {layout.tp:>3} {layout.pp:>3} {layout.ep:>4} {layout.dp:>5} {layout.edp:>5} "
-                     f"{'on' if layout.recompute else 'off':>9} {plan.worst.total / GIB:>10.2f} "
-                     f"{100 * plan.bubble:>6.1f}%")
+        lines.append(
+            f"  {layout.tp:>3} {layout.pp:>3} {layout.ep:>4} {layout.dp:>5} {layout.edp:>5} "
+            f"{'on' if layout.recompute else 'off':>9} {plan.worst.total / GIB:>10.2f} "
+            f"{100 * plan.bubble:>6.1f}%"
+        )
     return lines
 
 
@@ -123,8 +148,10 @@ def resolve_vocab(model: ModelConfig, data) -> List[str]:
     if model.vocab_size:
         return []
     if data.tokenizer:
-        raise ValueError(f"model.vocab_size=0 means 'from the tokenizer' ({data.tokenizer}); the planner "
-                         "does not load tokenizers: set model.vocab_size")
+        raise ValueError(
+            f"model.vocab_size=0 means 'from the tokenizer' ({data.tokenizer}); the planner "
+            "does not load tokenizers: set model.vocab_size"
+        )
     model.vocab_size = data.vocab_size
     return [f"(model.vocab_size=0: using data.vocab_size={data.vocab_size}, the tokenizer trained here)"]
 
@@ -135,10 +162,17 @@ def report(cfg) -> List[str]:
     notes = resolve_vocab(model, cfg.data)
     validate_model_config(model)
     validate_plan_config(plan_cfg)
-    batch = Batch(seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch_size,
-                  global_batch=cfg.data.global_batch_size)
-    layout = Layout(dp=cfg.parallel.dp or 1, tp=plan_cfg.tp, pp=plan_cfg.pp, ep=cfg.parallel.ep,
-                    zero=plan_cfg.zero, recompute=plan_cfg.recompute)
+    batch = Batch(
+        seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch_size, global_batch=cfg.data.global_batch_size
+    )
+    layout = Layout(
+        dp=cfg.parallel.dp or 1,
+        tp=plan_cfg.tp,
+        pp=plan_cfg.pp,
+        ep=cfg.parallel.ep,
+        zero=plan_cfg.zero,
+        recompute=plan_cfg.recompute,
+    )
     planned = plan_layout(model, layout, batch, plan_cfg)
     devices = plan_cfg.devices or layout.devices
     lines = count_lines(model) + notes + [""]
@@ -147,7 +181,7 @@ def report(cfg) -> List[str]:
     return lines
 
 
-@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
 def _main(cfg) -> None:
     try:
         lines = report(cfg)

@@ -5,16 +5,17 @@ H hidden, N query heads, G key/value heads, D head_dim.
 Packed sequences carry ``doc_ids [B, S]``; a token attends only to earlier tokens of the
 same document, so packing never leaks context across documents.
 """
+
 import math
 
+import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
-import mindspore as ms
 
-from model.config import ModelConfig
-from model.linear import Linear
-from model.norm import RMSNorm
-from model.rope import apply_rope
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.linear import Linear
+from mindmoe.model.norm import RMSNorm
+from mindmoe.model.rope import apply_rope
 
 # Large negative instead of -inf: a fully masked row would otherwise give NaN in softmax.
 MASK_VALUE = -1e9
@@ -32,8 +33,12 @@ def document_causal_mask(doc_ids_BS, num_heads: int = 1, chunks: int = 1):
     if chunks == 1:
         return _document_causal_mask(doc_ids_BS, doc_ids_BS, 0, num_heads)
     size = seq_len // chunks
-    return tuple(_document_causal_mask(doc_ids_BS[:, c * size:(c + 1) * size], doc_ids_BS[:, :(c + 1) * size],
-                                       c * size, num_heads) for c in range(chunks))
+    return tuple(
+        _document_causal_mask(
+            doc_ids_BS[:, c * size : (c + 1) * size], doc_ids_BS[:, : (c + 1) * size], c * size, num_heads
+        )
+        for c in range(chunks)
+    )
 
 
 def _document_causal_mask(query_doc_ids_BQ, key_doc_ids_BK, offset: int, num_heads: int):
@@ -42,8 +47,9 @@ def _document_causal_mask(query_doc_ids_BQ, key_doc_ids_BK, offset: int, num_hea
     causal_QK = ops.arange(key_doc_ids_BK.shape[1], dtype=ms.int32).expand_dims(0) <= query_pos_Q1
     same_doc_BQK = ops.equal(query_doc_ids_BQ.expand_dims(2), key_doc_ids_BK.expand_dims(1))
     allowed_BQK = ops.logical_and(same_doc_BQK, causal_QK)
-    mask_BQK = ops.select(allowed_BQK, ops.zeros_like(same_doc_BQK, dtype=ms.float32),
-                          ops.fill(ms.float32, allowed_BQK.shape, MASK_VALUE))
+    mask_BQK = ops.select(
+        allowed_BQK, ops.zeros_like(same_doc_BQK, dtype=ms.float32), ops.fill(ms.float32, allowed_BQK.shape, MASK_VALUE)
+    )
     mask_B1QK = ops.stop_gradient(mask_BQK).expand_dims(1)
     if num_heads == 1:
         return mask_B1QK
@@ -103,8 +109,9 @@ class AttentionCore(nn.Cell):
         delta_BGR1 = self.row_dot(products_XD, ones_D1).reshape(rows_shape)
         if v_BGKD.dtype == ms.float32:
             ones_BGK1 = ops.ones(k_BGKD.shape[:-1] + (1,), ms.float32)
-            dprobs_shifted_BGRK = self.bmm_nt(ops.concat((dout_BGRD, -delta_BGR1), -1),
-                                              ops.concat((v_BGKD, ones_BGK1), -1))
+            dprobs_shifted_BGRK = self.bmm_nt(
+                ops.concat((dout_BGRD, -delta_BGR1), -1), ops.concat((v_BGKD, ones_BGK1), -1)
+            )
         else:
             dprobs_shifted_BGRK = self.bmm_nt(dout_BGRD, v_BGKD).astype(ms.float32) - delta_BGR1
         dscores_BGRK = (probs_BGRK * dprobs_shifted_BGRK).astype(q_BGRD.dtype)
@@ -167,7 +174,7 @@ class Attention(nn.Cell):
                 # slice ~50x slower than a partial one, so it is not sliced at all.
                 k_c = k_BGKD if c == chunks - 1 else k_BGKD[:, :, :keys]
                 v_c = v_BGKD if c == chunks - 1 else v_BGKD[:, :, :keys]
-                outs.append(self._attend_heads(q_BNSD[:, :, c * size:keys], k_c, v_c, mask_c))
+                outs.append(self._attend_heads(q_BNSD[:, :, c * size : keys], k_c, v_c, mask_c))
             out_BNSD = ops.concat(outs, 2)
         else:
             out_BNSD = self._attend_heads(q_BNSD, k_BGKD, v_BGKD, mask)
@@ -184,6 +191,10 @@ class Attention(nn.Cell):
         # Query head n uses key/value head n // group (HF repeat_kv order), so [B, N, S, D] is
         # [B, G, group * S, D] without moving data.
         rows = group * seq_len
-        out_BGRD, _ = self.core(q_BNSD.reshape(batch, self.num_kv_heads, rows, head_dim), k_BGKD, v_BGKD,
-                                mask_BMSK.reshape(batch, self.num_kv_heads, rows, num_keys))
+        out_BGRD, _ = self.core(
+            q_BNSD.reshape(batch, self.num_kv_heads, rows, head_dim),
+            k_BGKD,
+            v_BGKD,
+            mask_BMSK.reshape(batch, self.num_kv_heads, rows, num_keys),
+        )
         return out_BGRD.reshape(batch, self.num_heads, seq_len, head_dim)

@@ -4,10 +4,11 @@ The field names follow GLM-4.5 / HF ``glm4_moe`` where one exists, so an importe
 config maps one to one. Every field is read by the model; :func:`validate_model_config`
 rejects values the model cannot honour before anything is built.
 """
+
 from dataclasses import dataclass, field
 from typing import Optional
 
-from model.rope_scaling import RopeScalingConfig, rope_scaling_config, validate_rope_scaling
+from mindmoe.model.rope_scaling import RopeScalingConfig, rope_scaling_config, validate_rope_scaling
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("switch", "seq", "none")
@@ -130,19 +131,32 @@ class ModelConfig:
 
 def validate_model_config(cfg: ModelConfig) -> None:
     """Raise ValueError naming the ``model.*`` key whose value cannot work."""
+
     def fail(key: str, why: str):
         raise ValueError(f"model.{key}={getattr(cfg, key)!r}: {why}")
 
-    for key in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads",
-                "intermediate_size", "moe_intermediate_size", "num_experts", "top_k",
-                "max_position_embeddings"):
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "intermediate_size",
+        "moe_intermediate_size",
+        "num_experts",
+        "top_k",
+        "max_position_embeddings",
+    ):
         if getattr(cfg, key) < (0 if key == "vocab_size" else 1):
             fail(key, "must be positive")
     if cfg.num_heads % cfg.num_kv_heads:
         fail("num_kv_heads", f"must divide model.num_heads={cfg.num_heads}")
     if not cfg.head_dim and cfg.hidden_size % cfg.num_heads:
-        fail("head_dim", f"is 0 but model.hidden_size={cfg.hidden_size} is not a multiple of "
-                         f"model.num_heads={cfg.num_heads}; set head_dim explicitly")
+        fail(
+            "head_dim",
+            f"is 0 but model.hidden_size={cfg.hidden_size} is not a multiple of "
+            f"model.num_heads={cfg.num_heads}; set head_dim explicitly",
+        )
     if not 0.0 < cfg.partial_rotary_factor <= 1.0:
         fail("partial_rotary_factor", "must be in (0, 1]")
     if cfg.rotary_dim % 2:

@@ -1,4 +1,5 @@
 """Dense projection with an explicit ``[out, in]`` weight (the HF layout, so checkpoints map 1:1)."""
+
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
@@ -10,8 +11,7 @@ def normal_init(shape, std: float, rng: np.random.Generator) -> Tensor:
 class Linear(nn.Cell):
     """``y = x @ weight.T (+ bias)``; weight ``[out_features, in_features]``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, std: float,
-                 rng: np.random.Generator):
+    def __init__(self, in_features: int, out_features: int, bias: bool, std: float, rng: np.random.Generator):
         super().__init__()
         self.weight = Parameter(normal_init((out_features, in_features), std, rng), name="weight")
         self.bias = Parameter(Tensor(np.zeros(out_features, np.float32)), name="bias") if bias else None

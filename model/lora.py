@@ -25,6 +25,7 @@ Adapter parameter names: ``<layer>.lora_A`` / ``<layer>.lora_B`` (``layers.0.sel
 ``layers.1.mlp.experts.gate_proj.lora_A``). Shape legend: r rank, I in features, O out features,
 E experts, C rows per expert.
 """
+
 import math
 import re
 from dataclasses import dataclass, field
@@ -33,9 +34,9 @@ from typing import Any, List, Optional
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
-from model.hf.weights import NameMap, is_stacked_expert
-from model.linear import Linear
-from model.moe.experts import RoutedExperts, RowScaledWeightGradMatmul
+from mindmoe.model.hf.weights import NameMap, is_stacked_expert
+from mindmoe.model.linear import Linear
+from mindmoe.model.moe.experts import RoutedExperts, RowScaledWeightGradMatmul
 
 #: ``lora.target_modules`` value that takes every projection (PEFT's shorthand).
 ALL_LINEAR = "all-linear"
@@ -58,8 +59,9 @@ class LoraConfig:
     rslora: bool = False
     #: Modules to adapt by HF module name: a list of names/suffixes, a regex string matching the
     #: whole name, or ``all-linear``. Covers attention projections, dense MLPs, shared and routed experts.
-    target_modules: Any = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj",
-                                                         "gate_proj", "up_proj", "down_proj"])
+    target_modules: Any = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    )
     #: Modules trained in full and saved with the adapters (PEFT ``modules_to_save``, e.g. ``[lm_head]``).
     modules_to_save: List[str] = field(default_factory=list)
     #: A mindmoe checkpoint directory whose model weights are the base (instead of ``model.pretrained``
@@ -87,8 +89,10 @@ def validate_lora_config(cfg: LoraConfig) -> None:
             except re.error as err:
                 raise ValueError(f"lora.target_modules={targets!r} is not a valid regular expression ({err})") from None
     elif not targets or not all(isinstance(t, str) and t for t in targets):
-        raise ValueError(f"lora.target_modules={targets!r} must be a non-empty list of module names, a regex "
-                         f"string or {ALL_LINEAR!r}")
+        raise ValueError(
+            f"lora.target_modules={targets!r} must be a non-empty list of module names, a regex "
+            f"string or {ALL_LINEAR!r}"
+        )
     if not all(isinstance(m, str) and m for m in cfg.modules_to_save):
         raise ValueError(f"lora.modules_to_save={list(cfg.modules_to_save)!r} must list module names")
 
@@ -143,8 +147,9 @@ class LoraRoutedExperts(RoutedExperts):
     gradient as the expert weights: a locked token trains its expert's adapters with weight lambda.
     """
 
-    def __init__(self, base: RoutedExperts, projections, rank: int, scaling: float, dropout: float,
-                 rng: np.random.Generator):
+    def __init__(
+        self, base: RoutedExperts, projections, rank: int, scaling: float, dropout: float, rng: np.random.Generator
+    ):
         nn.Cell.__init__(self)
         self.gate_proj, self.up_proj, self.down_proj = base.gate_proj, base.up_proj, base.down_proj
         self.bmm = ops.BatchMatMul(transpose_b=True)
@@ -156,9 +161,10 @@ class LoraRoutedExperts(RoutedExperts):
             factors = (None, None)
             if proj in self.projections:
                 experts, out_features, in_features = getattr(base, proj).shape
-                factors = (Parameter(_lora_a(rng, (experts, rank, in_features)), name=f"{proj}_lora_A"),
-                           Parameter(Tensor(np.zeros((experts, out_features, rank), np.float32)),
-                                     name=f"{proj}_lora_B"))
+                factors = (
+                    Parameter(_lora_a(rng, (experts, rank, in_features)), name=f"{proj}_lora_A"),
+                    Parameter(Tensor(np.zeros((experts, out_features, rank), np.float32)), name=f"{proj}_lora_B"),
+                )
             setattr(self, f"{proj}_lora_A", factors[0])
             setattr(self, f"{proj}_lora_B", factors[1])
 
@@ -182,8 +188,9 @@ class LoraRoutedExperts(RoutedExperts):
     def _forward(self, x_ECH, scale_EC):
         gate_ECI = self._project(x_ECH, self.gate_proj, self.gate_proj_lora_A, self.gate_proj_lora_B, scale_EC)
         up_ECI = self._project(x_ECH, self.up_proj, self.up_proj_lora_A, self.up_proj_lora_B, scale_EC)
-        return self._project(ops.silu(gate_ECI) * up_ECI, self.down_proj, self.down_proj_lora_A,
-                             self.down_proj_lora_B, scale_EC)
+        return self._project(
+            ops.silu(gate_ECI) * up_ECI, self.down_proj, self.down_proj_lora_A, self.down_proj_lora_B, scale_EC
+        )
 
     def construct(self, x_ECH):
         return self._forward(x_ECH, None)
@@ -201,10 +208,11 @@ class LoraRoutedExperts(RoutedExperts):
 @dataclass
 class LoraTarget:
     """One adaptable projection: our module path, the base parameter, its HF module name(s)."""
-    path: str              # e.g. layers.1.mlp.experts  (the cell to swap)
-    projection: str        # "" for a Linear, else the expert projection name
-    param_name: str        # e.g. layers.1.mlp.experts.gate_proj
-    hf_modules: list       # [(HF module name, expert row or None)]
+
+    path: str  # e.g. layers.1.mlp.experts  (the cell to swap)
+    projection: str  # "" for a Linear, else the expert projection name
+    param_name: str  # e.g. layers.1.mlp.experts.gate_proj
+    hf_modules: list  # [(HF module name, expert row or None)]
 
 
 def adaptable_projections(model, model_type: str = "glm4_moe") -> List[LoraTarget]:
@@ -218,8 +226,14 @@ def adaptable_projections(model, model_type: str = "glm4_moe") -> List[LoraTarge
         elif isinstance(cell, RoutedExperts):
             for proj in EXPERT_PROJECTIONS:
                 param = getattr(cell, proj)
-                found.append(LoraTarget(path, proj, param.name,
-                                        [(_module_of(hf), row) for hf, row in names.to_hf(param.name, param.shape[0])]))
+                found.append(
+                    LoraTarget(
+                        path,
+                        proj,
+                        param.name,
+                        [(_module_of(hf), row) for hf, row in names.to_hf(param.name, param.shape[0])],
+                    )
+                )
     return found
 
 
@@ -229,9 +243,9 @@ def _module_of(hf_param_name: str) -> str:
 
 @dataclass
 class LoraReport:
-    trainable: int            # trainable parameter count (adapters + modules_to_save)
-    total: int                # all parameters, adapters included
-    adapted: List[str]        # our parameter names that got adapters
+    trainable: int  # trainable parameter count (adapters + modules_to_save)
+    total: int  # all parameters, adapters included
+    adapted: List[str]  # our parameter names that got adapters
     saved_modules: List[str]  # our parameter names trained in full (modules_to_save)
 
     @property
@@ -239,8 +253,10 @@ class LoraReport:
         return self.trainable / max(self.total, 1)
 
     def summary(self) -> str:
-        return (f"LoRA: {self.trainable:,} trainable parameters of {self.total:,} ({100 * self.share:.3f}%); "
-                f"{len(self.adapted)} projections adapted, {len(self.saved_modules)} tensors trained in full")
+        return (
+            f"LoRA: {self.trainable:,} trainable parameters of {self.total:,} ({100 * self.share:.3f}%); "
+            f"{len(self.adapted)} projections adapted, {len(self.saved_modules)} tensors trained in full"
+        )
 
 
 def apply_lora(model, cfg: LoraConfig, seed: int = 0, model_type: str = "glm4_moe") -> LoraReport:
@@ -254,8 +270,10 @@ def apply_lora(model, cfg: LoraConfig, seed: int = 0, model_type: str = "glm4_mo
         raise ValueError("apply_lora: the model already has LoRA adapters")
     for block in (layer.mlp for layer in model.layers if layer.is_moe):
         if block.router.has_bias and model.config.bias_update_rate > 0:
-            raise ValueError(f"model.bias_update_rate={model.config.bias_update_rate}: LoRA keeps the base "
-                             "model frozen, router correction biases included; set it to 0")
+            raise ValueError(
+                f"model.bias_update_rate={model.config.bias_update_rate}: LoRA keeps the base "
+                "model frozen, router correction biases included; set it to 0"
+            )
     rng = np.random.default_rng(seed)
     candidates = adaptable_projections(model, model_type)
     chosen = {}
@@ -264,12 +282,16 @@ def apply_lora(model, cfg: LoraConfig, seed: int = 0, model_type: str = "glm4_mo
         if all(hits):
             chosen.setdefault(target.path, []).append(target)
         elif any(hits):
-            raise ValueError(f"lora.target_modules={_shown(cfg.target_modules)} selects only some experts of "
-                             f"{target.param_name}; mindmoe adapts all experts of a layer or none")
+            raise ValueError(
+                f"lora.target_modules={_shown(cfg.target_modules)} selects only some experts of "
+                f"{target.param_name}; mindmoe adapts all experts of a layer or none"
+            )
     if not chosen:
         examples = sorted({hf for t in candidates for hf, row in t.hf_modules if not row})[:8]
-        raise ValueError(f"lora.target_modules={_shown(cfg.target_modules)} matches no projection of the model; "
-                         f"module names look like {', '.join(examples)}")
+        raise ValueError(
+            f"lora.target_modules={_shown(cfg.target_modules)} matches no projection of the model; "
+            f"module names look like {', '.join(examples)}"
+        )
     saved = _modules_to_save(model, cfg, model_type, chosen)
     names_before = {id(p): p.name for p in model.get_parameters()}
     for param in model.get_parameters():
@@ -316,15 +338,19 @@ def _modules_to_save(model, cfg: LoraConfig, model_type: str, chosen: dict) -> s
         for entry in cfg.modules_to_save:
             if all(_module_of(hf) == entry or _module_of(hf).endswith("." + entry) for hf, _ in hf_names):
                 if param.name in adapted:
-                    raise ValueError(f"lora.modules_to_save entry {entry!r} is also a LoRA target ({param.name}); "
-                                     "a module is either adapted or trained in full")
+                    raise ValueError(
+                        f"lora.modules_to_save entry {entry!r} is also a LoRA target ({param.name}); "
+                        "a module is either adapted or trained in full"
+                    )
                 if not param.name.endswith("e_score_correction_bias"):  # state, never trained
                     saved.add(param.name)
                     used.add(entry)
     unused = [entry for entry in cfg.modules_to_save if entry not in used]
     if unused:
-        raise ValueError(f"lora.modules_to_save entries {unused} match no module of the model "
-                         "(use HF module names such as lm_head or embed_tokens)")
+        raise ValueError(
+            f"lora.modules_to_save entries {unused} match no module of the model "
+            "(use HF module names such as lm_head or embed_tokens)"
+        )
     return saved
 
 

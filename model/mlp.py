@@ -1,8 +1,9 @@
 """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))``."""
+
 import numpy as np
 from mindspore import nn, ops
 
-from model.linear import Linear
+from mindmoe.model.linear import Linear
 
 
 class SwiGLU(nn.Cell):

@@ -2,9 +2,10 @@
 
 Shape legend: R rows (every leading axis flattened), D normalised axis.
 """
+
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
-import mindspore as ms
 
 
 class RowRMSNormalize(nn.Cell):

@@ -17,11 +17,12 @@ Conventions (the README "Planning a run" section repeats them):
   LM head, with only ``top_k`` of the ``num_experts`` routed experts of each MoE layer.
   ``active_with_lm_head`` adds the output matrix (the convention some model cards use).
 """
+
 from dataclasses import dataclass, replace
 from math import prod
 from typing import Dict, Tuple
 
-from model.config import ModelConfig
+from mindmoe.model.config import ModelConfig
 
 Shape = Tuple[int, ...]
 
@@ -32,8 +33,11 @@ BUFFER_SUFFIXES = (".e_score_correction_bias",)
 
 
 def _swiglu(prefix: str, hidden: int, width: int) -> Dict[str, Shape]:
-    return {f"{prefix}.gate_proj.weight": (width, hidden), f"{prefix}.up_proj.weight": (width, hidden),
-            f"{prefix}.down_proj.weight": (hidden, width)}
+    return {
+        f"{prefix}.gate_proj.weight": (width, hidden),
+        f"{prefix}.up_proj.weight": (width, hidden),
+        f"{prefix}.down_proj.weight": (hidden, width),
+    }
 
 
 def _attention(prefix: str, cfg: ModelConfig) -> Dict[str, Shape]:
@@ -145,11 +149,20 @@ def count_parameters(cfg: ModelConfig) -> ParameterCount:
     # Expert tensors lead with E, so top_k / num_experts of them is an exact integer.
     active_experts = categories["experts"] // cfg.num_experts * cfg.top_k
     active = total - categories["embeddings"] - categories["experts"] + active_experts
-    buffers = sum(prod(shape) for name, shape in parameter_shapes(cfg, include_buffers=True).items()
-                  if name.endswith(BUFFER_SUFFIXES))
-    return ParameterCount(categories=categories, total=total, active=active,
-                          active_with_lm_head=active + lm_head, input_embedding=input_embedding,
-                          lm_head=lm_head, buffers=buffers)
+    buffers = sum(
+        prod(shape)
+        for name, shape in parameter_shapes(cfg, include_buffers=True).items()
+        if name.endswith(BUFFER_SUFFIXES)
+    )
+    return ParameterCount(
+        categories=categories,
+        total=total,
+        active=active,
+        active_with_lm_head=active + lm_head,
+        input_embedding=input_embedding,
+        lm_head=lm_head,
+        buffers=buffers,
+    )
 
 
 def mtp_layer_parameters(cfg: ModelConfig) -> int:

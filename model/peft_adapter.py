@@ -12,6 +12,7 @@ the modules PEFT adapts on a HF ``glm4_moe`` (transformers 4.57). HF names come 
 
     merge_adapters(model, adapter_dir)   # base model + adapters -> plain model with merged weights
 """
+
 import json
 from pathlib import Path
 
@@ -19,8 +20,8 @@ import numpy as np
 from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
 
-from model.hf.weights import NameMap, is_stacked_expert
-from model.lora import LoraConfig, apply_lora, merge_and_unload
+from mindmoe.model.hf.weights import NameMap, is_stacked_expert
+from mindmoe.model.lora import LoraConfig, apply_lora, merge_and_unload
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
@@ -39,8 +40,10 @@ def peft_tensor_names(param_name: str, shape, names: NameMap) -> list:
             base = param_name[: -len(suffix)]
             base_param = base if is_stacked_expert(base) else base + ".weight"
             rows = shape[0] if is_stacked_expert(base) else 0
-            return [(f"{PEFT_PREFIX}{hf.rsplit('.', 1)[0]}{suffix}.weight", row)
-                    for hf, row in names.to_hf(base_param, rows)]
+            return [
+                (f"{PEFT_PREFIX}{hf.rsplit('.', 1)[0]}{suffix}.weight", row)
+                for hf, row in names.to_hf(base_param, rows)
+            ]
     rows = shape[0] if is_stacked_expert(param_name) else 0
     return [(PEFT_PREFIX + hf, row) for hf, row in names.to_hf(param_name, rows)]
 
@@ -53,18 +56,32 @@ def adapter_parameters(model) -> list:
 def peft_config_dict(cfg: LoraConfig, base_model_name_or_path=None) -> dict:
     targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(cfg.target_modules)
     return {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "revision": None, "inference_mode": True, "r": cfg.r, "lora_alpha": cfg.alpha,
-        "lora_dropout": cfg.dropout, "use_rslora": cfg.rslora, "target_modules": targets,
-        "modules_to_save": list(cfg.modules_to_save) or None, "exclude_modules": None, "target_parameters": None,
-        "bias": "none", "lora_bias": False, "fan_in_fan_out": False, "use_dora": False,
-        "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
-        "rank_pattern": {}, "alpha_pattern": {},
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "revision": None,
+        "inference_mode": True,
+        "r": cfg.r,
+        "lora_alpha": cfg.alpha,
+        "lora_dropout": cfg.dropout,
+        "use_rslora": cfg.rslora,
+        "target_modules": targets,
+        "modules_to_save": list(cfg.modules_to_save) or None,
+        "exclude_modules": None,
+        "target_parameters": None,
+        "bias": "none",
+        "lora_bias": False,
+        "fan_in_fan_out": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
     }
 
 
-def save_adapter(model, out_dir, cfg: LoraConfig, model_type: str = "glm4_moe",
-                 base_model_name_or_path=None) -> Path:
+def save_adapter(model, out_dir, cfg: LoraConfig, model_type: str = "glm4_moe", base_model_name_or_path=None) -> Path:
     """Write the model's adapters (and modules_to_save) into ``out_dir`` in PEFT format."""
     names = NameMap(model_type)
     tensors = {}
@@ -77,8 +94,9 @@ def save_adapter(model, out_dir, cfg: LoraConfig, model_type: str = "glm4_moe",
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    (out / ADAPTER_CONFIG).write_text(json.dumps(peft_config_dict(cfg, base_model_name_or_path), indent=2) + "\n",
-                                      encoding="utf-8")
+    (out / ADAPTER_CONFIG).write_text(
+        json.dumps(peft_config_dict(cfg, base_model_name_or_path), indent=2) + "\n", encoding="utf-8"
+    )
     return out
 
 
@@ -93,16 +111,30 @@ def read_adapter_config(adapter_dir) -> LoraConfig:
         raise AdapterError(f"{path}: not valid JSON ({err})") from None
     if peft.get("peft_type") != "LORA":
         raise AdapterError(f"{path}: peft_type={peft.get('peft_type')!r}; only LORA adapters are supported")
-    unsupported = {"use_dora": False, "fan_in_fan_out": False, "lora_bias": False, "bias": "none",
-                   "layers_to_transform": None, "target_parameters": None, "exclude_modules": None,
-                   "rank_pattern": {}, "alpha_pattern": {}}
+    unsupported = {
+        "use_dora": False,
+        "fan_in_fan_out": False,
+        "lora_bias": False,
+        "bias": "none",
+        "layers_to_transform": None,
+        "target_parameters": None,
+        "exclude_modules": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
     for key, plain in unsupported.items():
         if peft.get(key, plain) not in (plain, None, [], {}):
             raise AdapterError(f"{path}: {key}={peft[key]!r} is not supported (needs {plain!r})")
     try:
-        return LoraConfig(enabled=True, r=int(peft["r"]), alpha=float(peft["lora_alpha"]),
-                          dropout=float(peft.get("lora_dropout") or 0.0), rslora=bool(peft.get("use_rslora")),
-                          target_modules=peft["target_modules"], modules_to_save=list(peft.get("modules_to_save") or []))
+        return LoraConfig(
+            enabled=True,
+            r=int(peft["r"]),
+            alpha=float(peft["lora_alpha"]),
+            dropout=float(peft.get("lora_dropout") or 0.0),
+            rslora=bool(peft.get("use_rslora")),
+            target_modules=peft["target_modules"],
+            modules_to_save=list(peft.get("modules_to_save") or []),
+        )
     except KeyError as err:
         raise AdapterError(f"{path}: missing {err}") from None
 
@@ -130,8 +162,10 @@ def load_adapter(model, adapter_dir, model_type: str = "glm4_moe") -> None:
                 array[() if row is None else row] = stored[key]
                 used.add(key)
         updates.append((param, array))
-    problems += [f"unexpected {key} (no such adapter in the model: other target_modules or base model?)"
-                 for key in sorted(set(stored) - used)]
+    problems += [
+        f"unexpected {key} (no such adapter in the model: other target_modules or base model?)"
+        for key in sorted(set(stored) - used)
+    ]
     if problems:
         raise AdapterError(f"{path} does not fit the model:\n  " + "\n  ".join(problems[:20]))
     for param, array in updates:
@@ -147,5 +181,14 @@ def merge_adapters(model, adapter_dir, model_type: str = "glm4_moe", seed: int =
     return merge_and_unload(model)
 
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "AdapterError", "load_adapter",
-           "merge_adapters", "peft_config_dict", "peft_tensor_names", "read_adapter_config", "save_adapter"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "ADAPTER_WEIGHTS",
+    "AdapterError",
+    "load_adapter",
+    "merge_adapters",
+    "peft_config_dict",
+    "peft_tensor_names",
+    "read_adapter_config",
+    "save_adapter",
+]

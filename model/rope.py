@@ -6,33 +6,35 @@
 through, as in HF ``glm4_moe.apply_rotary_pos_emb``. The scaling types and their
 frequencies are in :mod:`model.rope_scaling`.
 """
+
+import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
-import mindspore as ms
 
-from model.rope_scaling import (default_inv_freq, original_max_position, rope_scaling_config,
-                                scaled_inv_freq)
+from mindmoe.model.rope_scaling import default_inv_freq, original_max_position, rope_scaling_config, scaled_inv_freq
 
 __all__ = ["RotaryEmbedding", "apply_rope", "default_inv_freq", "rope_tables"]
 
 
-def rope_tables(inv_freq: np.ndarray, max_positions: int, interleaved: bool,
-                attention_factor: float = 1.0):
+def rope_tables(inv_freq: np.ndarray, max_positions: int, interleaved: bool, attention_factor: float = 1.0):
     """cos/sin tables ``[max_positions, rotary_dim]`` laid out for :func:`apply_rope`."""
     angles = np.outer(np.arange(max_positions, dtype=np.float64), inv_freq)
     if interleaved:
         angles = np.repeat(angles, 2, axis=-1)
     else:
         angles = np.concatenate([angles, angles], axis=-1)
-    return (Tensor((np.cos(angles) * attention_factor).astype(np.float32)),
-            Tensor((np.sin(angles) * attention_factor).astype(np.float32)))
+    return (
+        Tensor((np.cos(angles) * attention_factor).astype(np.float32)),
+        Tensor((np.sin(angles) * attention_factor).astype(np.float32)),
+    )
 
 
 class RotaryEmbedding(nn.Cell):
     """``construct(positions_S int32) -> (cos [S, rotary_dim], sin [S, rotary_dim])`` fp32 for :func:`apply_rope`.
 
     Static types (none, linear, ntk, yarn) gather rows of tables precomputed in float64 for
-    ``max_positions`` positions (so positions must stay below it). ``dynamic_ntk`` computes the frequencies in the graph from
+    ``max_positions`` positions (so positions must stay below it). ``dynamic_ntk`` computes the frequencies
+    in the graph from
     ``L = max(positions) + 1`` (HF ``dynamic_rope_update``), so one compiled graph, or an exported
     MindIR with dynamic shapes, follows the length of every input instead of a length baked in here.
     """

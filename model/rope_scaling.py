@@ -16,6 +16,7 @@ yarn           per-frequency ramp between ``theta_i`` and ``theta_i / factor``; 
                cos and sin are multiplied by ``attention_factor``
 =============  =====================================================================  ==========
 """
+
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -52,8 +53,9 @@ def rope_scaling_config(value) -> RopeScalingConfig:
     if isinstance(value, RopeScalingConfig):
         return value
     if not isinstance(value, Mapping):
-        raise ValueError(f"model.rope_scaling={value!r}: must be a mapping of "
-                         f"{[f.name for f in fields(RopeScalingConfig)]}")
+        raise ValueError(
+            f"model.rope_scaling={value!r}: must be a mapping of {[f.name for f in fields(RopeScalingConfig)]}"
+        )
     known = {f.name for f in fields(RopeScalingConfig)}
     for key in value:
         if key not in known:
@@ -82,17 +84,20 @@ def validate_rope_scaling(cfg, max_position_embeddings: int, rotary_dim: int = 0
     if cfg.factor < 1.0:
         fail("factor", "must be >= 1 (it extends the context; 1 = no scaling)")
     if cfg.type == "none" and cfg.factor != 1.0:
-        fail("factor", "has no effect with model.rope_scaling.type='none'; choose a scaling type "
-                       "or leave factor at 1.0")
+        fail(
+            "factor", "has no effect with model.rope_scaling.type='none'; choose a scaling type or leave factor at 1.0"
+        )
     if cfg.original_max_position < 0:
         fail("original_max_position", "must be >= 0 (0 = model.max_position_embeddings)")
     if cfg.original_max_position and cfg.type not in ("dynamic_ntk", "yarn"):
-        fail("original_max_position", f"is only used by dynamic_ntk and yarn; leave it at 0 for "
-                                       f"type {cfg.type!r}")
+        fail("original_max_position", f"is only used by dynamic_ntk and yarn; leave it at 0 for type {cfg.type!r}")
     if cfg.type == "yarn" and cfg.original_max_position > max_position_embeddings:
-        fail("original_max_position", f"exceeds model.max_position_embeddings={max_position_embeddings}; "
-                                       "yarn's tables cover max_position_embeddings, the extended context, "
-                                       "so the original context must not be longer")
+        fail(
+            "original_max_position",
+            f"exceeds model.max_position_embeddings={max_position_embeddings}; "
+            "yarn's tables cover max_position_embeddings, the extended context, "
+            "so the original context must not be longer",
+        )
     if cfg.type != "yarn":
         for key, default in YARN_ONLY_DEFAULTS.items():
             if getattr(cfg, key) != default:
@@ -101,13 +106,19 @@ def validate_rope_scaling(cfg, max_position_embeddings: int, rotary_dim: int = 0
         if cfg.beta_slow <= 0:
             fail("beta_slow", "must be > 0 (a number of rotations over the original context)")
         if cfg.beta_fast <= cfg.beta_slow:
-            fail("beta_fast", f"must be greater than model.rope_scaling.beta_slow={cfg.beta_slow} "
-                              "(YaRN defaults: beta_fast 32, beta_slow 1)")
+            fail(
+                "beta_fast",
+                f"must be greater than model.rope_scaling.beta_slow={cfg.beta_slow} "
+                "(YaRN defaults: beta_fast 32, beta_slow 1)",
+            )
         if cfg.attention_factor < 0:
             fail("attention_factor", "must be > 0, or 0 for the YaRN default 0.1*ln(factor)+1")
     if cfg.type in ("ntk", "dynamic_ntk") and 0 < rotary_dim <= 2:
-        fail("type", f"needs a rotary dim > 2 (the base exponent is d/(d-2)); the model rotates "
-                     f"{rotary_dim} channels per head (head_dim * model.partial_rotary_factor)")
+        fail(
+            "type",
+            f"needs a rotary dim > 2 (the base exponent is d/(d-2)); the model rotates "
+            f"{rotary_dim} channels per head (head_dim * model.partial_rotary_factor)",
+        )
 
 
 def default_inv_freq(rotary_dim: int, base: float) -> np.ndarray:
@@ -137,8 +148,7 @@ def dynamic_ntk_alpha(factor: float, seq_len: int, original: int) -> float:
     return factor * seq_len / original - (factor - 1.0)
 
 
-def dynamic_ntk_inv_freq(rotary_dim: int, base: float, factor: float, seq_len: int,
-                         original: int) -> np.ndarray:
+def dynamic_ntk_inv_freq(rotary_dim: int, base: float, factor: float, seq_len: int, original: int) -> np.ndarray:
     """The frequencies dynamic NTK uses for a sequence of ``seq_len`` positions."""
     alpha = dynamic_ntk_alpha(factor, seq_len, original)
     return default_inv_freq(rotary_dim, ntk_base(rotary_dim, base, alpha))
@@ -149,13 +159,13 @@ def yarn_attention_factor(factor: float) -> float:
     return 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
 
 
-def yarn_correction_range(rotary_dim: int, base: float, original: int, beta_fast: float,
-                          beta_slow: float) -> tuple:
+def yarn_correction_range(rotary_dim: int, base: float, original: int, beta_fast: float, beta_slow: float) -> tuple:
     """Frequency indices (low, high) between which YaRN ramps from extrapolation to interpolation.
 
     Index of the frequency that turns ``num_rotations`` times over ``original`` positions, floored
     and ceiled (HF 4.57.1 ``truncate=True``, the default) and clipped to [0, d-1].
     """
+
     def correction_dim(num_rotations):
         return rotary_dim * math.log(original / (num_rotations * 2 * math.pi)) / (2 * math.log(base))
 
@@ -164,8 +174,9 @@ def yarn_correction_range(rotary_dim: int, base: float, original: int, beta_fast
     return max(low, 0), min(high, rotary_dim - 1)
 
 
-def yarn_extrapolation_weight(rotary_dim: int, base: float, original: int, beta_fast: float,
-                              beta_slow: float) -> np.ndarray:
+def yarn_extrapolation_weight(
+    rotary_dim: int, base: float, original: int, beta_fast: float, beta_slow: float
+) -> np.ndarray:
     """Per frequency: 1 keeps ``theta_i`` (fast, high frequencies), 0 takes ``theta_i / factor``."""
     low, high = yarn_correction_range(rotary_dim, base, original, beta_fast, beta_slow)
     if low == high:
@@ -174,8 +185,9 @@ def yarn_extrapolation_weight(rotary_dim: int, base: float, original: int, beta_
     return 1.0 - ramp
 
 
-def yarn_inv_freq(rotary_dim: int, base: float, factor: float, original: int, beta_fast: float,
-                  beta_slow: float) -> np.ndarray:
+def yarn_inv_freq(
+    rotary_dim: int, base: float, factor: float, original: int, beta_fast: float, beta_slow: float
+) -> np.ndarray:
     """YaRN ("NTK-by-parts") frequencies, HF 4.57.1 ``_compute_yarn_parameters``."""
     extrapolated = default_inv_freq(rotary_dim, base)
     interpolated = extrapolated / factor
@@ -183,8 +195,7 @@ def yarn_inv_freq(rotary_dim: int, base: float, factor: float, original: int, be
     return interpolated * (1.0 - weight) + extrapolated * weight
 
 
-def scaled_inv_freq(cfg, rotary_dim: int, base: float, max_position_embeddings: int,
-                    seq_len: int = 0) -> tuple:
+def scaled_inv_freq(cfg, rotary_dim: int, base: float, max_position_embeddings: int, seq_len: int = 0) -> tuple:
     """``(inv_freq [d/2] float64, attention_factor)`` for any type, like HF's ``ROPE_INIT_FUNCTIONS``.
 
     ``seq_len`` is the current length for dynamic_ntk (0 = L_orig, i.e. plain RoPE); static types ignore it.
@@ -201,6 +212,5 @@ def scaled_inv_freq(cfg, rotary_dim: int, base: float, max_position_embeddings: 
         return dynamic_ntk_inv_freq(rotary_dim, base, cfg.factor, seq_len, original), 1.0
     if cfg.type == "yarn":
         attention_factor = cfg.attention_factor or yarn_attention_factor(cfg.factor)
-        return yarn_inv_freq(rotary_dim, base, cfg.factor, original, cfg.beta_fast, cfg.beta_slow), \
-            attention_factor
+        return yarn_inv_freq(rotary_dim, base, cfg.factor, original, cfg.beta_fast, cfg.beta_slow), attention_factor
     raise ValueError(f"model.rope_scaling.type={cfg.type!r}: must be one of {ROPE_SCALING_TYPES}")

@@ -17,19 +17,20 @@ Parameter names are the checkpoint format (see README "Checkpoint format"):
     norm.weight                                          [H]
     lm_head.weight                                       [V, H] unless tie_word_embeddings
 """
+
 import functools
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, lazy_inline, nn, ops
-import mindspore as ms
 
-from model.attention import Attention, causal_chunks, document_causal_mask
-from model.config import ModelConfig, validate_model_config
-from model.linear import normal_init
-from model.mlp import SwiGLU
-from model.moe.layer import ROUTING_STATS, LAYER_STATS, MoELayer
-from model.norm import RMSNorm
-from model.rope import RotaryEmbedding
+from mindmoe.model.attention import Attention, causal_chunks, document_causal_mask
+from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.linear import normal_init
+from mindmoe.model.mlp import SwiGLU
+from mindmoe.model.moe.layer import LAYER_STATS, ROUTING_STATS, MoELayer
+from mindmoe.model.norm import RMSNorm
+from mindmoe.model.rope import RotaryEmbedding
 
 
 class Embedding(nn.Cell):
@@ -65,8 +66,7 @@ class MoEDecoderLayer(DecoderLayer):
 
     def construct(self, x_BSH, cos, sin, mask, doc_ids_BS):
         x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask)
-        ffn_BSH, aux, router_z, routing_stats, layer_stats = self.mlp(self.post_attention_layernorm(x_BSH),
-                                                                      doc_ids_BS)
+        ffn_BSH, aux, router_z, routing_stats, layer_stats = self.mlp(self.post_attention_layernorm(x_BSH), doc_ids_BS)
         return x_BSH + ffn_BSH, aux, router_z, routing_stats, layer_stats
 
 
@@ -119,8 +119,9 @@ class MoETransformer(nn.Cell):
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if not cfg.tie_word_embeddings:
             self.lm_head = Embedding(cfg.vocab_size, cfg.hidden_size, std, rng)
-        self.rotary_emb = RotaryEmbedding(cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings,
-                                          cfg.rope_scaling, cfg.rope_interleaved)
+        self.rotary_emb = RotaryEmbedding(
+            cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling, cfg.rope_interleaved
+        )
         self.logits_matmul = ops.MatMul(transpose_b=True)
 
     def construct(self, input_ids_BS, doc_ids_BS):
@@ -150,7 +151,17 @@ class MoETransformer(nn.Cell):
         logits_BSV = logits.reshape(batch, seq_len, -1)
         if not aux_losses:
             zero = ops.zeros((), ms.float32)
-            return (logits_BSV, zero, zero, ops.zeros((0, len(ROUTING_STATS), self.config.num_experts), ms.float32),
-                    ops.zeros((0, len(LAYER_STATS)), ms.float32))
-        return (logits_BSV, ops.stack(aux_losses).sum(), ops.stack(z_losses).sum(),
-                ops.stack(routing_stats), ops.stack(layer_stats))
+            return (
+                logits_BSV,
+                zero,
+                zero,
+                ops.zeros((0, len(ROUTING_STATS), self.config.num_experts), ms.float32),
+                ops.zeros((0, len(LAYER_STATS)), ms.float32),
+            )
+        return (
+            logits_BSV,
+            ops.stack(aux_losses).sum(),
+            ops.stack(z_losses).sum(),
+            ops.stack(routing_stats),
+            ops.stack(layer_stats),
+        )

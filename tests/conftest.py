@@ -1,4 +1,5 @@
 """Shared test setup: every MindSpore test runs in GRAPH_MODE on CPU (the production mode)."""
+
 import mindspore as ms
 import pytest
 

@@ -10,6 +10,7 @@ complete, so a crash while saving leaves the previous checkpoints untouched and 
 half-written one under a ``step_*`` name. ``state.json`` records the sha256 of the other files,
 so a checkpoint truncated or altered afterwards is detected before it is loaded.
 """
+
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from pathlib import Path
 from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
 
-from data.prepare import file_sha256
+from mindmoe.data.prepare import file_sha256
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 MODEL_FILE = "model.safetensors"
@@ -42,9 +43,11 @@ def load_parameters(params, tensors: dict, source: str) -> None:
     by_name = {p.name: p for p in params}
     missing = sorted(set(by_name) - set(tensors))
     unexpected = sorted(set(tensors) - set(by_name))
-    wrong_shape = [f"{name}: checkpoint {tuple(tensors[name].shape)} vs model {tuple(by_name[name].shape)}"
-                   for name in sorted(set(by_name) & set(tensors))
-                   if tuple(tensors[name].shape) != tuple(by_name[name].shape)]
+    wrong_shape = [
+        f"{name}: checkpoint {tuple(tensors[name].shape)} vs model {tuple(by_name[name].shape)}"
+        for name in sorted(set(by_name) & set(tensors))
+        if tuple(tensors[name].shape) != tuple(by_name[name].shape)
+    ]
     if missing or unexpected or wrong_shape:
         lines = [f"{source} does not match the model:"]
         lines += [f"  missing: {name}" for name in missing]
@@ -56,8 +59,9 @@ def load_parameters(params, tensors: dict, source: str) -> None:
         param.set_data(Tensor(array, dtype=param.dtype))
 
 
-def save_checkpoint(checkpoint_root: Path, step: int, model_params, optimizer_params, state: dict,
-                    keep_last: int, write_extra=None) -> Path:
+def save_checkpoint(
+    checkpoint_root: Path, step: int, model_params, optimizer_params, state: dict, keep_last: int, write_extra=None
+) -> Path:
     """Write ``step_{step:06d}`` under ``checkpoint_root`` atomically and prune to ``keep_last``.
 
     ``write_extra(directory) -> [relative file names]`` adds files (hashed like the others), e.g. a
@@ -116,8 +120,11 @@ def list_checkpoints(checkpoint_root: Path) -> list:
     """Complete checkpoints under ``checkpoint_root``, oldest first."""
     if not checkpoint_root.is_dir():
         return []
-    found = [path for path in checkpoint_root.iterdir()
-             if path.is_dir() and STEP_DIR.match(path.name) and (path / STATE_FILE).is_file()]
+    found = [
+        path
+        for path in checkpoint_root.iterdir()
+        if path.is_dir() and STEP_DIR.match(path.name) and (path / STATE_FILE).is_file()
+    ]
     return sorted(found, key=lambda path: int(STEP_DIR.match(path.name).group(1)))
 
 
@@ -127,8 +134,10 @@ def resolve_checkpoint(path: str) -> Path:
     if candidate.is_file() and candidate.name == MODEL_FILE:
         candidate = candidate.parent
     if not (candidate / MODEL_FILE).is_file():
-        raise FileNotFoundError(f"checkpoint {path}: no {MODEL_FILE} found (expected a checkpoint directory "
-                                f"such as <run dir>/checkpoints/step_000300)")
+        raise FileNotFoundError(
+            f"checkpoint {path}: no {MODEL_FILE} found (expected a checkpoint directory "
+            f"such as <run dir>/checkpoints/step_000300)"
+        )
     return candidate
 
 
@@ -142,5 +151,6 @@ def load_model_weights(model_params, checkpoint_dir: Path) -> None:
 
 
 def load_optimizer_state(optimizer_params, checkpoint_dir: Path) -> None:
-    load_parameters(optimizer_params, load_file(str(checkpoint_dir / OPTIMIZER_FILE)),
-                    str(checkpoint_dir / OPTIMIZER_FILE))
+    load_parameters(
+        optimizer_params, load_file(str(checkpoint_dir / OPTIMIZER_FILE)), str(checkpoint_dir / OPTIMIZER_FILE)
+    )

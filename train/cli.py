@@ -1,4 +1,5 @@
 """``mindmoe-train``: the Hydra entry point (overrides like ``train.max_steps=40``)."""
+
 import os
 import sys
 from pathlib import Path
@@ -6,16 +7,17 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from conf.schema import register_configs
+from mindmoe.conf.schema import register_configs
 
 register_configs()
 
 
-@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
 def _main(cfg) -> None:
-    from train.init_model import explicit_model_keys
-    from train.loop import run
-    from train.resume import TrainingStopped
+    from mindmoe.train.init_model import explicit_model_keys
+    from mindmoe.train.loop import run
+    from mindmoe.train.resume import TrainingStopped
+
     hydra_cfg = HydraConfig.get()
     try:
         run(cfg, Path(hydra_cfg.runtime.output_dir), explicit_model_keys(hydra_cfg.overrides.task))
@@ -29,7 +31,8 @@ def _main(cfg) -> None:
 
 def main() -> None:
     if os.environ.get("MS_ROLE") == "MS_WORKER":
-        from launch.msrun import WORKER_BANNER
+        from mindmoe.launch.msrun import WORKER_BANNER
+
         # mindmoe-launch maps the pid msrun reports for a failed worker to this rank's log.
         print(WORKER_BANNER.format(rank=os.environ.get("RANK_ID", "?"), pid=os.getpid()), flush=True)
     _main()

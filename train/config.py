@@ -1,4 +1,5 @@
 """Training section of the run config (``train.*`` keys)."""
+
 from dataclasses import dataclass, field
 from typing import List
 

@@ -13,6 +13,7 @@ for ``nn.TrainOneStepCell``: without the reducer the ranks would silently diverg
 that steer the next step (router load counts, the loss that decides whether a step is skipped)
 are reduced too, so all ranks take identical decisions.
 """
+
 import logging
 import os
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from train.step import global_squared_norm
+from mindmoe.train.step import global_squared_norm
 
 log = logging.getLogger("mindmoe.train")
 
@@ -29,14 +30,22 @@ log = logging.getLogger("mindmoe.train")
 @dataclass(frozen=True)
 class Layout:
     """How ``world_size`` processes are used, and the gradient accumulation it implies."""
+
     world_size: int
     dp: int
     ep: int
     accumulation: int
 
 
-def resolve_layout(world_size: int, dp: int, ep: int, num_experts: int, global_batch_size: int,
-                   micro_batch_size: int, has_moe_layers: bool = True) -> Layout:
+def resolve_layout(
+    world_size: int,
+    dp: int,
+    ep: int,
+    num_experts: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    has_moe_layers: bool = True,
+) -> Layout:
     """Check that ``world_size`` processes divide as configured; errors name the keys to change.
 
     ``dp = 0`` means ``world_size / ep``. Used by ``mindmoe-launch`` before any worker starts and
@@ -52,19 +61,26 @@ def resolve_layout(world_size: int, dp: int, ep: int, num_experts: int, global_b
         if num_experts % ep:
             raise ValueError(f"parallel.ep={ep} must divide model.num_experts={num_experts}")
         if world_size % ep:
-            raise ValueError(f"parallel.ep={ep} must divide the number of processes {world_size} "
-                             "(launch.nodes x launch.procs_per_node)")
+            raise ValueError(
+                f"parallel.ep={ep} must divide the number of processes {world_size} "
+                "(launch.nodes x launch.procs_per_node)"
+            )
     resolved_dp = dp or world_size // ep
     if resolved_dp * ep != world_size:
-        raise ValueError(f"parallel.dp={dp} x parallel.ep={ep} = {resolved_dp * ep} processes, but {world_size} "
-                         f"{'are' if world_size > 1 else 'is'} started (launch.nodes x launch.procs_per_node); "
-                         "set parallel.dp=0 to use them all")
+        raise ValueError(
+            f"parallel.dp={dp} x parallel.ep={ep} = {resolved_dp * ep} processes, but {world_size} "
+            f"{'are' if world_size > 1 else 'is'} started (launch.nodes x launch.procs_per_node); "
+            "set parallel.dp=0 to use them all"
+        )
     if micro_batch_size < 1 or global_batch_size % (micro_batch_size * resolved_dp):
-        raise ValueError(f"data.global_batch_size={global_batch_size} must be a positive multiple of "
-                         f"data.micro_batch_size={micro_batch_size} x data-parallel size {resolved_dp} "
-                         f"(= {micro_batch_size * resolved_dp})")
-    return Layout(world_size=world_size, dp=resolved_dp, ep=ep,
-                  accumulation=global_batch_size // (micro_batch_size * resolved_dp))
+        raise ValueError(
+            f"data.global_batch_size={global_batch_size} must be a positive multiple of "
+            f"data.micro_batch_size={micro_batch_size} x data-parallel size {resolved_dp} "
+            f"(= {micro_batch_size * resolved_dp})"
+        )
+    return Layout(
+        world_size=world_size, dp=resolved_dp, ep=ep, accumulation=global_batch_size // (micro_batch_size * resolved_dp)
+    )
 
 
 def launched_by_msrun() -> bool:
@@ -109,12 +125,14 @@ class Distributed:
         """Split every MoE layer's experts over the expert group (``parallel.ep > 1``); call it
         before the optimizer is built, so AdamW's moments have the local shapes."""
         if self.ep > 1:
-            from train.expert_parallel import parallelize_experts
+            from mindmoe.train.expert_parallel import parallelize_experts
+
             self.sharded = parallelize_experts(model, self.rank_in_group, self.ep, self.ep_group)
 
     def checkpoint_views(self, params) -> list:
         """``params`` as checkpoints see them: expert tensors (and their moments) at full size."""
-        from train.expert_parallel import sharded_views
+        from mindmoe.train.expert_parallel import sharded_views
+
         return sharded_views(params, self.sharded, self.rank_in_group, self.ep, self.ep_group)
 
     def grad_reducer(self, params):
@@ -127,23 +145,27 @@ class Distributed:
         those ``dp`` ranks only.
         """
         if not self.active:
+
             def synchronise(grads, loss):
                 return grads, loss
+
             return synchronise
         params = list(params)
         expert_idx = [i for i, p in enumerate(params) if p.name in self.sharded]
         dense_idx = [i for i, p in enumerate(params) if p.name not in self.sharded]
-        dense_reducer = nn.DistributedGradReducer([params[i] for i in dense_idx], mean=True,
-                                                  degree=self.world_size)
+        dense_reducer = nn.DistributedGradReducer([params[i] for i in dense_idx], mean=True, degree=self.world_size)
         expert_reducer = None
         if expert_idx and self.dp > 1:
-            expert_reducer = nn.DistributedGradReducer([params[i] for i in expert_idx], mean=True,
-                                                       degree=self.dp, group=self.expert_dp_group)
+            expert_reducer = nn.DistributedGradReducer(
+                [params[i] for i in expert_idx], mean=True, degree=self.dp, group=self.expert_dp_group
+            )
         loss_all_reduce = ops.AllReduce()
         inv_world = 1.0 / self.world_size
         if not expert_idx:
+
             def synchronise(grads, loss):
                 return dense_reducer(grads), loss_all_reduce(loss) * inv_world
+
             return synchronise
         order = [0] * len(params)
         for position, index in enumerate(dense_idx + expert_idx):
@@ -156,6 +178,7 @@ class Distributed:
                 experts = expert_reducer(experts)
             merged = dense + experts
             return tuple(merged[i] for i in order), loss_all_reduce(loss) * inv_world
+
         return synchronise
 
     def squared_grad_norm(self, params):
@@ -174,6 +197,7 @@ class Distributed:
             dense = global_squared_norm(tuple(grads[i] for i in dense_idx))
             experts = global_squared_norm(tuple(grads[i] for i in expert_idx))
             return dense + group_all_reduce(experts)
+
         return squared_norm
 
     @property
@@ -195,30 +219,44 @@ class Distributed:
         return self._all_reduce_sum(Tensor(values)).asnumpy()
 
 
-def init_distributed(parallel, num_experts: int, global_batch_size: int, micro_batch_size: int,
-                     has_moe_layers: bool) -> Distributed:
+def init_distributed(
+    parallel, num_experts: int, global_batch_size: int, micro_batch_size: int, has_moe_layers: bool
+) -> Distributed:
     """Join the msrun cluster if this process was started by it, else the one-process layout.
 
     In msrun's scheduler process ``init()`` serves the cluster and exits when the workers are done,
     so nothing after it runs there.
     """
     if not launched_by_msrun():
-        layout = resolve_layout(1, parallel.dp, parallel.ep, num_experts, global_batch_size, micro_batch_size,
-                                has_moe_layers)
+        layout = resolve_layout(
+            1, parallel.dp, parallel.ep, num_experts, global_batch_size, micro_batch_size, has_moe_layers
+        )
         return Distributed(0, layout)
     from mindspore.communication import get_group_size, get_rank, init
+
     init()
     world_size, rank = get_group_size(), get_rank()
-    layout = resolve_layout(world_size, parallel.dp, parallel.ep, num_experts, global_batch_size,
-                            micro_batch_size, has_moe_layers)
+    layout = resolve_layout(
+        world_size, parallel.dp, parallel.ep, num_experts, global_batch_size, micro_batch_size, has_moe_layers
+    )
     ep_group, expert_dp_group = _expert_groups(rank, layout)
     ms.reset_auto_parallel_context()
     # Fused all-reduce buckets instead of one all-reduce per parameter (on these CPU machines this
     # roughly halves the step time of two ranks).
-    ms.set_auto_parallel_context(parallel_mode=ms.ParallelMode.DATA_PARALLEL, gradients_mean=True,
-                                 device_num=world_size, comm_fusion={"allreduce": {"mode": "auto", "config": None}})
-    log.info("rank %d of %d (pid %d): data parallel %d, accumulation %d", rank, world_size, os.getpid(),
-             layout.dp, layout.accumulation)
+    ms.set_auto_parallel_context(
+        parallel_mode=ms.ParallelMode.DATA_PARALLEL,
+        gradients_mean=True,
+        device_num=world_size,
+        comm_fusion={"allreduce": {"mode": "auto", "config": None}},
+    )
+    log.info(
+        "rank %d of %d (pid %d): data parallel %d, accumulation %d",
+        rank,
+        world_size,
+        os.getpid(),
+        layout.dp,
+        layout.accumulation,
+    )
     return Distributed(rank, layout, ep_group, expert_dp_group)
 
 
@@ -228,6 +266,7 @@ def _expert_groups(rank: int, layout: Layout):
     if layout.ep == 1:
         return "", ""
     from mindspore.communication import GlobalComm, create_group
+
     if layout.ep == layout.world_size:
         ep_group = GlobalComm.WORLD_COMM_GROUP
     else:

@@ -5,6 +5,7 @@
 Prints the table and writes ``long_context.json`` and ``long_context.md`` into ``eval.out``
 (default: the Hydra run dir). Keys: ``eval.*`` (conf/eval/default.yaml), ``data.valid_files``.
 """
+
 import logging
 import sys
 from pathlib import Path
@@ -12,15 +13,16 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from conf.schema import register_configs
+from mindmoe.conf.schema import register_configs
 
 register_configs()
 
 
-@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
 def _main(cfg) -> None:
-    from train.evaluate import evaluate_checkpoint
-    from train.eval_report import markdown, write_report
+    from mindmoe.train.eval_report import markdown, write_report
+    from mindmoe.train.evaluate import evaluate_checkpoint
+
     try:
         report = evaluate_checkpoint(cfg)
     except (ValueError, FileNotFoundError) as error:

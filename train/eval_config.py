@@ -1,9 +1,10 @@
 """Long-context evaluation section of the run config (``eval.*`` keys, read by ``mindmoe-eval``)."""
+
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from model.config import DISPATCH_MODES
-from model.rope_scaling import ROPE_SCALING_TYPES
+from mindmoe.model.config import DISPATCH_MODES
+from mindmoe.model.rope_scaling import ROPE_SCALING_TYPES
 
 
 @dataclass
@@ -37,6 +38,7 @@ class EvalConfig:
 
 def validate_eval_config(cfg: EvalConfig) -> None:
     """Raise ValueError naming the ``eval.*`` key whose value cannot work."""
+
     def fail(key: str, why: str):
         raise ValueError(f"eval.{key}={getattr(cfg, key)!r}: {why}")
 

@@ -2,6 +2,7 @@
 
 Rows are scaling types, columns context lengths; a cell is ``loss (ppl)`` in nats per scored token.
 """
+
 import json
 import math
 from pathlib import Path
@@ -34,16 +35,21 @@ def best_versus_none(report: dict, key: str = "loss") -> list:
 
 def _comparison(best: str, best_loss: float, none_loss: float) -> str:
     delta = best_loss - none_loss
-    return (f"{best}, loss {best_loss:.3f} vs none {none_loss:.3f}: {delta:+.3f} nats, perplexity "
-            f"×{math.exp(delta):.3f} ({'better' if delta < 0 else 'worse'} than none)")
+    return (
+        f"{best}, loss {best_loss:.3f} vs none {none_loss:.3f}: {delta:+.3f} nats, perplexity "
+        f"×{math.exp(delta):.3f} ({'better' if delta < 0 else 'worse'} than none)"
+    )
 
 
 def _table(report: dict, key: str, lengths: list) -> list:
     types = list(dict.fromkeys(row["scaling"] for row in report["rows"]))
     cells = {(row["scaling"], row["length"]): row[key] for row in report["rows"]}
-    lines = ["| scaling | " + " | ".join(f"L={length} ({_ratio(length, report['trained_length'])})"
-                                         for length in lengths) + " |",
-             "|---|" + "---|" * len(lengths)]
+    lines = [
+        "| scaling | "
+        + " | ".join(f"L={length} ({_ratio(length, report['trained_length'])})" for length in lengths)
+        + " |",
+        "|---|" + "---|" * len(lengths),
+    ]
     for name in types:
         lines.append(f"| {name} | " + " | ".join(_cell(cells.get((name, length))) for length in lengths) + " |")
     return lines
@@ -53,30 +59,52 @@ def markdown(report: dict) -> str:
     trained = report["trained_length"]
     columns = report["columns"]
     lengths = [column["length"] for column in columns]
-    attention = ("attention within each document, as in training" if report["attention"] == "document"
-                 else "attention across documents (each window is one document), so context reaches L")
-    factor = (f"factor = L / {trained} per column" if not report["factor"]
-              else f"factor = {report['factor']:g} for every column")
-    scored = {column["length"]: next(row for row in report["rows"] if row["length"] == column["length"])
-              for column in columns}
-    lines = [f"Checkpoint `{report['checkpoint']}` (step {report['step']}), trained at {trained} tokens; "
-             f"{attention}; {factor} (none: no scaling); MoE dispatch {report['dispatch']}.", "",
-             "Validation loss, nats per scored token (perplexity):", ""]
+    attention = (
+        "attention within each document, as in training"
+        if report["attention"] == "document"
+        else "attention across documents (each window is one document), so context reaches L"
+    )
+    factor = (
+        f"factor = L / {trained} per column"
+        if not report["factor"]
+        else f"factor = {report['factor']:g} for every column"
+    )
+    scored = {
+        column["length"]: next(row for row in report["rows"] if row["length"] == column["length"]) for column in columns
+    }
+    lines = [
+        f"Checkpoint `{report['checkpoint']}` (step {report['step']}), trained at {trained} tokens; "
+        f"{attention}; {factor} (none: no scaling); MoE dispatch {report['dispatch']}.",
+        "",
+        "Validation loss, nats per scored token (perplexity):",
+        "",
+    ]
     lines += _table(report, "loss", lengths)
     lines.append("| *unigram baseline* | " + " | ".join(_cell(column["unigram_loss"]) for column in columns) + " |")
     lines.append("| *scaling factor* | " + " | ".join(f"{column['factor']:g}" for column in columns) + " |")
-    lines.append("| *windows / scored tokens* | " + " | ".join(
-        f"{column['windows']} / {scored[column['length']]['scored_tokens']:,}" for column in columns) + " |")
-    lines += ["", f"Only the scored tokens whose context reaches beyond {trained} positions "
-              f"(input offset >= {trained} in its attention span):", ""]
+    lines.append(
+        "| *windows / scored tokens* | "
+        + " | ".join(f"{column['windows']} / {scored[column['length']]['scored_tokens']:,}" for column in columns)
+        + " |"
+    )
+    lines += [
+        "",
+        f"Only the scored tokens whose context reaches beyond {trained} positions "
+        f"(input offset >= {trained} in its attention span):",
+        "",
+    ]
     lines += _table(report, "loss_beyond", lengths)
     lines.append("| *tokens* | " + " | ".join(f"{scored[length]['beyond_tokens']:,}" for length in lengths) + " |")
     lines.append("")
-    beyond = {length: (best, best_loss, none_loss)
-              for length, best, best_loss, none_loss in best_versus_none(report, "loss_beyond")}
+    beyond = {
+        length: (best, best_loss, none_loss)
+        for length, best, best_loss, none_loss in best_versus_none(report, "loss_beyond")
+    }
     for length, best, best_loss, none_loss in best_versus_none(report):
-        line = (f"At L={length} ({_ratio(length, trained)}) the best scaling type over all scored tokens is "
-                f"{_comparison(best, best_loss, none_loss)}")
+        line = (
+            f"At L={length} ({_ratio(length, trained)}) the best scaling type over all scored tokens is "
+            f"{_comparison(best, best_loss, none_loss)}"
+        )
         if length in beyond:
             line += f"; over the tokens beyond {trained} it is {_comparison(*beyond[length])}"
         lines.append(line + ".")

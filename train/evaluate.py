@@ -22,6 +22,7 @@ tiny model, more than the evaluation itself (15 pairs, 5 types x 3 lengths: 8-13
 grows with ``batch_size * L^2`` (attention): about 1.3 GB per 2 windows of 1024 tokens for the tiny model.
 Graphs are freed after each pair (``ms.ms_memory_recycle``, which drops every compiled graph of the process).
 """
+
 import dataclasses
 import gc
 import logging
@@ -34,14 +35,14 @@ import numpy as np
 from mindspore import Tensor
 from omegaconf import OmegaConf
 
-from data.mindrecord import EvalLoader
-from data.prepare import prepare_data
-from model.config import ModelConfig
-from model.rope_scaling import RopeScalingConfig
-from model.transformer import MoETransformer
-from train.checkpoint import load_model_weights, read_state, resolve_checkpoint, verify_checkpoint
-from train.eval_config import EvalConfig, validate_eval_config
-from train.step import masked_cross_entropy, split_window
+from mindmoe.data.mindrecord import EvalLoader
+from mindmoe.data.prepare import prepare_data
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.rope_scaling import RopeScalingConfig
+from mindmoe.model.transformer import MoETransformer
+from mindmoe.train.checkpoint import load_model_weights, read_state, resolve_checkpoint, verify_checkpoint
+from mindmoe.train.eval_config import EvalConfig, validate_eval_config
+from mindmoe.train.step import masked_cross_entropy, split_window
 
 log = logging.getLogger("mindmoe.eval")
 
@@ -54,9 +55,11 @@ def resolve_trained_length(eval_cfg: EvalConfig, checkpoint_dir: Path) -> int:
         return eval_cfg.trained_length
     run_config = checkpoint_dir.parent.parent / RUN_CONFIG_FILE
     if not run_config.is_file():
-        raise ValueError(f"eval.trained_length=0: {run_config} not found, so the context length checkpoint "
-                         f"{checkpoint_dir} was trained at is unknown; set eval.trained_length=<data.seq_len "
-                         "of its training run>")
+        raise ValueError(
+            f"eval.trained_length=0: {run_config} not found, so the context length checkpoint "
+            f"{checkpoint_dir} was trained at is unknown; set eval.trained_length=<data.seq_len "
+            "of its training run>"
+        )
     return int(OmegaConf.load(run_config).data.seq_len)
 
 
@@ -64,17 +67,23 @@ def column_factor(eval_cfg: EvalConfig, length: int, trained_length: int) -> flo
     return float(eval_cfg.factor) if eval_cfg.factor else max(1.0, length / trained_length)
 
 
-def scaled_model_config(model_cfg: ModelConfig, scaling_type: str, factor: float, trained_length: int,
-                        length: int, dispatch: str) -> ModelConfig:
+def scaled_model_config(
+    model_cfg: ModelConfig, scaling_type: str, factor: float, trained_length: int, length: int, dispatch: str
+) -> ModelConfig:
     """The checkpoint's config with RoPE scaling ``scaling_type`` for windows of ``length`` tokens."""
     if scaling_type == "none":
         scaling = RopeScalingConfig()
     else:
         uses_original = scaling_type in ("dynamic_ntk", "yarn")
-        scaling = RopeScalingConfig(type=scaling_type, factor=factor,
-                                    original_max_position=trained_length if uses_original else 0)
-    return dataclasses.replace(model_cfg, rope_scaling=scaling, dispatch=dispatch,
-                               max_position_embeddings=max(model_cfg.max_position_embeddings, length))
+        scaling = RopeScalingConfig(
+            type=scaling_type, factor=factor, original_max_position=trained_length if uses_original else 0
+        )
+    return dataclasses.replace(
+        model_cfg,
+        rope_scaling=scaling,
+        dispatch=dispatch,
+        max_position_embeddings=max(model_cfg.max_position_embeddings, length),
+    )
 
 
 def context_offsets(doc_ids_BS: np.ndarray, cross_document: bool) -> np.ndarray:
@@ -99,12 +108,14 @@ def length_windows(cfg, tokenizer_path: str, length: int, eval_cfg: EvalConfig):
 
 def nll_function(model):
     """Compiled ``(sum nll, scored tokens, sum nll beyond, tokens beyond)`` of one batch."""
+
     @ms.jit
     def nll_sums(input_ids, doc_ids, labels, loss_mask, beyond_mask):
         logits = model(input_ids, doc_ids)[0]
         _, nll_all, count_all = masked_cross_entropy(logits, labels, loss_mask)
         _, nll_beyond, count_beyond = masked_cross_entropy(logits, labels, loss_mask * beyond_mask)
         return nll_all, count_all, nll_beyond, count_beyond
+
     return nll_sums
 
 
@@ -123,9 +134,14 @@ def evaluate_model(model, batches, trained_length: int, cross_document: bool) ->
     nll, tokens, nll_beyond, tokens_beyond = totals
     loss = nll / tokens if tokens else float("nan")
     loss_beyond = nll_beyond / tokens_beyond if tokens_beyond else None
-    return {"loss": loss, "ppl": math.exp(loss), "scored_tokens": int(tokens),
-            "loss_beyond": loss_beyond, "ppl_beyond": None if loss_beyond is None else math.exp(loss_beyond),
-            "beyond_tokens": int(tokens_beyond)}
+    return {
+        "loss": loss,
+        "ppl": math.exp(loss),
+        "scored_tokens": int(tokens),
+        "loss_beyond": loss_beyond,
+        "ppl_beyond": None if loss_beyond is None else math.exp(loss_beyond),
+        "beyond_tokens": int(tokens_beyond),
+    }
 
 
 def load_checkpoint_config(checkpoint: str):
@@ -140,9 +156,11 @@ def load_checkpoint_config(checkpoint: str):
             raise ValueError(f"checkpoint {checkpoint_dir}: state.json has no {key!r}")
     model_cfg = ModelConfig(**state["model_config"])
     if model_cfg.rope_scaling.type != "none":
-        raise ValueError(f"checkpoint {checkpoint_dir} was trained with model.rope_scaling.type="
-                         f"{model_cfg.rope_scaling.type!r}; mindmoe-eval compares scalings of a model trained "
-                         "with plain RoPE (type none)")
+        raise ValueError(
+            f"checkpoint {checkpoint_dir} was trained with model.rope_scaling.type="
+            f"{model_cfg.rope_scaling.type!r}; mindmoe-eval compares scalings of a model trained "
+            "with plain RoPE (type none)"
+        )
     return checkpoint_dir, state, model_cfg
 
 
@@ -161,15 +179,23 @@ def evaluate_checkpoint(cfg) -> dict:
     for length in eval_cfg.context_lengths:
         batches, prepared, windows = length_windows(cfg, tokenizer_path, length, eval_cfg)
         if prepared.vocab_size > model_cfg.vocab_size:
-            raise ValueError(f"tokenizer {prepared.tokenizer_path} has {prepared.vocab_size} pieces, more than the "
-                             f"checkpoint's model.vocab_size={model_cfg.vocab_size}; pass its own tokenizer")
+            raise ValueError(
+                f"tokenizer {prepared.tokenizer_path} has {prepared.vocab_size} pieces, more than the "
+                f"checkpoint's model.vocab_size={model_cfg.vocab_size}; pass its own tokenizer"
+            )
         factor = column_factor(eval_cfg, length, trained_length)
-        columns.append({"length": length, "factor": factor, "windows": windows,
-                        "unigram_loss": prepared.unigram_val_loss, "data_cache_key": prepared.cache_key})
+        columns.append(
+            {
+                "length": length,
+                "factor": factor,
+                "windows": windows,
+                "unigram_loss": prepared.unigram_val_loss,
+                "data_cache_key": prepared.cache_key,
+            }
+        )
         for scaling_type in eval_cfg.scaling_types:
             started = time.perf_counter()
-            scaled = scaled_model_config(model_cfg, scaling_type, factor, trained_length, length,
-                                         eval_cfg.dispatch)
+            scaled = scaled_model_config(model_cfg, scaling_type, factor, trained_length, length, eval_cfg.dispatch)
             model = MoETransformer(scaled, seed=0)
             load_model_weights(list(model.get_parameters()), checkpoint_dir)
             cell = evaluate_model(model, batches, trained_length, eval_cfg.cross_document)
@@ -178,13 +204,31 @@ def evaluate_checkpoint(cfg) -> dict:
             # A compiled graph keeps its activation memory until recycled (about 2.5 GB for the tiny
             # model at L=1024, batch 4), so without this 15 pairs grew to 20 GB. It frees every graph.
             ms.ms_memory_recycle()
-            cell.update(scaling=scaling_type, length=length, factor=1.0 if scaling_type == "none" else factor,
-                        seconds=round(time.perf_counter() - started, 1))
+            cell.update(
+                scaling=scaling_type,
+                length=length,
+                factor=1.0 if scaling_type == "none" else factor,
+                seconds=round(time.perf_counter() - started, 1),
+            )
             rows.append(cell)
-            log.info("L=%d %s (factor %g): loss %.4f, ppl %.2f, %d scored tokens, %.0f s (incl. compile)",
-                     length, scaling_type, cell["factor"], cell["loss"], cell["ppl"], cell["scored_tokens"],
-                     cell["seconds"])
-    return {"checkpoint": str(checkpoint_dir), "step": state.get("step"), "trained_length": trained_length,
-            "attention": "cross_document" if eval_cfg.cross_document else "document",
-            "dispatch": eval_cfg.dispatch, "factor": eval_cfg.factor, "batch_size": eval_cfg.batch_size,
-            "columns": columns, "rows": rows}
+            log.info(
+                "L=%d %s (factor %g): loss %.4f, ppl %.2f, %d scored tokens, %.0f s (incl. compile)",
+                length,
+                scaling_type,
+                cell["factor"],
+                cell["loss"],
+                cell["ppl"],
+                cell["scored_tokens"],
+                cell["seconds"],
+            )
+    return {
+        "checkpoint": str(checkpoint_dir),
+        "step": state.get("step"),
+        "trained_length": trained_length,
+        "attention": "cross_document" if eval_cfg.cross_document else "document",
+        "dispatch": eval_cfg.dispatch,
+        "factor": eval_cfg.factor,
+        "batch_size": eval_cfg.batch_size,
+        "columns": columns,
+        "rows": rows,
+    }

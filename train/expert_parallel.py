@@ -21,11 +21,12 @@ load, so a run can resume with any ``ep``.
 
 Shape legend: E experts, e = E/ep local experts, C rows per expert, H hidden.
 """
+
+import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
-import mindspore as ms
 
-from model.moe.experts import RoutedExperts
+from mindmoe.model.moe.experts import RoutedExperts
 
 #: Prefixes mindformers' AdamW gives the moments of a parameter.
 MOMENT_PREFIXES = ("adam_m.", "adam_v.")
@@ -49,6 +50,7 @@ class CopyToGroup(nn.Cell):
 def all_gather_supported(group: str) -> bool:
     """MindSpore's CPU AllGather kernel only accepts the world group (AllReduce takes any group)."""
     from mindspore.communication import GlobalComm
+
     return group == GlobalComm.WORLD_COMM_GROUP or ms.get_context("device_target") != "CPU"
 
 
@@ -76,7 +78,7 @@ class GatherFromGroup(nn.Cell):
         return self.all_reduce(ops.pad(y, padding))
 
     def bprop(self, y, out, dout):
-        return (dout[self.first:self.last],)
+        return (dout[self.first : self.last],)
 
 
 class ExpertParallelExperts(nn.Cell):
@@ -97,13 +99,13 @@ class ExpertParallelExperts(nn.Cell):
         self.gather_out = GatherFromGroup(group, rank_in_group, self.num_local, ep)
 
     def _local_rows(self, x_ECH):
-        return self.copy_in(x_ECH)[self.first_expert:self.first_expert + self.num_local]
+        return self.copy_in(x_ECH)[self.first_expert : self.first_expert + self.num_local]
 
     def construct(self, x_ECH):
         return self.gather_out(self.local(self._local_rows(x_ECH)))
 
     def with_weight_grad_scale(self, x_ECH, scale_EC):
-        scale_eC = scale_EC[self.first_expert:self.first_expert + self.num_local]
+        scale_eC = scale_EC[self.first_expert : self.first_expert + self.num_local]
         return self.gather_out(self.local.with_weight_grad_scale(self._local_rows(x_ECH), scale_eC))
 
 
@@ -142,13 +144,13 @@ class ShardedState:
 
     def set_data(self, tensor) -> None:
         full = tensor.asnumpy() if isinstance(tensor, Tensor) else np.asarray(tensor)
-        self.local.set_data(Tensor(full[self.first_row:self.first_row + self.rows], dtype=self.local.dtype))
+        self.local.set_data(Tensor(full[self.first_row : self.first_row + self.rows], dtype=self.local.dtype))
 
 
 def _base_name(name: str) -> str:
     for prefix in MOMENT_PREFIXES:
         if name.startswith(prefix):
-            return name[len(prefix):]
+            return name[len(prefix) :]
     return name
 
 
@@ -165,5 +167,6 @@ def sharded_views(params, sharded: dict, rank_in_group: int, ep: int, group: str
     def gather(local_tensor):
         return gather_cell(local_tensor)
 
-    return [ShardedState(p, sharded[_base_name(p.name)], ep, gather) if _base_name(p.name) in sharded else p
-            for p in params]
+    return [
+        ShardedState(p, sharded[_base_name(p.name)], ep, gather) if _base_name(p.name) in sharded else p for p in params
+    ]

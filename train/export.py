@@ -9,6 +9,7 @@ the tokenizer files, ``manifest.json`` (every input/output, the model config, ve
 ``CONVERT.md`` and the Ascend converter configs (:mod:`train.export_convert`). ``export.format=hf`` writes a
 transformers-loadable directory with :func:`model.hf.export_hf`.
 """
+
 import dataclasses
 import importlib.metadata
 import json
@@ -21,15 +22,15 @@ from typing import Optional
 import mindspore as ms
 from omegaconf import OmegaConf
 
-from data.prepare import file_sha256
-from model.config import ModelConfig, validate_model_config
-from model.export.runner import MANIFEST_FILE
-from model.hf import ImportedConfig, apply_overrides, export_hf, read_pretrained_config
-from model.hf.export import TOKENIZER_FILES
-from model.hf.load import weight_files
-from train.checkpoint import MODEL_FILE, read_state, resolve_checkpoint, verify_checkpoint
-from train.export_config import ExportConfig, validate_export_config
-from train.init_model import explicit_model_keys, model_overrides
+from mindmoe.data.prepare import file_sha256
+from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.export.runner import MANIFEST_FILE
+from mindmoe.model.hf import ImportedConfig, apply_overrides, export_hf, read_pretrained_config
+from mindmoe.model.hf.export import TOKENIZER_FILES
+from mindmoe.model.hf.load import weight_files
+from mindmoe.train.checkpoint import MODEL_FILE, read_state, resolve_checkpoint, verify_checkpoint
+from mindmoe.train.export_config import ExportConfig, validate_export_config
+from mindmoe.train.init_model import explicit_model_keys, model_overrides
 
 log = logging.getLogger("mindmoe.export")
 
@@ -59,17 +60,26 @@ def resolve_source(cfg, model_overrides: dict) -> ExportSource:
     """The export source named by ``checkpoint`` or ``model.pretrained`` (exactly one of them)."""
     checkpoint, pretrained = cfg.checkpoint, cfg.model.pretrained
     if checkpoint and pretrained:
-        raise ValueError(f"checkpoint={checkpoint} and model.pretrained={pretrained} are both set; export reads "
-                         "one model: pass only one of them")
+        raise ValueError(
+            f"checkpoint={checkpoint} and model.pretrained={pretrained} are both set; export reads "
+            "one model: pass only one of them"
+        )
     if not checkpoint and not pretrained:
-        raise ValueError("nothing to export: pass checkpoint=<run dir>/checkpoints/step_NNNNNN (or its "
-                         "model.safetensors) or model.pretrained=<HF checkpoint directory>")
+        raise ValueError(
+            "nothing to export: pass checkpoint=<run dir>/checkpoints/step_NNNNNN (or its "
+            "model.safetensors) or model.pretrained=<HF checkpoint directory>"
+        )
     if pretrained:
         imported = read_pretrained_config(pretrained, model_overrides)
         files = weight_files(pretrained)
-        return ExportSource("pretrained", Path(pretrained).expanduser(), imported.model_config,
-                            Path(pretrained).expanduser(), {path.name: file_sha256(path) for path in files},
-                            notes=list(imported.notes))
+        return ExportSource(
+            "pretrained",
+            Path(pretrained).expanduser(),
+            imported.model_config,
+            Path(pretrained).expanduser(),
+            {path.name: file_sha256(path) for path in files},
+            notes=list(imported.notes),
+        )
     try:
         checkpoint_dir = resolve_checkpoint(checkpoint)
     except FileNotFoundError as error:
@@ -77,20 +87,29 @@ def resolve_source(cfg, model_overrides: dict) -> ExportSource:
     verify_checkpoint(checkpoint_dir)
     state = read_state(checkpoint_dir)
     if (checkpoint_dir / "adapter").is_dir():
-        raise ValueError(f"checkpoint={checkpoint}: a LoRA checkpoint holds only adapters; export its base with "
-                         f"model.pretrained=<base> (or checkpoint=<base checkpoint>) and "
-                         f"export.adapter={checkpoint_dir / 'adapter'}")
+        raise ValueError(
+            f"checkpoint={checkpoint}: a LoRA checkpoint holds only adapters; export its base with "
+            f"model.pretrained=<base> (or checkpoint=<base checkpoint>) and "
+            f"export.adapter={checkpoint_dir / 'adapter'}"
+        )
     if "model_config" not in state:
         raise ValueError(f"checkpoint={checkpoint}: {checkpoint_dir}/state.json has no 'model_config'")
     model_cfg = ModelConfig(**state["model_config"])
     if model_overrides:
         # The same rule as for HF imports: routing/runtime keys may change, the architecture may not.
-        model_cfg = apply_overrides(ImportedConfig("mindmoe checkpoint", model_cfg), model_overrides,
-                                    str(checkpoint_dir / "state.json"))
+        model_cfg = apply_overrides(
+            ImportedConfig("mindmoe checkpoint", model_cfg), model_overrides, str(checkpoint_dir / "state.json")
+        )
     # data.tokenizer replaces the recorded path, e.g. for a checkpoint copied from another machine.
     tokenizer = cfg.data.tokenizer or state.get("tokenizer")
-    return ExportSource("checkpoint", checkpoint_dir, model_cfg, Path(tokenizer).expanduser() if tokenizer else None,
-                        {MODEL_FILE: state["files"][MODEL_FILE]}, step=state.get("step"))
+    return ExportSource(
+        "checkpoint",
+        checkpoint_dir,
+        model_cfg,
+        Path(tokenizer).expanduser() if tokenizer else None,
+        {MODEL_FILE: state["files"][MODEL_FILE]},
+        step=state.get("step"),
+    )
 
 
 def merge_adapters(model, adapter_dir: Optional[str] = None, model_type: str = "glm4_moe"):
@@ -103,7 +122,7 @@ def merge_adapters(model, adapter_dir: Optional[str] = None, model_type: str = "
     """
     if adapter_dir is None:
         return model
-    from model.peft_adapter import merge_adapters as merge_peft_adapter
+    from mindmoe.model.peft_adapter import merge_adapters as merge_peft_adapter
 
     return merge_peft_adapter(model, Path(adapter_dir).expanduser(), model_type)
 
@@ -114,12 +133,14 @@ def _adapter_of(cfg, source: "ExportSource"):
     model_type = read_pretrained_config(source.path).model_type if source.kind == "pretrained" else "glm4_moe"
     if not export_cfg.adapter:
         return None, model_type
-    from model.peft_adapter import ADAPTER_WEIGHTS
+    from mindmoe.model.peft_adapter import ADAPTER_WEIGHTS
 
     adapter = Path(export_cfg.adapter).expanduser()
     if not (adapter / ADAPTER_WEIGHTS).is_file():
-        raise FileNotFoundError(f"export.adapter={export_cfg.adapter}: no {ADAPTER_WEIGHTS} (expected a PEFT "
-                                "adapter directory such as <run dir>/checkpoints/step_000150/adapter)")
+        raise FileNotFoundError(
+            f"export.adapter={export_cfg.adapter}: no {ADAPTER_WEIGHTS} (expected a PEFT "
+            "adapter directory such as <run dir>/checkpoints/step_000150/adapter)"
+        )
     source.sha256["adapter/" + ADAPTER_WEIGHTS] = file_sha256(adapter / ADAPTER_WEIGHTS)
     source.notes.append(f"LoRA adapter {adapter} merged into the base weights")
     return adapter, model_type
@@ -128,13 +149,13 @@ def _adapter_of(cfg, source: "ExportSource"):
 def build_serving_model(source: ExportSource, model_overrides: dict):
     """The training model with the source's weights and dropless MoE dispatch (see model/export/serving.py)."""
     if source.kind == "pretrained":
-        from model.hf import load_hf_pretrained
+        from mindmoe.model.hf import load_hf_pretrained
 
         _, model, notes = load_hf_pretrained(source.path, dict(model_overrides, dispatch="dropless"))
         source.notes += [note for note in notes if note not in source.notes]
         return model
-    from train.checkpoint import load_model_weights
-    from model.transformer import MoETransformer
+    from mindmoe.model.transformer import MoETransformer
+    from mindmoe.train.checkpoint import load_model_weights
 
     model_cfg = dataclasses.replace(source.model_config, dispatch="dropless")
     validate_model_config(model_cfg)
@@ -165,8 +186,9 @@ def _version(package: str) -> str:
         return "unknown"
 
 
-def build_manifest(source: ExportSource, model_config: ModelConfig, export_cfg: ExportConfig, graphs: dict,
-                   tokenizer_files: list) -> dict:
+def build_manifest(
+    source: ExportSource, model_config: ModelConfig, export_cfg: ExportConfig, graphs: dict, tokenizer_files: list
+) -> dict:
     return {
         "format": MANIFEST_FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -182,17 +204,23 @@ def build_manifest(source: ExportSource, model_config: ModelConfig, export_cfg: 
             "every prompt of a prefill batch has the same length (no padding, no attention_mask)",
             "decode: position < cache_len <= model_config.max_position_embeddings; cache_len fixed per sequence",
             "each sequence is one document (no packing at serving time)",
-        ] + (["rope_scaling dynamic_ntk: the cached keys keep the scaling of the step that wrote them, so "
-              "decoded logits differ from a full recompute once the length passes original_max_position"]
-             if model_config.rope_scaling.type == "dynamic_ntk" else []),
+        ]
+        + (
+            [
+                "rope_scaling dynamic_ntk: the cached keys keep the scaling of the step that wrote them, so "
+                "decoded logits differ from a full recompute once the length passes original_max_position"
+            ]
+            if model_config.rope_scaling.type == "dynamic_ntk"
+            else []
+        ),
         "notes": source.notes,
     }
 
 
 def run_export(cfg, run_dir: Path, override_args=None) -> Path:
     """Export as configured; returns the output directory."""
-    from model.export.mindir import export_mindir
-    from train.export_convert import write_conversion_files
+    from mindmoe.model.export.mindir import export_mindir
+    from mindmoe.train.export_convert import write_conversion_files
 
     export_cfg: ExportConfig = OmegaConf.to_object(cfg.export)
     model_overrides = command_line_model_overrides(cfg, override_args)
@@ -210,8 +238,10 @@ def run_export(cfg, run_dir: Path, override_args=None) -> Path:
             log.info("note: %s", note)
         return out
     if model_overrides.get("dispatch", "dropless") != "dropless":
-        raise ValueError(f"model.dispatch={model_overrides['dispatch']!r}: exported graphs always use dropless "
-                         "dispatch (under a capacity a token's logits would depend on the rest of the batch)")
+        raise ValueError(
+            f"model.dispatch={model_overrides['dispatch']!r}: exported graphs always use dropless "
+            "dispatch (under a capacity a token's logits would depend on the rest of the batch)"
+        )
     ms.set_context(mode=ms.GRAPH_MODE)
     model = merge_adapters(build_serving_model(source, model_overrides), adapter, model_type)
     model_config = model.config

@@ -6,20 +6,22 @@
 
 Keys: ``export.*`` (conf/export/default.yaml), ``checkpoint``, ``model.pretrained``, ``data.tokenizer``.
 """
+
 import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
-from conf.schema import register_configs
+from mindmoe.conf.schema import register_configs
 
 register_configs()
 
 
-@hydra.main(config_path="pkg://conf", config_name="config", version_base="1.3")
+@hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
 def _main(cfg) -> None:
-    from train.export import run_export
+    from mindmoe.train.export import run_export
+
     hydra_cfg = HydraConfig.get()
     try:
         out = run_export(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task))

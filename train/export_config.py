@@ -1,4 +1,5 @@
 """Export section of the run config (``export.*`` keys, read by ``mindmoe-export``)."""
+
 from dataclasses import dataclass, field
 from typing import List, Optional
 
@@ -32,6 +33,7 @@ class ExportConfig:
 
 def validate_export_config(cfg: ExportConfig, max_position_embeddings: int) -> None:
     """Raise ValueError naming the ``export.*`` key whose value cannot work."""
+
     def fail(key: str, why: str):
         raise ValueError(f"export.{key}={getattr(cfg, key)!r}: {why}")
 

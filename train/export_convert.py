@@ -6,9 +6,10 @@ at most 100): prefill gets every (batch size, prompt length) pair of ``export.as
 (``export.ascend_cache_len``), so only its batch size varies. The text names the documentation versions
 the commands were taken from; nothing here can run without an Ascend host.
 """
+
 from pathlib import Path
 
-from train.export_config import ExportConfig
+from mindmoe.train.export_config import ExportConfig
 
 CONVERT_FILE = "CONVERT.md"
 PREFILL_CONFIG = "prefill_ascend.ini"
@@ -34,19 +35,23 @@ def _dims(entry: dict, sizes: dict) -> str:
 def prefill_config(graph: dict, batch_sizes, lengths) -> str:
     (input_ids,) = graph["inputs"]
     gears = ";".join(f"{batch},{length}" for batch in batch_sizes for length in lengths)
-    return (f"[ascend_context]\nprecision_mode={PRECISION}\n\n"
-            "[acl_build_options]\n"
-            'input_format="ND"\n'
-            f'input_shape="{input_ids["mindir_name"]}:{_dims(input_ids, {})}"\n'
-            f'ge.dynamicDims="{gears}"\n')
+    return (
+        f"[ascend_context]\nprecision_mode={PRECISION}\n\n"
+        "[acl_build_options]\n"
+        'input_format="ND"\n'
+        f'input_shape="{input_ids["mindir_name"]}:{_dims(input_ids, {})}"\n'
+        f'ge.dynamicDims="{gears}"\n'
+    )
 
 
 def decode_config(graph: dict, batch_sizes, cache_len: int) -> str:
     shapes = ";".join(f"{entry['mindir_name']}:[{_dims(entry, {'cache_len': cache_len})}]" for entry in graph["inputs"])
     profiles = ",".join(f"[{batch}]" for batch in batch_sizes)
-    return (f"[ascend_context]\nprecision_mode={PRECISION}\n"
-            f"input_shape={shapes}\n"
-            f"dynamic_dims={';'.join([profiles] * len(graph['inputs']))}\n")
+    return (
+        f"[ascend_context]\nprecision_mode={PRECISION}\n"
+        f"input_shape={shapes}\n"
+        f"dynamic_dims={';'.join([profiles] * len(graph['inputs']))}\n"
+    )
 
 
 def conversion_guide(manifest: dict, batch_sizes: list, lengths: list, cache_len: int) -> str:
@@ -104,8 +109,8 @@ def conversion_guide(manifest: dict, batch_sizes: list, lengths: list, cache_len
         "",
         "```bash",
         "atc --model=prefill.air --framework=1 --output=prefill --soc_version=<your SoC, e.g. Ascend910B1> "
-        "--input_format=ND --input_shape=\"input_ids:-1,-1\" "
-        f"--dynamic_dims=\"{';'.join(f'{batch},{length}' for batch in batch_sizes for length in lengths)}\"",
+        '--input_format=ND --input_shape="input_ids:-1,-1" '
+        f'--dynamic_dims="{";".join(f"{batch},{length}" for batch in batch_sizes for length in lengths)}"',
         "```",
         "",
         "Limits stated by that documentation: MindSpore-framework inputs are listed as FP32/FP16/UINT8 (input_ids "

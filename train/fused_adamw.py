@@ -16,6 +16,7 @@ which is the same update (m, v updated first in both; the Adam step does not dep
 State (``exp_avg``, ``exp_avg_sq``, ``global_step``), parameter groups and the learning-rate
 schedule are mindformers' own, so checkpoints are interchangeable with the unfused optimizer.
 """
+
 import mindspore as ms
 from mindspore import ops
 from mindspore.ops import composite as C
@@ -26,21 +27,26 @@ _adam = ops.Adam()
 
 
 def _adam_step(beta1_power, beta2_power, beta1, beta2, eps, lr, param, grad, exp_avg, exp_avg_sq):
-    return F.depend(param, _adam(param, exp_avg, exp_avg_sq, beta1_power, beta2_power, lr, beta1, beta2, eps,
-                                 grad.astype(param.dtype)))
+    return F.depend(
+        param,
+        _adam(param, exp_avg, exp_avg_sq, beta1_power, beta2_power, lr, beta1, beta2, eps, grad.astype(param.dtype)),
+    )
 
 
-@_fused_update.register("Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor",
-                        "Tensor", "Tensor")
+@_fused_update.register(
+    "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor"
+)
 def _update(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, param, grad, exp_avg, exp_avg_sq):
     param = F.depend(param, ops.assign(param, param * (1.0 - lr * weight_decay).astype(param.dtype)))
     return _adam_step(beta1_power, beta2_power, beta1, beta2, eps, lr, param, grad, exp_avg, exp_avg_sq)
 
 
-@_fused_update.register("Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Number", "Tensor", "Tensor",
-                        "Tensor", "Tensor")
-def _update_number_decay(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, param, grad, exp_avg,
-                         exp_avg_sq):
+@_fused_update.register(
+    "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Number", "Tensor", "Tensor", "Tensor", "Tensor"
+)
+def _update_number_decay(
+    beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, param, grad, exp_avg, exp_avg_sq
+):
     if weight_decay != 0:
         param = F.depend(param, ops.assign(param, param * (1.0 - lr * weight_decay).astype(param.dtype)))
     return _adam_step(beta1_power, beta2_power, beta1, beta2, eps, lr, param, grad, exp_avg, exp_avg_sq)
@@ -63,11 +69,13 @@ def fused_adamw_class(base):
             eps = self.eps.reshape(()) * ops.sqrt(1.0 - beta2_power)
             update = F.partial(_fused_update, beta1_power, beta2_power, beta1, beta2, eps, lr)
             if self.is_group:
-                result = self.hyper_map(update, weight_decay, self._parameters, gradients, self.exp_avg,
-                                        self.exp_avg_sq)
+                result = self.hyper_map(
+                    update, weight_decay, self._parameters, gradients, self.exp_avg, self.exp_avg_sq
+                )
             else:
-                result = self.hyper_map(F.partial(update, weight_decay), self._parameters, gradients, self.exp_avg,
-                                        self.exp_avg_sq)
+                result = self.hyper_map(
+                    F.partial(update, weight_decay), self._parameters, gradients, self.exp_avg, self.exp_avg_sq
+                )
             if self.use_parallel:
                 self.broadcast_params(result)
             return result

@@ -7,21 +7,24 @@ The reference for serving code: it loads the graphs with ``mindspore.load`` + ``
 (:class:`model.export.runner.ExportedModel`) and the tokenizer copied beside them. Prompts start with
 the tokenizer's BOS token, as training documents do; generation stops at EOS.
 """
+
 import argparse
 import sys
 from pathlib import Path
 
 
 def load_export_tokenizer(export_dir: Path):
-    from data.hf_tokenizer import TOKENIZER_JSON, HFTokenizer
-    from data.tokenizer import load_tokenizer
+    from mindmoe.data.hf_tokenizer import TOKENIZER_JSON, HFTokenizer
+    from mindmoe.data.tokenizer import load_tokenizer
 
     if (export_dir / TOKENIZER_JSON).is_file():
         return HFTokenizer(export_dir)
     if (export_dir / "tokenizer.model").is_file():
         return load_tokenizer(export_dir / "tokenizer.model", "export directory")
-    raise FileNotFoundError(f"{export_dir}: no tokenizer.json or tokenizer.model (export copies the tokenizer "
-                            "of its source beside the graphs)")
+    raise FileNotFoundError(
+        f"{export_dir}: no tokenizer.json or tokenizer.model (export copies the tokenizer "
+        "of its source beside the graphs)"
+    )
 
 
 def parse_args(argv=None):
@@ -39,7 +42,8 @@ def parse_args(argv=None):
 def main(argv=None) -> None:
     args = parse_args(argv)
     import mindspore as ms
-    from model.export.runner import ExportedModel
+
+    from mindmoe.model.export.runner import ExportedModel
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
@@ -48,10 +52,11 @@ def main(argv=None) -> None:
         tokenizer = load_export_tokenizer(args.export_dir)
         for prompt in args.prompt:
             ids = ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(prompt)
-            new_ids = exported.generate([ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p,
-                                        args.seed, tokenizer.eos_id)[0].tolist()
+            new_ids = exported.generate(
+                [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, tokenizer.eos_id
+            )[0].tolist()
             if tokenizer.eos_id in new_ids:
-                new_ids = new_ids[:new_ids.index(tokenizer.eos_id)]
+                new_ids = new_ids[: new_ids.index(tokenizer.eos_id)]
             print(prompt + tokenizer.decode(new_ids))
     except (ValueError, FileNotFoundError) as error:
         print(f"mindmoe-generate: error: {error}", file=sys.stderr)

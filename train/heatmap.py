@@ -4,6 +4,7 @@ A balanced layer is a uniform row at 1/E; an idle expert is a dark cell, an over
 bright cell. Drawn with Pillow so no plotting stack is needed; the same RGB array goes to
 TensorBoard and to ``expert_load.png`` in the run dir.
 """
+
 from pathlib import Path
 
 import numpy as np
@@ -45,11 +46,16 @@ def render_expert_load(counts_LE: np.ndarray, layer_ids, title: str) -> np.ndarr
         draw.text((4, top + CELL // 3), f"layer {layer_id}", fill=(0, 0, 0), font=font)
         for expert in range(num_experts):
             left = MARGIN_LEFT + expert * CELL
-            draw.rectangle([left, top, left + CELL - 2, top + CELL - 2],
-                           fill=_colour(shares[row, expert] * num_experts))
+            draw.rectangle(
+                [left, top, left + CELL - 2, top + CELL - 2], fill=_colour(shares[row, expert] * num_experts)
+            )
     for expert in range(num_experts):
-        draw.text((MARGIN_LEFT + expert * CELL + 6, MARGIN_TOP + num_layers * CELL + 4), str(expert),
-                  fill=(0, 0, 0), font=font)
+        draw.text(
+            (MARGIN_LEFT + expert * CELL + 6, MARGIN_TOP + num_layers * CELL + 4),
+            str(expert),
+            fill=(0, 0, 0),
+            font=font,
+        )
     legend_top = MARGIN_TOP + num_layers * CELL + 24
     for step in range(5):
         draw.rectangle([4 + step * 14, legend_top, 16 + step * 14, legend_top + 12], fill=_colour(step / 2))

@@ -6,11 +6,13 @@ streamed in from its safetensors before anything compiles (a graph does not see 
 ``set_data``). A run that resumes from its own checkpoint builds the same architecture and
 skips reading the HF weights, which the checkpoint replaces anyway.
 """
+
 import dataclasses
 import logging
+
 from omegaconf import OmegaConf
 
-from model.config import ModelConfig, validate_model_config
+from mindmoe.model.config import ModelConfig, validate_model_config
 
 log = logging.getLogger("mindmoe.train")
 
@@ -23,7 +25,7 @@ def explicit_model_keys(task_overrides) -> set:
     for item in task_overrides or ():
         key, sep, _ = item.lstrip("+~").partition("=")
         if sep and key.startswith("model.") and key != "model.pretrained":
-            keys.add(key[len("model."):].split(".")[0])
+            keys.add(key[len("model.") :].split(".")[0])
     return keys
 
 
@@ -39,10 +41,11 @@ def planned_model_config(cfg, explicit_keys=()) -> ModelConfig:
     model_cfg = OmegaConf.to_object(cfg.model)
     if not model_cfg.pretrained:
         return model_cfg
-    from model.hf import read_pretrained_config
+    from mindmoe.model.hf import read_pretrained_config
 
-    return read_pretrained_config(model_cfg.pretrained, model_overrides(model_cfg, explicit_keys),
-                                  max_seq_len=cfg.data.seq_len).model_config
+    return read_pretrained_config(
+        model_cfg.pretrained, model_overrides(model_cfg, explicit_keys), max_seq_len=cfg.data.seq_len
+    ).model_config
 
 
 def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = True):
@@ -51,12 +54,18 @@ def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = Tru
     ``explicit_keys``: the ``model.*`` fields the user set (see :func:`explicit_model_keys`); only
     read with ``model.pretrained``, where every other model field comes from ``config.json``.
     """
-    from model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
+    from mindmoe.model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
 
     model_cfg = OmegaConf.to_object(cfg.model)
     if model_cfg.pretrained:
-        return _pretrained(model_cfg.pretrained, vocab_size, model_overrides(model_cfg, explicit_keys),
-                           cfg.data.seq_len, load_weights, cfg.train.cell_reuse)
+        return _pretrained(
+            model_cfg.pretrained,
+            vocab_size,
+            model_overrides(model_cfg, explicit_keys),
+            cfg.data.seq_len,
+            load_weights,
+            cfg.train.cell_reuse,
+        )
     model_cfg = dataclasses.replace(model_cfg)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = vocab_size
@@ -66,8 +75,8 @@ def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = Tru
 
 
 def _pretrained(path: str, vocab_size: int, overrides: dict, seq_len: int, load_weights: bool, cell_reuse: bool):
-    from model.hf import load_hf_pretrained, read_pretrained_config
-    from model.transformer import MoETransformer
+    from mindmoe.model.hf import load_hf_pretrained, read_pretrained_config
+    from mindmoe.model.transformer import MoETransformer
 
     if load_weights:
         model_cfg, model, notes = load_hf_pretrained(path, overrides, max_seq_len=seq_len, cell_reuse=cell_reuse)
@@ -79,13 +88,19 @@ def _pretrained(path: str, vocab_size: int, overrides: dict, seq_len: int, load_
         log.info("model.pretrained: %s", note)
     model_cfg = dataclasses.replace(model_cfg, pretrained=str(path))
     _check_vocab(model_cfg, vocab_size)
-    log.info("model.pretrained: %s %s (%s)", "loaded" if load_weights else "architecture of", path,
-             "weights replaced by the resumed checkpoint" if not load_weights else "HF weights")
+    log.info(
+        "model.pretrained: %s %s (%s)",
+        "loaded" if load_weights else "architecture of",
+        path,
+        "weights replaced by the resumed checkpoint" if not load_weights else "HF weights",
+    )
     return model_cfg, model
 
 
 def _check_vocab(model_cfg: ModelConfig, vocab_size: int) -> None:
     if model_cfg.vocab_size < vocab_size:
         source = f"{model_cfg.pretrained}/config.json" if model_cfg.pretrained else "model.vocab_size"
-        raise ValueError(f"{source}: vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
-                         f"{vocab_size}; token ids past the embedding table would be out of range")
+        raise ValueError(
+            f"{source}: vocab_size={model_cfg.vocab_size} is smaller than the tokenizer's "
+            f"{vocab_size}; token ids past the embedding table would be out of range"
+        )

@@ -6,15 +6,16 @@ sees only the adapters (and ``lora.modules_to_save``), so its state exists only 
 those tensors (``model.safetensors``, for an exact resume) and the same adapters in PEFT format under
 ``adapter/``, never the base.
 """
+
 import dataclasses
 import logging
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from model.config import ModelConfig, validate_model_config
-from model.lora import LoraConfig, LoraReport, apply_lora
-from model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
+from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.lora import LoraConfig, LoraReport, apply_lora
+from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
 
 log = logging.getLogger("mindmoe.train")
 
@@ -56,11 +57,14 @@ def setup_lora(cfg, model_cfg: ModelConfig, model, vocab_size: int):
     base_name = model_cfg.pretrained
     model_type = "glm4_moe"
     if model_cfg.pretrained:
-        from model.hf import read_pretrained_config
+        from mindmoe.model.hf import read_pretrained_config
+
         model_type = read_pretrained_config(model_cfg.pretrained).model_type
         if lora_cfg.base_checkpoint:
-            raise ValueError(f"lora.base_checkpoint={lora_cfg.base_checkpoint!r} and model.pretrained="
-                             f"{model_cfg.pretrained!r} both name a base model; keep one")
+            raise ValueError(
+                f"lora.base_checkpoint={lora_cfg.base_checkpoint!r} and model.pretrained="
+                f"{model_cfg.pretrained!r} both name a base model; keep one"
+            )
     elif lora_cfg.base_checkpoint:
         model_cfg, model = _checkpoint_base(lora_cfg.base_checkpoint, vocab_size, cfg.train.cell_reuse)
         base_name = str(lora_cfg.base_checkpoint)
@@ -71,8 +75,8 @@ def setup_lora(cfg, model_cfg: ModelConfig, model, vocab_size: int):
 
 
 def _checkpoint_base(path: str, vocab_size: int, cell_reuse: bool):
-    from model.transformer import MoETransformer
-    from train.checkpoint import load_model_weights, read_state, resolve_checkpoint, verify_checkpoint
+    from mindmoe.model.transformer import MoETransformer
+    from mindmoe.train.checkpoint import load_model_weights, read_state, resolve_checkpoint, verify_checkpoint
 
     directory = resolve_checkpoint(path)
     verify_checkpoint(directory)
@@ -83,8 +87,10 @@ def _checkpoint_base(path: str, vocab_size: int, cell_reuse: bool):
     model_cfg = ModelConfig(**{k: v for k, v in state["model_config"].items() if k in fields})
     validate_model_config(model_cfg)
     if model_cfg.vocab_size < vocab_size:
-        raise ValueError(f"lora.base_checkpoint={path!r}: vocab_size={model_cfg.vocab_size} is smaller than the "
-                         f"tokenizer's {vocab_size}")
+        raise ValueError(
+            f"lora.base_checkpoint={path!r}: vocab_size={model_cfg.vocab_size} is smaller than the "
+            f"tokenizer's {vocab_size}"
+        )
     model = MoETransformer(model_cfg, cell_reuse=cell_reuse)
     try:
         load_model_weights(list(model.get_parameters()), directory)

@@ -3,6 +3,7 @@
 Training rows carry ``loss``; validation rows carry ``val_loss`` and never ``loss``, so a
 plot of ``loss`` is never a mix of the two.
 """
+
 import json
 import time
 from pathlib import Path
@@ -10,9 +11,8 @@ from pathlib import Path
 import numpy as np
 from mindspore import Tensor, ops
 
-
-from model.config import ModelConfig
-from model.moe.layer import LAYER_STATS
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe.layer import LAYER_STATS
 
 
 class MetricsWriter:
@@ -20,6 +20,7 @@ class MetricsWriter:
 
     def __init__(self, run_dir: Path):
         from tensorboardX import SummaryWriter
+
         self.path = Path(run_dir) / "metrics.jsonl"
         self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
@@ -53,8 +54,12 @@ def active_matmul_params(cfg: ModelConfig) -> int:
     dense_ffn = 3 * cfg.hidden_size * cfg.intermediate_size
     expert = 3 * cfg.hidden_size * cfg.moe_intermediate_size
     moe_ffn = expert * (cfg.top_k + cfg.num_shared_experts) + cfg.hidden_size * cfg.num_experts
-    return (cfg.num_layers * attention + cfg.first_k_dense * dense_ffn + cfg.num_moe_layers * moe_ffn
-            + cfg.vocab_size * cfg.hidden_size)
+    return (
+        cfg.num_layers * attention
+        + cfg.first_k_dense * dense_ffn
+        + cfg.num_moe_layers * moe_ffn
+        + cfg.vocab_size * cfg.hidden_size
+    )
 
 
 def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
@@ -82,7 +87,7 @@ def measure_peak_gflops(size: int = 1024, repeats: int = 8, trials: int = 3) -> 
             out = matmul(a, a)
         out.asnumpy()
         best = min(best, time.perf_counter() - start)
-    return 2.0 * size ** 3 * repeats / best / 1e9
+    return 2.0 * size**3 * repeats / best / 1e9
 
 
 def load_imbalance(counts_LE: np.ndarray) -> list:
@@ -91,10 +96,15 @@ def load_imbalance(counts_LE: np.ndarray) -> list:
     return [float(m) for m in np.where(mean > 0, counts_LE.max(-1) / np.maximum(mean, 1e-12), 1.0)]
 
 
-
-
-def window_row(step: int, window: list, seconds: float, tokens_per_step: int, flops_per_token: float,
-               peak_gflops: float, skipped_steps: int) -> dict:
+def window_row(
+    step: int,
+    window: list,
+    seconds: float,
+    tokens_per_step: int,
+    flops_per_token: float,
+    peak_gflops: float,
+    skipped_steps: int,
+) -> dict:
     """One ``metrics.jsonl`` training row from the ``StepStats`` of the steps since the last row."""
     tokens_per_s = len(window) * tokens_per_step / max(seconds, 1e-9)
     routing_L3E = np.sum([s.routing_stats for s in window], axis=0)
@@ -119,8 +129,17 @@ def window_row(step: int, window: list, seconds: float, tokens_per_step: int, fl
 def per_layer_metrics(routing_L3E: np.ndarray, layer_means_L5: np.ndarray) -> dict:
     """Lists with one entry per MoE layer, as they appear in metrics.jsonl."""
     if len(routing_L3E) == 0:
-        return {key: [] for key in ("load_imbalance", "dropped_tokens", "layer_lock_rate", "layer_flip_rate",
-                                    "layer_aux_loss", "layer_z_loss")}
+        return {
+            key: []
+            for key in (
+                "load_imbalance",
+                "dropped_tokens",
+                "layer_lock_rate",
+                "layer_flip_rate",
+                "layer_aux_loss",
+                "layer_z_loss",
+            )
+        }
     chosen_LE, kept_LE = routing_L3E[:, 0], routing_L3E[:, 1]
     column = {name: layer_means_L5[:, LAYER_STATS.index(name)] for name in LAYER_STATS}
     return {

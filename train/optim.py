@@ -3,18 +3,22 @@
 Weight decay skips every 1-D parameter (RMSNorm weights, biases) and router biases: decaying
 a norm gain or a bias towards zero only fights the model.
 """
+
 import os
 
-from train.config import TrainConfig
+from mindmoe.train.config import TrainConfig
 
 
 def _import_mindformers():
     # mindformers writes its logs to ./output/log unless told otherwise; keep them out of the cwd.
     os.environ.setdefault("LOG_MF_PATH", os.path.join(os.path.expanduser("~"), ".cache", "mindmoe", "mindformers_log"))
     from mindformers.core.lr import CosineWithWarmUpLR
+
     # The AdamW class itself: mindformers.core.optim.AdamW is a factory whose __new__ returns it.
     from mindformers.core.optim.adamw import AdamW
-    from train.fused_adamw import fused_adamw_class
+
+    from mindmoe.train.fused_adamw import fused_adamw_class
+
     return CosineWithWarmUpLR, fused_adamw_class(AdamW)
 
 
@@ -25,8 +29,9 @@ def decays(param) -> bool:
 def build_lr_schedule(cfg: TrainConfig):
     CosineWithWarmUpLR, _ = _import_mindformers()
     warmup_steps = int(round(cfg.warmup_ratio * cfg.max_steps))
-    return CosineWithWarmUpLR(learning_rate=cfg.lr, warmup_steps=warmup_steps, total_steps=cfg.max_steps,
-                              lr_end=cfg.lr * cfg.min_lr_ratio)
+    return CosineWithWarmUpLR(
+        learning_rate=cfg.lr, warmup_steps=warmup_steps, total_steps=cfg.max_steps, lr_end=cfg.lr * cfg.min_lr_ratio
+    )
 
 
 def build_optimizer(params, cfg: TrainConfig):
@@ -36,8 +41,12 @@ def build_optimizer(params, cfg: TrainConfig):
     decay = [p for p in params if decays(p)]
     no_decay = [p for p in params if not decays(p)]
     # MindSpore rejects an empty group (a LoRA run has no 1-D trainable parameter).
-    groups = [group for group in ({"params": decay, "weight_decay": cfg.weight_decay},
-                                  {"params": no_decay, "weight_decay": 0.0}) if group["params"]]
+    groups = [
+        group
+        for group in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0})
+        if group["params"]
+    ]
     groups.append({"order_params": params})
-    return AdamW(groups, learning_rate=build_lr_schedule(cfg), betas=tuple(cfg.betas), eps=cfg.eps,
-                 weight_decay=cfg.weight_decay)
+    return AdamW(
+        groups, learning_rate=build_lr_schedule(cfg), betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )

@@ -1,9 +1,10 @@
 """Failures and recovery: which checkpoint to resume from, and stopping cleanly on a signal."""
+
 import logging
 import signal
 from pathlib import Path
 
-from train.checkpoint import CorruptCheckpointError, list_checkpoints, resolve_checkpoint, verify_checkpoint
+from mindmoe.train.checkpoint import CorruptCheckpointError, list_checkpoints, resolve_checkpoint, verify_checkpoint
 
 log = logging.getLogger("mindmoe.train")
 
@@ -26,8 +27,10 @@ def pick_resume_checkpoint(resume: str, checkpoint_root: Path, on_corrupt: str):
             return candidate
         except CorruptCheckpointError as error:
             if on_corrupt != "previous":
-                raise CorruptCheckpointError(f"{error}; set train.on_corrupt_checkpoint=previous to resume "
-                                             "from the newest older checkpoint instead") from error
+                raise CorruptCheckpointError(
+                    f"{error}; set train.on_corrupt_checkpoint=previous to resume "
+                    "from the newest older checkpoint instead"
+                ) from error
             log.warning("%s; trying the previous checkpoint", error)
     return None
 

@@ -9,12 +9,13 @@
 
 Both take the step's summed ``routing_stats [L, 3, E]`` (rows chosen, kept, locked_kept).
 """
+
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, ops
-import mindspore as ms
 
-from model.config import ModelConfig
-from model.moe.router import updated_bias
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe.router import updated_bias
 
 
 class RouterStepUpdates:
@@ -23,20 +24,32 @@ class RouterStepUpdates:
     def __init__(self, model, cfg: ModelConfig):
         moe_blocks = [layer.mlp for layer in model.layers if layer.is_moe]
         self.updates_bias = cfg.expert_bias and cfg.bias_update_rate > 0 and bool(moe_blocks)
-        self.scales_updates = (cfg.expert_lock and cfg.isolation_mode == "expert_update"
-                               and cfg.isolation_decay < 1.0 and bool(moe_blocks))
+        self.scales_updates = (
+            cfg.expert_lock and cfg.isolation_mode == "expert_update" and cfg.isolation_decay < 1.0 and bool(moe_blocks)
+        )
         rate = float(cfg.bias_update_rate)
         decay = float(cfg.isolation_decay)
         biases = [block.router.e_score_correction_bias for block in moe_blocks] if self.updates_bias else []
         # One entry per MoE layer: that layer's trained 3-D expert tensors (expert on axis 0): the
         # expert weights, or with LoRA the frozen weights' per-expert adapters instead; and the first
         # expert they hold (not 0 when experts are split over ranks, train/expert_parallel.py).
-        expert_params = [[p for p in block.experts.get_parameters() if len(p.shape) == 3 and p.requires_grad]
-                         for block in moe_blocks] if self.scales_updates else []
+        expert_params = (
+            [
+                [p for p in block.experts.get_parameters() if len(p.shape) == 3 and p.requires_grad]
+                for block in moe_blocks
+            ]
+            if self.scales_updates
+            else []
+        )
         self.expert_params = expert_params
         first_experts = [getattr(block.experts, "first_expert", 0) for block in moe_blocks]
-        snapshots = [[Parameter(ops.zeros(p.shape, p.dtype), name="update_snapshot." + p.name, requires_grad=False)
-                      for p in layer_params] for layer_params in expert_params]
+        snapshots = [
+            [
+                Parameter(ops.zeros(p.shape, p.dtype), name="update_snapshot." + p.name, requires_grad=False)
+                for p in layer_params
+            ]
+            for layer_params in expert_params
+        ]
         self._snapshots = snapshots
 
         @ms.jit
@@ -58,7 +71,7 @@ class RouterStepUpdates:
                 multiplier_E = 1.0 - (1.0 - decay) * locked_share_LE[layer_idx]
                 first = first_experts[layer_idx]
                 for param, snapshot in zip(layer_params, layer_snapshots):
-                    multiplier_e = multiplier_E[first:first + param.shape[0]]
+                    multiplier_e = multiplier_E[first : first + param.shape[0]]
                     multiplier = multiplier_e.reshape((-1,) + (1,) * (len(param.shape) - 1)).astype(param.dtype)
                     ops.assign(param, snapshot + multiplier * (param - snapshot))
             return locked_share_LE.sum()

@@ -12,13 +12,14 @@ averaged over ranks once per step.
 Everything numeric runs inside ``ms.jit`` functions (GRAPH_MODE). Functions are jitted,
 not the cells: ``ms.jit(cell)`` would freeze the parameter values it captured.
 """
+
 from dataclasses import dataclass
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
-import mindspore as ms
 
-from data.packing import PackedWindows, label_mask
+from mindmoe.data.packing import PackedWindows, label_mask
 
 
 def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
@@ -56,22 +57,27 @@ def split_window(batch: dict):
     tokens = batch["input_ids"]
     doc_ids = batch["doc_ids"]
     loss_mask = label_mask(PackedWindows(tokens, doc_ids, batch.get("loss_mask"))).astype(np.int32)
-    return (Tensor(tokens[:, :-1].astype(np.int32)), Tensor(doc_ids[:, :-1].astype(np.int32)),
-            Tensor(tokens[:, 1:].astype(np.int32)), Tensor(loss_mask))
+    return (
+        Tensor(tokens[:, :-1].astype(np.int32)),
+        Tensor(doc_ids[:, :-1].astype(np.int32)),
+        Tensor(tokens[:, 1:].astype(np.int32)),
+        Tensor(loss_mask),
+    )
 
 
 @dataclass
 class StepStats:
     """Host-side results of one optimizer step (losses are means over its micro-batches)."""
-    skipped: bool               # loss or gradient norm not finite: no parameter changed
+
+    skipped: bool  # loss or gradient norm not finite: no parameter changed
     loss: float
     lm_loss: float
     aux_loss: float
     z_loss: float
     grad_norm: float
     lr: float
-    routing_stats: np.ndarray   # [L, 3, E] chosen / kept / locked_kept, summed over micro-batches
-    layer_stats: np.ndarray     # [L, 5] per-layer scalars (model.moe.layer.LAYER_STATS), mean over micro-batches
+    routing_stats: np.ndarray  # [L, 3, E] chosen / kept / locked_kept, summed over micro-batches
+    layer_stats: np.ndarray  # [L, 5] per-layer scalars (model.moe.layer.LAYER_STATS), mean over micro-batches
 
 
 def _loss_scaling(loss_scale):
@@ -83,6 +89,7 @@ def _loss_scaling(loss_scale):
     a row double it. Without it all three are identities and no state exists.
     """
     if loss_scale is None:
+
         def scale_loss(loss):
             return loss
 
@@ -91,6 +98,7 @@ def _loss_scaling(loss_scale):
 
         def adjust_scale(finite):
             return finite
+
         return scale_loss, unscale, adjust_scale, []
     scale = Parameter(Tensor(np.float32(loss_scale.initial)), name="loss_scale.scale", requires_grad=False)
     good_steps = Parameter(Tensor(np.float32(0.0)), name="loss_scale.good_steps", requires_grad=False)
@@ -110,14 +118,23 @@ def _loss_scaling(loss_scale):
         ops.assign(scale, ops.select(finite, kept_scale, ops.maximum(scale * 0.5, 1.0)))
         ops.assign(good_steps, ops.select(grow, ops.zeros_like(counted), counted))
         return finite
+
     return scale_loss, unscale, adjust_scale, [scale, good_steps]
 
 
 class Trainer:
     """Owns the compiled functions of one run; call :meth:`step` with the micro-batches of a step."""
 
-    def __init__(self, model: nn.Cell, optimizer: nn.Optimizer, grad_clip: float, accum_steps: int,
-                 router_updates=None, dist=None, loss_scale=None):
+    def __init__(
+        self,
+        model: nn.Cell,
+        optimizer: nn.Optimizer,
+        grad_clip: float,
+        accum_steps: int,
+        router_updates=None,
+        dist=None,
+        loss_scale=None,
+    ):
         self.model = model
         self.dist = dist
         self.router_updates = router_updates
@@ -136,11 +153,13 @@ class Trainer:
         if accum_steps > 1:
             self.grad_buffers = ParameterTuple(
                 Parameter(ops.zeros(p.shape, ms.float32), name="grad_accum." + p.name, requires_grad=False)
-                for p in params)
+                for p in params
+            )
         else:
             self.grad_buffers = None
         buffers = self.grad_buffers
         if dist is None:
+
             def synchronise(grads, loss):
                 return grads, loss
 
@@ -224,19 +243,21 @@ class Trainer:
         else:
             for batch in micro_batches:
                 losses.append(self._accumulate(*split_window(batch)))
-            mean_loss = float(np.mean([l.asnumpy() for l, _ in losses]))
+            mean_loss = float(np.mean([loss.asnumpy() for loss, _ in losses]))
             norm, lr, finite = self._apply_accumulated(Tensor(np.float32(mean_loss)))
-        stats = self._global_stats(StepStats(
-            skipped=not bool(finite.asnumpy()),
-            loss=float(np.mean([l.asnumpy() for l, _ in losses])),
-            lm_loss=float(np.mean([a[0].asnumpy() for _, a in losses])),
-            aux_loss=float(np.mean([a[1].asnumpy() for _, a in losses])),
-            z_loss=float(np.mean([a[2].asnumpy() for _, a in losses])),
-            grad_norm=float(norm.asnumpy()),
-            lr=float(np.asarray(lr.asnumpy()).reshape(-1)[0]),
-            routing_stats=np.sum([a[3].asnumpy() for _, a in losses], axis=0),
-            layer_stats=np.mean([a[4].asnumpy() for _, a in losses], axis=0),
-        ))
+        stats = self._global_stats(
+            StepStats(
+                skipped=not bool(finite.asnumpy()),
+                loss=float(np.mean([loss.asnumpy() for loss, _ in losses])),
+                lm_loss=float(np.mean([a[0].asnumpy() for _, a in losses])),
+                aux_loss=float(np.mean([a[1].asnumpy() for _, a in losses])),
+                z_loss=float(np.mean([a[2].asnumpy() for _, a in losses])),
+                grad_norm=float(norm.asnumpy()),
+                lr=float(np.asarray(lr.asnumpy()).reshape(-1)[0]),
+                routing_stats=np.sum([a[3].asnumpy() for _, a in losses], axis=0),
+                layer_stats=np.mean([a[4].asnumpy() for _, a in losses], axis=0),
+            )
+        )
         if self.router_updates is not None and not stats.skipped:
             self.router_updates.after_optimizer(stats.routing_stats)
         return stats
@@ -257,10 +278,17 @@ class Trainer:
         world = self.dist.world_size
         loss, lm_loss, aux_loss, z_loss = (float(v) / world for v in total[:4])
         routing_end = 4 + routing.size
-        return StepStats(skipped=local.skipped, loss=loss, lm_loss=lm_loss, aux_loss=aux_loss, z_loss=z_loss,
-                         grad_norm=local.grad_norm, lr=local.lr,
-                         routing_stats=total[4:routing_end].reshape(routing.shape) / self.dist.replica_copies,
-                         layer_stats=total[routing_end:].reshape(layer.shape) / world)
+        return StepStats(
+            skipped=local.skipped,
+            loss=loss,
+            lm_loss=lm_loss,
+            aux_loss=aux_loss,
+            z_loss=z_loss,
+            grad_norm=local.grad_norm,
+            lr=local.lr,
+            routing_stats=total[4:routing_end].reshape(routing.shape) / self.dist.replica_copies,
+            layer_stats=total[routing_end:].reshape(layer.shape) / world,
+        )
 
     def evaluate(self, batches) -> tuple:
         """``(mean nll per scored token, scored tokens)`` over an iterable of window dicts."""
@@ -275,4 +303,3 @@ class Trainer:
             summed = self.dist.sum_over_ranks(np.array([nll_total, tokens])) / self.dist.replica_copies
             nll_total, tokens = float(summed[0]), float(summed[1])
         return nll_total / max(tokens, 1.0), tokens
-

@@ -10,6 +10,7 @@ It pretrains a small GLM-4.5-style MoE (hidden 128, 4 layers with the first dens
 directory (``model.hf.export_hf``) with the sentencepiece model as ``tokenizer.model``, and stores
 the weights as float16 to keep the sample small (mindmoe converts them to float32 when loading).
 """
+
 import argparse
 import json
 import os
@@ -25,11 +26,21 @@ from safetensors.numpy import load_file, save_file
 REPO = Path(__file__).resolve().parents[2]
 # A glm4_moe-shaped model (sigmoid router with a correction bias, as HF glm4_moe has) trained without
 # token dropping, so the exported directory computes in transformers what was trained here.
-MODEL_OVERRIDES = ["model.hidden_size=128", "model.num_heads=4", "model.num_kv_heads=2",
-                   "model.intermediate_size=384", "model.num_experts=4", "model.moe_intermediate_size=96",
-                   "model.tie_word_embeddings=true", "model.score_func=sigmoid", "model.expert_bias=true",
-                   "model.bias_update_rate=0.002", "model.aux_loss=seq", "model.aux_loss_coeff=0.0001",
-                   "model.dispatch=dropless"]
+MODEL_OVERRIDES = [
+    "model.hidden_size=128",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=384",
+    "model.num_experts=4",
+    "model.moe_intermediate_size=96",
+    "model.tie_word_embeddings=true",
+    "model.score_func=sigmoid",
+    "model.expert_bias=true",
+    "model.bias_update_rate=0.002",
+    "model.aux_loss=seq",
+    "model.aux_loss_coeff=0.0001",
+    "model.dispatch=dropless",
+]
 
 
 def main() -> None:
@@ -39,9 +50,17 @@ def main() -> None:
     parser.add_argument("--run-dir", type=Path, default=None, help="keep the pretraining run here")
     args = parser.parse_args()
     run_dir = args.run_dir or Path(tempfile.mkdtemp(prefix="tiny_base_run."))
-    command = [sys.executable, "-m", "train.cli", "recipe=pretrain_tiny", f"train.max_steps={args.steps}",
-               f"train.save_every={args.steps}", "train.eval_every=0", "train.progress_bar=false",
-               f"hydra.run.dir={run_dir}"] + MODEL_OVERRIDES
+    command = [
+        sys.executable,
+        "-m",
+        "mindmoe.train.cli",
+        "recipe=pretrain_tiny",
+        f"train.max_steps={args.steps}",
+        f"train.save_every={args.steps}",
+        "train.eval_every=0",
+        "train.progress_bar=false",
+        f"hydra.run.dir={run_dir}",
+    ] + MODEL_OVERRIDES
     subprocess.run(command, check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
     export(run_dir / "checkpoints" / f"step_{args.steps:06d}", args.out)
     print(f"tiny base written to {args.out}")
@@ -49,10 +68,9 @@ def main() -> None:
 
 def export(checkpoint: Path, out: Path) -> None:
     sys.path.insert(0, str(REPO))
-    from model.hf import export_hf
-    from train.checkpoint import read_state
-
-    from data.tokenizer import load_tokenizer
+    from mindmoe.data.tokenizer import load_tokenizer
+    from mindmoe.model.hf import export_hf
+    from mindmoe.train.checkpoint import read_state
 
     tokenizer = load_tokenizer(read_state(checkpoint)["tokenizer"])
     export_hf(checkpoint, out_dir=out)
@@ -62,8 +80,12 @@ def export(checkpoint: Path, out: Path) -> None:
         save_file(tensors, str(path), metadata={"format": "pt"})
     config_path = out / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8"))
-    config.update(torch_dtype="float16", bos_token_id=tokenizer.bos_id, eos_token_id=tokenizer.eos_id,
-                  pad_token_id=tokenizer.pad_id)
+    config.update(
+        torch_dtype="float16",
+        bos_token_id=tokenizer.bos_id,
+        eos_token_id=tokenizer.eos_id,
+        pad_token_id=tokenizer.pad_id,
+    )
     config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
 
 

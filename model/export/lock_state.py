@@ -19,10 +19,11 @@ The next token t + 1 is locked iff ``s* >= 0`` and ``s* >= t + 1 - span``, and i
 to ``N_{s*}`` — the full-sequence definition, with every sequence one document (serving never
 packs). All state is int32 ``[B, W]``.
 """
-from mindspore import ops
-import mindspore as ms
 
-from model.moe.locking import lock_routing
+import mindspore as ms
+from mindspore import ops
+
+from mindmoe.model.moe.locking import lock_routing
 
 
 def lock_state_width(top_k: int) -> int:
@@ -42,8 +43,7 @@ def prefill_lock_state(natural_BSK, run_length: int, span: int):
     locked_BS, locked_topk_BSK = lock_routing(natural_BSK, doc_ids_BS, run_length, span)
 
     positions_BS = ops.broadcast_to(ops.arange(seq_len, dtype=ms.int32).expand_dims(0), (batch, seq_len))
-    continues_BS = ops.concat((ops.zeros((batch, 1), ms.bool_),
-                               _same_set(natural_BSK[:, 1:], natural_BSK[:, :-1])), 1)
+    continues_BS = ops.concat((ops.zeros((batch, 1), ms.bool_), _same_set(natural_BSK[:, 1:], natural_BSK[:, :-1])), 1)
     run_start_BS = ops.cummax(ops.select(continues_BS, ops.full_like(positions_BS, -1), positions_BS), 1)[0]
     run_BS = positions_BS - run_start_BS + 1
     qualifying_BS = ops.select(run_BS >= run_length, positions_BS, ops.full_like(positions_BS, -1))
@@ -51,8 +51,16 @@ def prefill_lock_state(natural_BSK, run_length: int, span: int):
     source_BK = ops.broadcast_to(ops.maximum(source_B, 0).reshape(batch, 1, 1), (batch, 1, top_k))
     source_topk_BK = ops.gather_elements(natural_BSK, 1, source_BK).reshape(batch, top_k)
     source_topk_BK = source_topk_BK * (source_B >= 0).astype(ms.int32).expand_dims(-1)
-    state_BW = ops.concat((natural_BSK[:, -1], run_BS[:, -1:], source_B.expand_dims(-1), source_topk_BK,
-                           locked_BS[:, -1:].astype(ms.int32)), 1)
+    state_BW = ops.concat(
+        (
+            natural_BSK[:, -1],
+            run_BS[:, -1:],
+            source_B.expand_dims(-1),
+            source_topk_BK,
+            locked_BS[:, -1:].astype(ms.int32),
+        ),
+        1,
+    )
     return locked_topk_BSK, state_BW
 
 
@@ -63,15 +71,24 @@ def decode_lock_step(natural_BK, state_BW, position_B, run_length: int, span: in
     previous_BK = state_BW[:, :top_k]
     run_B = state_BW[:, top_k]
     source_B = state_BW[:, top_k + 1]
-    source_topk_BK = state_BW[:, top_k + 2:2 * top_k + 2]
+    source_topk_BK = state_BW[:, top_k + 2 : 2 * top_k + 2]
 
     locked_B = ops.logical_and(source_B >= 0, source_B >= position_B - span)
     topk_BK = ops.select(ops.broadcast_to(locked_B.expand_dims(-1), natural_BK.shape), source_topk_BK, natural_BK)
     run_B = ops.select(_same_set(natural_BK, previous_BK), run_B + 1, ops.ones_like(run_B))
     qualifies_B = run_B >= run_length
     source_B = ops.select(qualifies_B, position_B, source_B)
-    source_topk_BK = ops.select(ops.broadcast_to(qualifies_B.expand_dims(-1), natural_BK.shape), natural_BK,
-                                source_topk_BK)
-    state_BW = ops.concat((natural_BK, run_B.expand_dims(-1), source_B.expand_dims(-1), source_topk_BK,
-                           locked_B.astype(ms.int32).expand_dims(-1)), 1)
+    source_topk_BK = ops.select(
+        ops.broadcast_to(qualifies_B.expand_dims(-1), natural_BK.shape), natural_BK, source_topk_BK
+    )
+    state_BW = ops.concat(
+        (
+            natural_BK,
+            run_B.expand_dims(-1),
+            source_B.expand_dims(-1),
+            source_topk_BK,
+            locked_B.astype(ms.int32).expand_dims(-1),
+        ),
+        1,
+    )
     return topk_BK, state_BW

@@ -6,13 +6,14 @@ Each entry names the graph file, the external weight files (MindSpore writes the
 graph beside it, as ``<name>_graph.mindir`` + ``<name>_variables/data_*``, once they pass 1 GiB)
 and every input and output: name, shape (a string for a dynamic axis), dtype.
 """
+
 from pathlib import Path
 
 import mindspore as ms
 from mindspore import Tensor
 
-from model.export.lock_state import lock_state_width
-from model.export.serving import PrefillGraph, carries_lock_state, decode_graph
+from mindmoe.model.export.lock_state import lock_state_width
+from mindmoe.model.export.serving import PrefillGraph, carries_lock_state, decode_graph
 
 EXPORT_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -40,9 +41,13 @@ def graph_signatures(cfg, dtype: str) -> dict:
     layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.resolved_head_dim
 
     def cache(length: str) -> dict:
-        return {"name": "kv_cache", "shape": [layers, 2, BATCH, kv_heads, length, head_dim], "dtype": cache_dtype,
-                "description": "per layer: keys then values after QK-norm and RoPE; decode takes the prefill "
-                               "cache zero-padded on this axis to a fixed cache_len"}
+        return {
+            "name": "kv_cache",
+            "shape": [layers, 2, BATCH, kv_heads, length, head_dim],
+            "dtype": cache_dtype,
+            "description": "per layer: keys then values after QK-norm and RoPE; decode takes the prefill "
+            "cache zero-padded on this axis to a fixed cache_len",
+        }
 
     def logits(what: str) -> dict:
         return {"name": "logits", "shape": [BATCH, cfg.vocab_size], "dtype": "float32", "description": what}
@@ -50,20 +55,44 @@ def graph_signatures(cfg, dtype: str) -> dict:
     def lock() -> list:
         if not carries_lock_state(cfg):
             return []
-        return [{"name": "lock_state", "shape": [cfg.num_moe_layers, BATCH, lock_state_width(cfg.top_k)],
-                 "dtype": "int32", "description": "expert-lock state per MoE layer (model/export/lock_state.py)"}]
-    prefill_inputs = [{"name": "input_ids", "shape": [BATCH, PROMPT], "dtype": "int32",
-                       "description": "prompt token ids; every prompt of a batch has the same length"}]
-    decode_inputs = [{"name": "input_ids", "shape": [BATCH, 1], "dtype": "int32",
-                      "description": "the latest token of each sequence"},
-                     cache(CAPACITY),
-                     {"name": "position", "shape": [BATCH], "dtype": "int32",
-                      "description": "position of input_ids = tokens already in the cache; < cache_len"}] + lock()
+        return [
+            {
+                "name": "lock_state",
+                "shape": [cfg.num_moe_layers, BATCH, lock_state_width(cfg.top_k)],
+                "dtype": "int32",
+                "description": "expert-lock state per MoE layer (model/export/lock_state.py)",
+            }
+        ]
+
+    prefill_inputs = [
+        {
+            "name": "input_ids",
+            "shape": [BATCH, PROMPT],
+            "dtype": "int32",
+            "description": "prompt token ids; every prompt of a batch has the same length",
+        }
+    ]
+    decode_inputs = [
+        {
+            "name": "input_ids",
+            "shape": [BATCH, 1],
+            "dtype": "int32",
+            "description": "the latest token of each sequence",
+        },
+        cache(CAPACITY),
+        {
+            "name": "position",
+            "shape": [BATCH],
+            "dtype": "int32",
+            "description": "position of input_ids = tokens already in the cache; < cache_len",
+        },
+    ] + lock()
     return {
-        "prefill": {"inputs": prefill_inputs,
-                    "outputs": [logits("next-token logits after the last prompt position"), cache(PROMPT)] + lock()},
-        "decode": {"inputs": decode_inputs,
-                   "outputs": [logits("next-token logits"), cache(CAPACITY)] + lock()},
+        "prefill": {
+            "inputs": prefill_inputs,
+            "outputs": [logits("next-token logits after the last prompt position"), cache(PROMPT)] + lock(),
+        },
+        "decode": {"inputs": decode_inputs, "outputs": [logits("next-token logits"), cache(CAPACITY)] + lock()},
     }
 
 
@@ -79,8 +108,9 @@ def export_mindir(model, out_dir, dtype: str = "fp32") -> dict:
     out = Path(out_dir)
     stale = sorted(path.name for path in out.iterdir() if path.name.startswith(GRAPH_NAMES)) if out.is_dir() else []
     if stale:
-        raise ValueError(f"{out} already holds exported graphs ({', '.join(stale[:3])}); export into an empty "
-                         "directory")
+        raise ValueError(
+            f"{out} already holds exported graphs ({', '.join(stale[:3])}); export into an empty directory"
+        )
     out.mkdir(parents=True, exist_ok=True)
     cast_parameters(model, dtype)
     signatures = graph_signatures(model.config, dtype)

@@ -10,18 +10,20 @@ token feeding back the cache (and lock state) the previous call returned. Sampli
 is done in NumPy from the fp32 logits: temperature, then top-k, then top-p (the smallest set of
 most likely tokens whose probability reaches ``top_p``; the most likely token always stays).
 """
+
 import json
 from pathlib import Path
 
-import numpy as np
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, nn
 
 MANIFEST_FILE = "manifest.json"
 
 
-def sample_next(logits_BV: np.ndarray, temperature: float, top_k: int, top_p: float,
-                rng: np.random.Generator) -> np.ndarray:
+def sample_next(
+    logits_BV: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator
+) -> np.ndarray:
     """Next token per row ``[B]`` int32: argmax when ``temperature == 0``, else a draw from the filtered softmax."""
     if temperature == 0:
         return logits_BV.argmax(-1).astype(np.int32)
@@ -50,16 +52,26 @@ class ExportedModel:
         self.directory = Path(export_dir)
         manifest_path = self.directory / MANIFEST_FILE
         if not manifest_path.is_file():
-            raise FileNotFoundError(f"{self.directory}: no {MANIFEST_FILE} (expected a directory written by "
-                                    "mindmoe-export export.format=mindir)")
+            raise FileNotFoundError(
+                f"{self.directory}: no {MANIFEST_FILE} (expected a directory written by "
+                "mindmoe-export export.format=mindir)"
+            )
         self.manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
         graphs = self.manifest["graphs"]
         self.prefill = nn.GraphCell(ms.load(str(self.directory / graphs["prefill"]["file"])))
         self.decode = nn.GraphCell(ms.load(str(self.directory / graphs["decode"]["file"])))
         self.carries_lock_state = any(entry["name"] == "lock_state" for entry in graphs["decode"]["inputs"])
 
-    def generate(self, prompt_ids_BS, max_new_tokens: int, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int = 0, eos_id: int = -1) -> np.ndarray:
+    def generate(
+        self,
+        prompt_ids_BS,
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        eos_id: int = -1,
+    ) -> np.ndarray:
         """New tokens ``[B, N]`` int32 after the prompts, N <= ``max_new_tokens``: generation stops early once
         every row has emitted ``eos_id`` (>= 0), and a finished row repeats it."""
         prompt_ids_BS = np.asarray(prompt_ids_BS, np.int32)
@@ -67,8 +79,10 @@ class ExportedModel:
             raise ValueError(f"prompt ids must be [batch, length >= 1], got shape {list(prompt_ids_BS.shape)}")
         max_positions = self.manifest["model_config"]["max_position_embeddings"]
         if max_new_tokens < 1 or prompt_ids_BS.shape[1] + max_new_tokens > max_positions:
-            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 1 and leave prompt + new tokens within "
-                             f"the model's max_position_embeddings={max_positions}")
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens}: must be >= 1 and leave prompt + new tokens within "
+                f"the model's max_position_embeddings={max_positions}"
+            )
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise ValueError(f"temperature={temperature} (>= 0), top_k={top_k} (>= 0), top_p={top_p} (in (0, 1])")
         rng = np.random.default_rng(seed)

@@ -24,13 +24,14 @@ in the batch, and a served token's logits must not. The dropless form is the den
 :mod:`model.moe.dispatch` (every expert on every token, E/K times the routed FLOPs): exact, static
 shapes, one graph for any token count; a grouped-matmul kernel is the Ascend-side improvement.
 """
-from mindspore import nn, ops
-import mindspore as ms
 
-from model.attention import MASK_VALUE, document_causal_mask
-from model.export.lock_state import decode_lock_step, prefill_lock_state
-from model.moe.dispatch import dense_combine_weights
-from model.moe.router import gather_weights, router_scores, select_experts
+import mindspore as ms
+from mindspore import nn, ops
+
+from mindmoe.model.attention import MASK_VALUE, document_causal_mask
+from mindmoe.model.export.lock_state import decode_lock_step, prefill_lock_state
+from mindmoe.model.moe.dispatch import dense_combine_weights
+from mindmoe.model.moe.router import gather_weights, router_scores, select_experts
 
 
 def carries_lock_state(cfg) -> bool:
@@ -114,8 +115,9 @@ class PrefillGraph(_ServingGraph):
                 h_TH = h_BSH.reshape(batch * seq_len, -1)
                 scores_TE, topk_idx_TK = moe.natural_routing(h_TH)
                 if self.expert_lock:
-                    locked_BSK, state_BW = prefill_lock_state(topk_idx_TK.reshape(batch, seq_len, self.top_k),
-                                                              self.lock_run_length, self.lock_span)
+                    locked_BSK, state_BW = prefill_lock_state(
+                        topk_idx_TK.reshape(batch, seq_len, self.top_k), self.lock_run_length, self.lock_span
+                    )
                     topk_idx_TK = locked_BSK.reshape(batch * seq_len, self.top_k)
                     lock_states.append(state_BW)
                 x_BSH = x_BSH + moe(h_TH, scores_TE, topk_idx_TK).reshape(x_BSH.shape)
@@ -145,8 +147,11 @@ class DecodeGraph(_ServingGraph):
         slots_BC = ops.arange(capacity, dtype=ms.int32).expand_dims(0)
         position_B1 = position_B.expand_dims(1)
         write_B1C1 = ops.equal(slots_BC, position_B1).astype(kv_cache.dtype).reshape(batch, 1, capacity, 1)
-        visible_B11C = ops.select(slots_BC <= position_B1, ops.zeros((batch, capacity), ms.float32),
-                                  ops.fill(ms.float32, (batch, capacity), MASK_VALUE)).reshape(batch, 1, 1, capacity)
+        visible_B11C = ops.select(
+            slots_BC <= position_B1,
+            ops.zeros((batch, capacity), ms.float32),
+            ops.fill(ms.float32, (batch, capacity), MASK_VALUE),
+        ).reshape(batch, 1, 1, capacity)
         x_B1H = model.embed_tokens(input_ids_B1)
         new_cache = []
         new_states = []
@@ -164,8 +169,9 @@ class DecodeGraph(_ServingGraph):
                 moe = self.moe_layers[moe_idx]
                 scores_BE, topk_idx_BK = moe.natural_routing(h_BH)
                 if self.expert_lock:
-                    topk_idx_BK, state_BW = decode_lock_step(topk_idx_BK, lock_state_MBW[moe_idx], position_B,
-                                                             self.lock_run_length, self.lock_span)
+                    topk_idx_BK, state_BW = decode_lock_step(
+                        topk_idx_BK, lock_state_MBW[moe_idx], position_B, self.lock_run_length, self.lock_span
+                    )
                     new_states.append(state_BW)
                 x_B1H = x_B1H + moe(h_BH, scores_BE, topk_idx_BK).expand_dims(1)
         logits_BV = self.last_logits(x_B1H.reshape(batch, -1))

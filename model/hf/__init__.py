@@ -8,16 +8,40 @@ Only local directories, only safetensors (never unpickled), ``config.json`` read
 ``trust_remote_code``). Every problem is a :class:`HFCheckpointError` that names the file, the
 tensor or the config key.
 """
-from model.hf.config_map import (OVERRIDABLE_FIELDS, SUPPORTED_MODEL_TYPES, HFCheckpointError, ImportedConfig,
-                                 apply_overrides, read_hf_config)
-from model.hf.export import export_hf, hf_config_from_model, hf_named_tensors
-from model.hf.load import (load_hf_pretrained, load_hf_weights, plan_hf_weights, read_pretrained_config,
-                           weight_files)
-from model.hf.weights import NameMap, expected_parameter_shapes
+
+from mindmoe.model.hf.config_map import (
+    OVERRIDABLE_FIELDS,
+    SUPPORTED_MODEL_TYPES,
+    HFCheckpointError,
+    ImportedConfig,
+    apply_overrides,
+    read_hf_config,
+)
+from mindmoe.model.hf.export import export_hf, hf_config_from_model, hf_named_tensors
+from mindmoe.model.hf.load import (
+    load_hf_pretrained,
+    load_hf_weights,
+    plan_hf_weights,
+    read_pretrained_config,
+    weight_files,
+)
+from mindmoe.model.hf.weights import NameMap, expected_parameter_shapes
 
 __all__ = [
-    "HFCheckpointError", "ImportedConfig", "NameMap", "OVERRIDABLE_FIELDS", "SUPPORTED_MODEL_TYPES",
-    "apply_overrides", "expected_parameter_shapes", "export_hf", "hf_config_from_model", "hf_named_tensors",
+    "HFCheckpointError",
+    "ImportedConfig",
+    "NameMap",
+    "OVERRIDABLE_FIELDS",
+    "SUPPORTED_MODEL_TYPES",
+    "apply_overrides",
+    "expected_parameter_shapes",
+    "export_hf",
+    "hf_config_from_model",
+    "hf_named_tensors",
     "load_hf_pretrained",
-    "load_hf_weights", "plan_hf_weights", "read_hf_config", "read_pretrained_config", "weight_files",
+    "load_hf_weights",
+    "plan_hf_weights",
+    "read_hf_config",
+    "read_pretrained_config",
+    "weight_files",
 ]

@@ -22,50 +22,118 @@ attention       q/k/v bias optional,        QK-norm, no bias            no bias,
 RoPE            rotate_half, partial        rotate_half, full           rotate_half, full
 ==============  ==========================  ==========================  ===========================
 """
+
 import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from model.config import ModelConfig, validate_model_config
-from model.rope_scaling import RopeScalingConfig
+from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.rope_scaling import RopeScalingConfig
 
 SUPPORTED_MODEL_TYPES = ("glm4_moe", "qwen3_moe", "mixtral")
-ARCHITECTURES = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "mixtral": "MixtralForCausalLM"}
+ARCHITECTURES = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
 
 # transformers 4.57.1 config-class defaults of the keys read here (``from_pretrained`` fills
 # missing keys with them, so must we).
 HF_DEFAULTS = {
     "glm4_moe": dict(
-        vocab_size=151552, hidden_size=4096, intermediate_size=10944, num_hidden_layers=46,
-        num_attention_heads=96, partial_rotary_factor=0.5, num_key_value_heads=8, hidden_act="silu",
-        max_position_embeddings=131072, initializer_range=0.02, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_theta=10000.0, rope_scaling=None, attention_bias=False, attention_dropout=0.0,
-        moe_intermediate_size=1408, num_experts_per_tok=8, n_shared_experts=1, n_routed_experts=128,
-        routed_scaling_factor=1.0, n_group=1, topk_group=1, first_k_dense_replace=1, norm_topk_prob=True,
-        use_qk_norm=False, head_dim=None, num_nextn_predict_layers=0),
+        vocab_size=151552,
+        hidden_size=4096,
+        intermediate_size=10944,
+        num_hidden_layers=46,
+        num_attention_heads=96,
+        partial_rotary_factor=0.5,
+        num_key_value_heads=8,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        attention_bias=False,
+        attention_dropout=0.0,
+        moe_intermediate_size=1408,
+        num_experts_per_tok=8,
+        n_shared_experts=1,
+        n_routed_experts=128,
+        routed_scaling_factor=1.0,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        use_qk_norm=False,
+        head_dim=None,
+        num_nextn_predict_layers=0,
+    ),
     "qwen3_moe": dict(
-        vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=24,
-        num_attention_heads=32, num_key_value_heads=4, hidden_act="silu", max_position_embeddings=32768,
-        initializer_range=0.02, rms_norm_eps=1e-6, tie_word_embeddings=False, rope_theta=10000.0,
-        rope_scaling=None, attention_bias=False, use_sliding_window=False, sliding_window=4096,
-        attention_dropout=0.0, decoder_sparse_step=1, moe_intermediate_size=768, num_experts_per_tok=8,
-        num_experts=128, norm_topk_prob=False, mlp_only_layers=None, head_dim=None,
-        partial_rotary_factor=1.0),
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        hidden_act="silu",
+        max_position_embeddings=32768,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=4096,
+        attention_dropout=0.0,
+        decoder_sparse_step=1,
+        moe_intermediate_size=768,
+        num_experts_per_tok=8,
+        num_experts=128,
+        norm_topk_prob=False,
+        mlp_only_layers=None,
+        head_dim=None,
+        partial_rotary_factor=1.0,
+    ),
     "mixtral": dict(
-        vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, head_dim=None, hidden_act="silu",
-        max_position_embeddings=131072, initializer_range=0.02, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_theta=1e6, rope_scaling=None, sliding_window=None, attention_dropout=0.0, num_experts_per_tok=2,
-        num_local_experts=8, router_jitter_noise=0.0, partial_rotary_factor=1.0),
+        vocab_size=32000,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=None,
+        hidden_act="silu",
+        max_position_embeddings=131072,
+        initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=1e6,
+        rope_scaling=None,
+        sliding_window=None,
+        attention_dropout=0.0,
+        num_experts_per_tok=2,
+        num_local_experts=8,
+        router_jitter_noise=0.0,
+        partial_rotary_factor=1.0,
+    ),
 }
 
 #: ModelConfig fields an import may change: they alter training or the context length, never the
 #: shape or meaning of a pretrained weight. Every other field comes from config.json.
 OVERRIDABLE_FIELDS = (
-    "dispatch", "capacity_factor", "aux_loss", "aux_loss_coeff", "z_loss_coeff", "bias_update_rate",
-    "expert_lock", "lock_run_length", "lock_span", "isolation_decay", "isolation_mode", "initializer_range",
-    "max_position_embeddings", "rope_scaling",
+    "dispatch",
+    "capacity_factor",
+    "aux_loss",
+    "aux_loss_coeff",
+    "z_loss_coeff",
+    "bias_update_rate",
+    "expert_lock",
+    "lock_run_length",
+    "lock_span",
+    "isolation_decay",
+    "isolation_mode",
+    "initializer_range",
+    "max_position_embeddings",
+    "rope_scaling",
 )
 
 
@@ -129,21 +197,24 @@ def read_hf_config(hf: dict, source: str = "config.json", max_seq_len: int = 0) 
         raise HFCheckpointError(f"{source}: must hold a JSON object, got {type(hf).__name__}")
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise HFCheckpointError(f"{source}: model_type={model_type!r} is not supported; mindmoe imports "
-                                f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+        raise HFCheckpointError(
+            f"{source}: model_type={model_type!r} is not supported; mindmoe imports {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
     notes = []
     if hf.get("auto_map"):
-        notes.append(f"{source} has auto_map (custom code for trust_remote_code); it is read as data "
-                     f"only and no shipped code runs; the weights are loaded as {model_type}")
+        notes.append(
+            f"{source} has auto_map (custom code for trust_remote_code); it is read as data "
+            f"only and no shipped code runs; the weights are loaded as {model_type}"
+        )
     reader = _Reader(hf, model_type, source)
     if hf.get("quantization_config"):
-        reader.reject("quantization_config", "quantized checkpoints are not supported; use the "
-                                             "bf16/fp16/fp32 release")
+        reader.reject("quantization_config", "quantized checkpoints are not supported; use the bf16/fp16/fp32 release")
     if reader.raw("hidden_act") != "silu":
         reader.reject("hidden_act", "mindmoe's FFNs are SwiGLU; only 'silu' is supported")
     if (reader.float("attention_dropout", optional=True) or 0.0) > 0:
-        notes.append(f"attention_dropout={reader.raw('attention_dropout')} is not used: mindmoe has no "
-                     "attention dropout")
+        notes.append(
+            f"attention_dropout={reader.raw('attention_dropout')} is not used: mindmoe has no attention dropout"
+        )
     fields = _common_fields(reader, model_type)
     mtp_layers = 0
     if model_type == "glm4_moe":
@@ -156,8 +227,9 @@ def read_hf_config(hf: dict, source: str = "config.json", max_seq_len: int = 0) 
         fields.update(_mixtral_fields(reader, notes))
     _check_sliding_window(reader, model_type, max_seq_len or fields.get("max_position_embeddings") or 0)
     if reader.problems:
-        raise HFCheckpointError(f"{source} ({model_type}) describes a model mindmoe cannot reproduce:\n  "
-                                + "\n  ".join(reader.problems))
+        raise HFCheckpointError(
+            f"{source} ({model_type}) describes a model mindmoe cannot reproduce:\n  " + "\n  ".join(reader.problems)
+        )
     cfg = ModelConfig(**fields)
     try:
         validate_model_config(cfg)
@@ -174,13 +246,22 @@ def _common_fields(reader: _Reader, model_type: str) -> dict:
     elif head_dim is not None:
         head_dim = reader.int("head_dim")
     return dict(
-        vocab_size=reader.int("vocab_size"), hidden_size=hidden, num_layers=reader.int("num_hidden_layers"),
-        num_heads=heads, num_kv_heads=reader.int("num_key_value_heads"), head_dim=head_dim,
-        rope_theta=reader.float("rope_theta"), partial_rotary_factor=reader.float("partial_rotary_factor"),
-        rope_interleaved=False, max_position_embeddings=reader.int("max_position_embeddings"),
-        rope_scaling=rope_scaling_from_hf(reader), rms_norm_eps=reader.float("rms_norm_eps"),
-        top_k=reader.int("num_experts_per_tok"), tie_word_embeddings=reader.bool("tie_word_embeddings"),
-        initializer_range=reader.float("initializer_range"), dispatch="dropless",
+        vocab_size=reader.int("vocab_size"),
+        hidden_size=hidden,
+        num_layers=reader.int("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=reader.int("num_key_value_heads"),
+        head_dim=head_dim,
+        rope_theta=reader.float("rope_theta"),
+        partial_rotary_factor=reader.float("partial_rotary_factor"),
+        rope_interleaved=False,
+        max_position_embeddings=reader.int("max_position_embeddings"),
+        rope_scaling=rope_scaling_from_hf(reader),
+        rms_norm_eps=reader.float("rms_norm_eps"),
+        top_k=reader.int("num_experts_per_tok"),
+        tie_word_embeddings=reader.bool("tie_word_embeddings"),
+        initializer_range=reader.float("initializer_range"),
+        dispatch="dropless",
     )
 
 
@@ -190,23 +271,35 @@ def _glm4_moe_fields(reader: _Reader) -> dict:
     if shared is not None and shared < 1:
         reader.reject("n_shared_experts", "glm4_moe always builds a shared expert; 0 is not supported")
     return dict(
-        qkv_bias=reader.bool("attention_bias"), qk_norm=reader.bool("use_qk_norm"),
+        qkv_bias=reader.bool("attention_bias"),
+        qk_norm=reader.bool("use_qk_norm"),
         intermediate_size=reader.int("intermediate_size"),
         # HF: layer i is MoE iff i >= first_k_dense_replace, so a larger value means all dense.
         first_k_dense=min(reader.int("first_k_dense_replace") or 0, num_layers),
-        num_experts=reader.int("n_routed_experts"), moe_intermediate_size=reader.int("moe_intermediate_size"),
-        num_shared_experts=shared, score_func="sigmoid", expert_bias=True, bias_update_rate=0.0,
-        n_group=reader.int("n_group"), topk_group=reader.int("topk_group"),
-        norm_topk_prob=reader.bool("norm_topk_prob"), routed_scaling_factor=reader.float("routed_scaling_factor"),
+        num_experts=reader.int("n_routed_experts"),
+        moe_intermediate_size=reader.int("moe_intermediate_size"),
+        num_shared_experts=shared,
+        score_func="sigmoid",
+        expert_bias=True,
+        bias_update_rate=0.0,
+        n_group=reader.int("n_group"),
+        topk_group=reader.int("topk_group"),
+        norm_topk_prob=reader.bool("norm_topk_prob"),
+        routed_scaling_factor=reader.float("routed_scaling_factor"),
     )
 
 
 def _softmax_router_fields(reader: _Reader) -> dict:
     if reader.raw("partial_rotary_factor") != 1.0:
-        reader.reject("partial_rotary_factor", "this architecture rotates the whole head in HF; only 1.0 "
-                                               "is supported")
-    return dict(score_func="softmax", expert_bias=False, n_group=1, topk_group=1, routed_scaling_factor=1.0,
-                num_shared_experts=0)
+        reader.reject("partial_rotary_factor", "this architecture rotates the whole head in HF; only 1.0 is supported")
+    return dict(
+        score_func="softmax",
+        expert_bias=False,
+        n_group=1,
+        topk_group=1,
+        routed_scaling_factor=1.0,
+        num_shared_experts=0,
+    )
 
 
 def _qwen3_moe_fields(reader: _Reader, num_layers) -> dict:
@@ -226,27 +319,44 @@ def _qwen3_moe_fields(reader: _Reader, num_layers) -> dict:
         first_k_dense = moe[0] if moe else num_layers
         if moe != list(range(first_k_dense, num_layers)):
             dense = sorted(set(range(num_layers)) - set(moe))
-            reader.reject("decoder_sparse_step", f"with mlp_only_layers={dense_only} makes layers {dense} "
-                                                 "dense; mindmoe supports dense layers only at the start "
-                                                 "(model.first_k_dense)")
+            reader.reject(
+                "decoder_sparse_step",
+                f"with mlp_only_layers={dense_only} makes layers {dense} "
+                "dense; mindmoe supports dense layers only at the start "
+                "(model.first_k_dense)",
+            )
     if not num_experts:
         reader.reject("num_experts", "a qwen3_moe without experts is a dense model; not supported")
-    fields.update(qkv_bias=False, qk_norm=True, intermediate_size=reader.int("intermediate_size"),
-                  first_k_dense=first_k_dense, num_experts=num_experts,
-                  moe_intermediate_size=reader.int("moe_intermediate_size"),
-                  norm_topk_prob=reader.bool("norm_topk_prob"))
+    fields.update(
+        qkv_bias=False,
+        qk_norm=True,
+        intermediate_size=reader.int("intermediate_size"),
+        first_k_dense=first_k_dense,
+        num_experts=num_experts,
+        moe_intermediate_size=reader.int("moe_intermediate_size"),
+        norm_topk_prob=reader.bool("norm_topk_prob"),
+    )
     return fields
 
 
 def _mixtral_fields(reader: _Reader, notes: list) -> dict:
     fields = _softmax_router_fields(reader)
     if (reader.float("router_jitter_noise", optional=True) or 0.0) > 0:
-        notes.append(f"router_jitter_noise={reader.raw('router_jitter_noise')} is not used: mindmoe's "
-                     "router adds no training noise")
+        notes.append(
+            f"router_jitter_noise={reader.raw('router_jitter_noise')} is not used: mindmoe's "
+            "router adds no training noise"
+        )
     width = reader.int("intermediate_size")
     # Mixtral's experts are as wide as its intermediate_size and it has no dense layer.
-    fields.update(qkv_bias=False, qk_norm=False, intermediate_size=width, first_k_dense=0,
-                  num_experts=reader.int("num_local_experts"), moe_intermediate_size=width, norm_topk_prob=True)
+    fields.update(
+        qkv_bias=False,
+        qk_norm=False,
+        intermediate_size=width,
+        first_k_dense=0,
+        num_experts=reader.int("num_local_experts"),
+        moe_intermediate_size=width,
+        norm_topk_prob=True,
+    )
     return fields
 
 
@@ -261,9 +371,12 @@ def _check_sliding_window(reader: _Reader, model_type: str, used_length: int):
     if not isinstance(window, int) or isinstance(window, bool):
         reader.reject("sliding_window", "must be null or an integer")
     elif window < used_length:
-        reader.reject("sliding_window", f"is shorter than the {used_length} positions in use; mindmoe attends "
-                                        f"over the whole causal context, which equals the window only for "
-                                        f"sequences of at most {window} tokens (pass max_seq_len <= {window})")
+        reader.reject(
+            "sliding_window",
+            f"is shorter than the {used_length} positions in use; mindmoe attends "
+            f"over the whole causal context, which equals the window only for "
+            f"sequences of at most {window} tokens (pass max_seq_len <= {window})",
+        )
 
 
 def rope_scaling_from_hf(reader: _Reader) -> RopeScalingConfig:
@@ -279,8 +392,10 @@ def rope_scaling_from_hf(reader: _Reader) -> RopeScalingConfig:
     if rope_type == "default":
         return RopeScalingConfig()
     if rope_type not in ("linear", "dynamic", "yarn"):
-        reader.reject("rope_scaling", f"rope_type {rope_type!r} is not supported; mindmoe imports default, "
-                                      "linear, dynamic and yarn")
+        reader.reject(
+            "rope_scaling",
+            f"rope_type {rope_type!r} is not supported; mindmoe imports default, linear, dynamic and yarn",
+        )
         return RopeScalingConfig()
     if not isinstance(factor, (int, float)) or isinstance(factor, bool):
         reader.reject("rope_scaling", f"rope_type {rope_type!r} needs a numeric factor")
@@ -289,20 +404,26 @@ def rope_scaling_from_hf(reader: _Reader) -> RopeScalingConfig:
         return RopeScalingConfig(type="linear", factor=float(factor))
     if rope_type == "dynamic":
         # transformers 4.57.1 scales from max_position_embeddings (it ignores any original length).
-        return RopeScalingConfig(type="dynamic_ntk", factor=float(factor),
-                                 original_max_position=reader.int("max_position_embeddings") or 0)
+        return RopeScalingConfig(
+            type="dynamic_ntk", factor=float(factor), original_max_position=reader.int("max_position_embeddings") or 0
+        )
     if scaling.get("truncate", True) is not True:
-        reader.reject("rope_scaling", "yarn with truncate=false is not supported (mindmoe floors/ceils the "
-                                      "correction range like HF's default)")
+        reader.reject(
+            "rope_scaling",
+            "yarn with truncate=false is not supported (mindmoe floors/ceils the correction range like HF's default)",
+        )
     attention_factor = scaling.get("attention_factor")
     mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
     if attention_factor is None and mscale and mscale_all_dim:
         attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
-    return RopeScalingConfig(type="yarn", factor=float(factor),
-                             original_max_position=int(scaling.get("original_max_position_embeddings") or 0),
-                             beta_fast=float(scaling.get("beta_fast") or 32.0),
-                             beta_slow=float(scaling.get("beta_slow") or 1.0),
-                             attention_factor=float(attention_factor or 0.0))
+    return RopeScalingConfig(
+        type="yarn",
+        factor=float(factor),
+        original_max_position=int(scaling.get("original_max_position_embeddings") or 0),
+        beta_fast=float(scaling.get("beta_fast") or 32.0),
+        beta_slow=float(scaling.get("beta_slow") or 1.0),
+        attention_factor=float(attention_factor or 0.0),
+    )
 
 
 def _yarn_mscale(factor: float, mscale: float) -> float:
@@ -327,9 +448,11 @@ def apply_overrides(imported: ImportedConfig, overrides: dict, source: str = "co
         elif key in ("vocab_size", "head_dim") and value == 0:
             continue
         elif value != getattr(cfg, key):
-            problems.append(f"model.{key}={value!r} conflicts with {source} ({imported.model_type}), which "
-                            f"gives {getattr(cfg, key)!r}; a pretrained model's architecture comes from its "
-                            "config, so drop the override")
+            problems.append(
+                f"model.{key}={value!r} conflicts with {source} ({imported.model_type}), which "
+                f"gives {getattr(cfg, key)!r}; a pretrained model's architecture comes from its "
+                "config, so drop the override"
+            )
     if problems:
         raise HFCheckpointError("\n".join(problems))
     cfg = dataclasses.replace(cfg, **changes)

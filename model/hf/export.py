@@ -7,27 +7,43 @@ files, so that ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the same 
 A ``glm4_moe`` router always has ``e_score_correction_bias``; a model trained without a
 correction bias gets zeros, which select exactly as no bias does.
 """
+
 import json
 import shutil
 from pathlib import Path
 
 import numpy as np
 
-from model.config import ModelConfig
-from model.hf.config_map import ARCHITECTURES, SUPPORTED_MODEL_TYPES, HFCheckpointError
-from model.hf.safetensors_io import ShardedWriter, read_header, read_tensor
-from model.hf.weights import NameMap, expected_parameter_shapes, is_stacked_expert
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.hf.config_map import ARCHITECTURES, SUPPORTED_MODEL_TYPES, HFCheckpointError
+from mindmoe.model.hf.safetensors_io import ShardedWriter, read_header, read_tensor
+from mindmoe.model.hf.weights import NameMap, expected_parameter_shapes, is_stacked_expert
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 CHECKPOINT_MODEL_FILE = "model.safetensors"
 CHECKPOINT_STATE_FILE = "state.json"
 # Files of a HF tokenizer directory that are copied next to the weights.
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-                   "tokenizer.model", "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 
-def export_hf(source, model_config: ModelConfig = None, out_dir=None, tokenizer_dir=None, model_type: str = "",
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> list:
+def export_hf(
+    source,
+    model_config: ModelConfig = None,
+    out_dir=None,
+    tokenizer_dir=None,
+    model_type: str = "",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> list:
     """Write ``source`` (a ``MoETransformer`` or a mindmoe checkpoint directory) to ``out_dir``.
 
     ``model_config`` defaults to the model's own, or the ``model_config`` in the checkpoint's
@@ -41,12 +57,16 @@ def export_hf(source, model_config: ModelConfig = None, out_dir=None, tokenizer_
     model_type, hf_config, notes = hf_config_from_model(cfg, model_type)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
-    stale = sorted(p.name for p in out.iterdir() if p.name == "config.json" or p.suffix == ".safetensors"
-                   or p.name.endswith(".safetensors.index.json"))
+    stale = sorted(
+        p.name
+        for p in out.iterdir()
+        if p.name == "config.json" or p.suffix == ".safetensors" or p.name.endswith(".safetensors.index.json")
+    )
     if stale:
         # Shards of an earlier export would sit beside the new ones and confuse from_pretrained.
-        raise HFCheckpointError(f"{out} already holds a checkpoint ({', '.join(stale[:3])}); export into an "
-                                "empty directory")
+        raise HFCheckpointError(
+            f"{out} already holds a checkpoint ({', '.join(stale[:3])}); export into an empty directory"
+        )
     writer = ShardedWriter(out, max_shard_bytes)
     try:
         for hf_name, array in hf_named_tensors(cfg, model_type, tensors):
@@ -70,18 +90,21 @@ def hf_named_tensors(cfg: ModelConfig, model_type: str, named_arrays):
     seen = set()
     for our_name, array in named_arrays:
         if our_name not in shapes:
-            raise HFCheckpointError(f"{our_name}: not a parameter of a mindmoe model with this config "
-                                    "(merge LoRA adapters into the base weights before exporting)")
+            raise HFCheckpointError(
+                f"{our_name}: not a parameter of a mindmoe model with this config "
+                "(merge LoRA adapters into the base weights before exporting)"
+            )
         if tuple(array.shape) != tuple(shapes[our_name]):
-            raise HFCheckpointError(f"{our_name}: shape {list(array.shape)} vs {list(shapes[our_name])} "
-                                    "from the model config")
+            raise HFCheckpointError(
+                f"{our_name}: shape {list(array.shape)} vs {list(shapes[our_name])} from the model config"
+            )
         seen.add(our_name)
         array = array.astype(np.float32, copy=False)
         for hf_name, row in names.to_hf(our_name, array.shape[0] if is_stacked_expert(our_name) else 0):
             yield hf_name, array if row is None else array[row]
         if model_type == "glm4_moe" and our_name.endswith("mlp.router.weight") and not cfg.expert_bias:
             # HF's glm4_moe router always has the buffer; zeros select exactly as no bias does.
-            bias_name = our_name[:-len("weight")] + "e_score_correction_bias"
+            bias_name = our_name[: -len("weight")] + "e_score_correction_bias"
             yield names.to_hf(bias_name)[0][0], np.zeros(cfg.num_experts, np.float32)
     missing = sorted(set(shapes) - seen)
     if missing:
@@ -101,8 +124,9 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str = "") -> tuple:
             return candidate, _export_dict(cfg, candidate), _export_notes(cfg)
         reasons[candidate] = problems
     lines = [f"  {name}: " + "; ".join(problems) for name, problems in reasons.items()]
-    raise HFCheckpointError("the model cannot be written as a HF checkpoint that gives the same logits:\n"
-                            + "\n".join(lines))
+    raise HFCheckpointError(
+        "the model cannot be written as a HF checkpoint that gives the same logits:\n" + "\n".join(lines)
+    )
 
 
 def _export_problems(cfg: ModelConfig, model_type: str) -> list:
@@ -113,28 +137,42 @@ def _export_problems(cfg: ModelConfig, model_type: str) -> list:
         if cfg.num_shared_experts < 1:
             problems.append("needs num_shared_experts >= 1")
     else:
-        need.update(score_func="softmax", expert_bias=False, n_group=1, routed_scaling_factor=1.0,
-                    num_shared_experts=0, qkv_bias=False, partial_rotary_factor=1.0)
+        need.update(
+            score_func="softmax",
+            expert_bias=False,
+            n_group=1,
+            routed_scaling_factor=1.0,
+            num_shared_experts=0,
+            qkv_bias=False,
+            partial_rotary_factor=1.0,
+        )
         if model_type == "qwen3_moe":
             need.update(qk_norm=True)
         else:
             need.update(qk_norm=False, norm_topk_prob=True, first_k_dense=0)
-    problems += [f"needs {key}={value!r} (has {getattr(cfg, key)!r})" for key, value in need.items()
-                 if getattr(cfg, key) != value]
+    problems += [
+        f"needs {key}={value!r} (has {getattr(cfg, key)!r})"
+        for key, value in need.items()
+        if getattr(cfg, key) != value
+    ]
     scaling = cfg.rope_scaling
     if scaling.type == "ntk":
         problems.append("rope_scaling.type='ntk' (static NTK) has no HF equivalent")
     if scaling.type == "dynamic_ntk" and scaling.original_max_position not in (0, cfg.max_position_embeddings):
-        problems.append("HF dynamic RoPE scales from max_position_embeddings; rope_scaling.original_max_position "
-                        "must be 0 or equal to it")
+        problems.append(
+            "HF dynamic RoPE scales from max_position_embeddings; rope_scaling.original_max_position "
+            "must be 0 or equal to it"
+        )
     return problems
 
 
 def _export_notes(cfg: ModelConfig) -> list:
     notes = []
     if cfg.expert_lock:
-        notes.append("expert locking (model.expert_lock) is a mindmoe routing rule; HF routes without it, so "
-                     "logits of sequences that would lock differ")
+        notes.append(
+            "expert locking (model.expert_lock) is a mindmoe routing rule; HF routes without it, so "
+            "logits of sequences that would lock differ"
+        )
     if cfg.dispatch == "capacity":
         notes.append("HF MoE layers are dropless; logits match mindmoe with model.dispatch=dropless")
     return notes
@@ -148,9 +186,13 @@ def _hf_rope_scaling(cfg: ModelConfig):
         return {"rope_type": "linear", "factor": scaling.factor}
     if scaling.type == "dynamic_ntk":
         return {"rope_type": "dynamic", "factor": scaling.factor}
-    out = {"rope_type": "yarn", "factor": scaling.factor,
-           "original_max_position_embeddings": scaling.original_max_position or cfg.max_position_embeddings,
-           "beta_fast": scaling.beta_fast, "beta_slow": scaling.beta_slow}
+    out = {
+        "rope_type": "yarn",
+        "factor": scaling.factor,
+        "original_max_position_embeddings": scaling.original_max_position or cfg.max_position_embeddings,
+        "beta_fast": scaling.beta_fast,
+        "beta_slow": scaling.beta_slow,
+    }
     if scaling.attention_factor:
         out["attention_factor"] = scaling.attention_factor
     return out
@@ -158,30 +200,61 @@ def _hf_rope_scaling(cfg: ModelConfig):
 
 def _export_dict(cfg: ModelConfig, model_type: str) -> dict:
     out = {
-        "architectures": [ARCHITECTURES[model_type]], "model_type": model_type, "torch_dtype": "float32",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "num_hidden_layers": cfg.num_layers,
-        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.resolved_head_dim, "hidden_act": "silu",
-        "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_scaling": _hf_rope_scaling(cfg),
-        "tie_word_embeddings": cfg.tie_word_embeddings, "initializer_range": cfg.initializer_range,
-        "attention_dropout": 0.0, "num_experts_per_tok": cfg.top_k, "use_cache": True,
+        "architectures": [ARCHITECTURES[model_type]],
+        "model_type": model_type,
+        "torch_dtype": "float32",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_layers,
+        "num_attention_heads": cfg.num_heads,
+        "num_key_value_heads": cfg.num_kv_heads,
+        "head_dim": cfg.resolved_head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": _hf_rope_scaling(cfg),
+        "tie_word_embeddings": cfg.tie_word_embeddings,
+        "initializer_range": cfg.initializer_range,
+        "attention_dropout": 0.0,
+        "num_experts_per_tok": cfg.top_k,
+        "use_cache": True,
     }
     if model_type == "glm4_moe":
-        out.update(partial_rotary_factor=cfg.partial_rotary_factor, attention_bias=cfg.qkv_bias,
-                   use_qk_norm=cfg.qk_norm, intermediate_size=cfg.intermediate_size,
-                   first_k_dense_replace=cfg.first_k_dense, n_routed_experts=cfg.num_experts,
-                   moe_intermediate_size=cfg.moe_intermediate_size, n_shared_experts=cfg.num_shared_experts,
-                   n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-                   routed_scaling_factor=cfg.routed_scaling_factor, num_nextn_predict_layers=0)
+        out.update(
+            partial_rotary_factor=cfg.partial_rotary_factor,
+            attention_bias=cfg.qkv_bias,
+            use_qk_norm=cfg.qk_norm,
+            intermediate_size=cfg.intermediate_size,
+            first_k_dense_replace=cfg.first_k_dense,
+            n_routed_experts=cfg.num_experts,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            n_shared_experts=cfg.num_shared_experts,
+            n_group=cfg.n_group,
+            topk_group=cfg.topk_group,
+            norm_topk_prob=cfg.norm_topk_prob,
+            routed_scaling_factor=cfg.routed_scaling_factor,
+            num_nextn_predict_layers=0,
+        )
     elif model_type == "qwen3_moe":
-        out.update(attention_bias=False, intermediate_size=cfg.intermediate_size, num_experts=cfg.num_experts,
-                   moe_intermediate_size=cfg.moe_intermediate_size, decoder_sparse_step=1,
-                   mlp_only_layers=list(range(cfg.first_k_dense)), norm_topk_prob=cfg.norm_topk_prob,
-                   use_sliding_window=False, sliding_window=None)
+        out.update(
+            attention_bias=False,
+            intermediate_size=cfg.intermediate_size,
+            num_experts=cfg.num_experts,
+            moe_intermediate_size=cfg.moe_intermediate_size,
+            decoder_sparse_step=1,
+            mlp_only_layers=list(range(cfg.first_k_dense)),
+            norm_topk_prob=cfg.norm_topk_prob,
+            use_sliding_window=False,
+            sliding_window=None,
+        )
     else:
-        out.update(intermediate_size=cfg.moe_intermediate_size, num_local_experts=cfg.num_experts,
-                   sliding_window=None, router_jitter_noise=0.0)
+        out.update(
+            intermediate_size=cfg.moe_intermediate_size,
+            num_local_experts=cfg.num_experts,
+            sliding_window=None,
+            router_jitter_noise=0.0,
+        )
     return out
 
 
@@ -193,15 +266,16 @@ def _source(source, model_config):
             directory = directory.parent
         weights = directory / CHECKPOINT_MODEL_FILE
         if not weights.is_file():
-            raise HFCheckpointError(f"{source}: no {CHECKPOINT_MODEL_FILE} (expected a mindmoe checkpoint "
-                                    "directory such as <run dir>/checkpoints/step_000300)")
+            raise HFCheckpointError(
+                f"{source}: no {CHECKPOINT_MODEL_FILE} (expected a mindmoe checkpoint "
+                "directory such as <run dir>/checkpoints/step_000300)"
+            )
         if model_config is None:
             state_path = directory / CHECKPOINT_STATE_FILE
             try:
                 model_config = ModelConfig(**json.loads(state_path.read_text(encoding="utf-8"))["model_config"])
             except (OSError, KeyError, TypeError, json.JSONDecodeError) as err:
-                raise HFCheckpointError(f"{state_path}: no usable model_config ({err!r}); pass model_config") \
-                    from None
+                raise HFCheckpointError(f"{state_path}: no usable model_config ({err!r}); pass model_config") from None
         return model_config, _checkpoint_tensors(weights)
     cfg = model_config or source.config
     return cfg, ((param.name, param.asnumpy()) for param in source.get_parameters())
@@ -217,8 +291,8 @@ def _token_ids(tokenizer_dir) -> dict:
     """bos/eos/pad ids for config.json, from the tokenizer that ships with the model."""
     if tokenizer_dir is None:
         return {}
-    from data.hf_tokenizer import load_hf_tokenizer
-    from data.tokenizer import load_tokenizer
+    from mindmoe.data.hf_tokenizer import load_hf_tokenizer
+    from mindmoe.data.tokenizer import load_tokenizer
 
     # A mindmoe checkpoint records its sentencepiece .model file, a HF directory its tokenizer files.
     is_model_file = Path(tokenizer_dir).expanduser().is_file()
@@ -230,8 +304,10 @@ def _token_ids(tokenizer_dir) -> dict:
 def _copy_tokenizer(tokenizer: Path, out: Path) -> list:
     if tokenizer.is_file() and tokenizer.suffix == ".model":
         shutil.copyfile(tokenizer, out / "tokenizer.model")
-        return ["the sentencepiece model is copied as tokenizer.model; HF needs a tokenizer class to load it "
-                "(e.g. LlamaTokenizer), which mindmoe does not choose for you"]
+        return [
+            "the sentencepiece model is copied as tokenizer.model; HF needs a tokenizer class to load it "
+            "(e.g. LlamaTokenizer), which mindmoe does not choose for you"
+        ]
     if not tokenizer.is_dir():
         raise HFCheckpointError(f"{tokenizer}: not a tokenizer directory or a sentencepiece .model")
     copied = [name for name in TOKENIZER_FILES if (tokenizer / name).is_file()]

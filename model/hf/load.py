@@ -13,6 +13,7 @@ Memory while streaming: the model, plus the tensor being read, plus at most the 
 parameters whose rows are still arriving (one per projection being filled; with HF's per-layer
 tensor order that is three ``[E, out, in]`` buffers at a time).
 """
+
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -20,9 +21,9 @@ from pathlib import Path
 import numpy as np
 from mindspore import Tensor
 
-from model.hf.config_map import HFCheckpointError, ImportedConfig, apply_overrides, read_hf_config
-from model.hf.safetensors_io import INDEX_FILE, READABLE_DTYPES, SINGLE_FILE, read_header, read_tensor
-from model.hf.weights import NameMap, expected_parameter_shapes, hf_layer_index, is_stacked_expert
+from mindmoe.model.hf.config_map import HFCheckpointError, ImportedConfig, apply_overrides, read_hf_config
+from mindmoe.model.hf.safetensors_io import INDEX_FILE, READABLE_DTYPES, SINGLE_FILE, read_header, read_tensor
+from mindmoe.model.hf.weights import NameMap, expected_parameter_shapes, hf_layer_index, is_stacked_expert
 
 CONFIG_FILE = "config.json"
 # Listing every one of 10,000 missing expert rows helps nobody; each kind of problem is cut here.
@@ -34,8 +35,10 @@ def read_pretrained_config(path, overrides: dict = None, max_seq_len: int = 0) -
     directory = _directory(path)
     config_path = directory / CONFIG_FILE
     if not config_path.is_file():
-        raise HFCheckpointError(f"{directory}: no {CONFIG_FILE}; a HF checkpoint directory needs config.json, "
-                                "the *.safetensors weights and the tokenizer files")
+        raise HFCheckpointError(
+            f"{directory}: no {CONFIG_FILE}; a HF checkpoint directory needs config.json, "
+            "the *.safetensors weights and the tokenizer files"
+        )
     try:
         hf = json.loads(config_path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -44,8 +47,9 @@ def read_pretrained_config(path, overrides: dict = None, max_seq_len: int = 0) -
     if overrides:
         imported.model_config = apply_overrides(imported, overrides, str(config_path))
     if imported.model_config.dispatch == "dropless":
-        imported.notes.append("MoE layers use dispatch=dropless (capacity dropping would change the "
-                              "pretrained model's logits)")
+        imported.notes.append(
+            "MoE layers use dispatch=dropless (capacity dropping would change the pretrained model's logits)"
+        )
     return imported
 
 
@@ -56,7 +60,7 @@ def load_hf_pretrained(path, overrides: dict = None, max_seq_len: int = 0, cell_
     ``max_seq_len``: the longest sequence that will be run (checked against sliding windows);
     ``cell_reuse``: see :class:`model.transformer.MoETransformer`.
     """
-    from model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
+    from mindmoe.model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
 
     imported = read_pretrained_config(path, overrides, max_seq_len)
     plan = plan_hf_weights(path, imported)
@@ -87,8 +91,9 @@ def weight_files(path) -> list:
             raise HFCheckpointError(f"{index_path}: not a safetensors index with a weight_map ({err!r})") from None
         missing = [name for name in files if not (directory / name).is_file()]
         if missing:
-            raise HFCheckpointError(f"{index_path} lists shards that are not in {directory}: "
-                                    f"{', '.join(missing)} (incomplete download?)")
+            raise HFCheckpointError(
+                f"{index_path} lists shards that are not in {directory}: {', '.join(missing)} (incomplete download?)"
+            )
         return [directory / name for name in files]
     if (directory / SINGLE_FILE).is_file():
         return [directory / SINGLE_FILE]
@@ -96,8 +101,10 @@ def weight_files(path) -> list:
     if any(name.endswith(".safetensors") for name in found):
         why = f"has {', '.join(found)} but neither {SINGLE_FILE} nor {INDEX_FILE} to say which are the model"
     elif found:
-        why = (f"has only {', '.join(found)}; mindmoe reads safetensors and never unpickles checkpoints "
-               "(convert them with save_pretrained(safe_serialization=True))")
+        why = (
+            f"has only {', '.join(found)}; mindmoe reads safetensors and never unpickles checkpoints "
+            "(convert them with save_pretrained(safe_serialization=True))"
+        )
     else:
         why = f"has no weights ({SINGLE_FILE} or {INDEX_FILE} with its shards)"
     raise HFCheckpointError(f"{directory}: {why}")
@@ -136,22 +143,27 @@ def plan_hf_weights(path, imported: ImportedConfig) -> WeightPlan:
                 continue
             target = names.to_ours(entry.name)
             if target is None or target[0] not in shapes:
-                why = "no mindmoe parameter" if target is None else \
-                    f"would be {target[0]}, which this config does not have"
+                why = (
+                    "no mindmoe parameter"
+                    if target is None
+                    else f"would be {target[0]}, which this config does not have"
+                )
                 problems["unexpected"].append(f"{where}: {entry.dtype}{list(entry.shape)}, {why}")
                 continue
             our_name, row = target
             expected = shapes[our_name] if row is None else shapes[our_name][1:]
             if row is not None and row >= shapes[our_name][0]:
-                problems["unexpected"].append(f"{where}: expert {row}, but the config has "
-                                              f"{shapes[our_name][0]} experts")
+                problems["unexpected"].append(
+                    f"{where}: expert {row}, but the config has {shapes[our_name][0]} experts"
+                )
                 continue
             if entry.dtype not in READABLE_DTYPES:
                 problems["dtype"].append(f"{where}: dtype {entry.dtype}; readable: {', '.join(READABLE_DTYPES)}")
                 continue
             if tuple(entry.shape) != tuple(expected):
-                problems["shape"].append(f"{where}: checkpoint {list(entry.shape)} vs {list(expected)} "
-                                         f"expected from config.json")
+                problems["shape"].append(
+                    f"{where}: checkpoint {list(entry.shape)} vs {list(expected)} expected from config.json"
+                )
                 continue
             if entry.dtype != "F32":
                 converted[entry.dtype] += 1
@@ -162,9 +174,11 @@ def plan_hf_weights(path, imported: ImportedConfig) -> WeightPlan:
     if problems:
         raise HFCheckpointError(_problem_report(path, imported.model_type, problems))
     if skipped_mtp:
-        notes.append(f"skipped {len(skipped_mtp)} multi-token-prediction tensors of layer(s) "
-                     f"{sorted({hf_layer_index(n) for n in skipped_mtp})} (model.layers.{cfg.num_layers}.*): "
-                     "mindmoe does not train the MTP head")
+        notes.append(
+            f"skipped {len(skipped_mtp)} multi-token-prediction tensors of layer(s) "
+            f"{sorted({hf_layer_index(n) for n in skipped_mtp})} (model.layers.{cfg.num_layers}.*): "
+            "mindmoe does not train the MTP head"
+        )
     if skipped_rope:
         notes.append(f"skipped {len(skipped_rope)} saved rotary_emb.inv_freq caches (recomputed from config.json)")
     for dtype, count in sorted(converted.items()):
@@ -177,9 +191,11 @@ def load_hf_weights(model, plan: WeightPlan) -> list:
     params = {param.name: param for param in model.get_parameters()}
     model_shapes = {name: tuple(param.shape) for name, param in params.items()}
     if model_shapes != {name: tuple(shape) for name, shape in plan.shapes.items()}:
-        raise HFCheckpointError("the model's parameters differ from those its config implies "
-                                f"({sorted(set(model_shapes) ^ set(plan.shapes))[:5]}); a model built "
-                                "from another config?")
+        raise HFCheckpointError(
+            "the model's parameters differ from those its config implies "
+            f"({sorted(set(model_shapes) ^ set(plan.shapes))[:5]}); a model built "
+            "from another config?"
+        )
     by_file = defaultdict(list)
     for assignment in plan.assignments:
         by_file[assignment[0].file].append(assignment)
@@ -233,8 +249,10 @@ def _check_coverage(shapes: dict, filled: dict, names: NameMap, problems: dict):
 def _directory(path) -> Path:
     directory = Path(path).expanduser()
     if not directory.is_dir():
-        raise HFCheckpointError(f"{directory}: not a directory (model.pretrained must be a local HF "
-                                "checkpoint directory; hub ids are not downloaded)")
+        raise HFCheckpointError(
+            f"{directory}: not a directory (model.pretrained must be a local HF "
+            "checkpoint directory; hub ids are not downloaded)"
+        )
     return directory
 
 
@@ -247,10 +265,14 @@ def _index_names(path) -> dict:
 
 
 def _problem_report(path, model_type: str, problems: dict) -> str:
-    titles = {"missing": "missing (the config needs them, no file has them)",
-              "unexpected": "unmapped tensors (not part of a mindmoe model with this config)",
-              "shape": "shape mismatches", "dtype": "unsupported dtypes", "duplicate": "duplicated tensors",
-              "index": "index disagrees with the shards"}
+    titles = {
+        "missing": "missing (the config needs them, no file has them)",
+        "unexpected": "unmapped tensors (not part of a mindmoe model with this config)",
+        "shape": "shape mismatches",
+        "dtype": "unsupported dtypes",
+        "duplicate": "duplicated tensors",
+        "index": "index disagrees with the shards",
+    }
     lines = [f"{path}: the {model_type} weights do not match config.json:"]
     for kind, title in titles.items():
         items = problems.get(kind)

@@ -8,6 +8,7 @@ raises "data type 'bfloat16' not understood" unless some other library has regis
 a memory bound that is easy to state: a tensor costs its own bytes, once, while it is read.
 Nothing here unpickles anything.
 """
+
 import json
 import os
 import struct
@@ -51,8 +52,7 @@ def read_header(path: Path) -> list:
             raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
         (header_len,) = struct.unpack("<Q", head)
         if header_len > min(size - 8, MAX_HEADER_BYTES):
-            raise ValueError(f"{path}: not a safetensors file (header length {header_len} for a file of "
-                             f"{size} bytes)")
+            raise ValueError(f"{path}: not a safetensors file (header length {header_len} for a file of {size} bytes)")
         try:
             header = json.loads(handle.read(header_len))
         except (UnicodeDecodeError, json.JSONDecodeError) as err:
@@ -67,12 +67,16 @@ def read_header(path: Path) -> list:
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"{path}: malformed header entry for tensor {name!r}: {info!r}") from None
         if not 0 <= begin <= end <= size - data_start:
-            raise ValueError(f"{path}: tensor {name} has data_offsets [{begin}, {end}] outside the file's "
-                             f"{size - data_start} data bytes (truncated file?)")
+            raise ValueError(
+                f"{path}: tensor {name} has data_offsets [{begin}, {end}] outside the file's "
+                f"{size - data_start} data bytes (truncated file?)"
+            )
         entry = TensorEntry(name, dtype, shape, path, data_start + begin, end - begin)
         if dtype in READABLE_DTYPES and entry.numel * READABLE_DTYPES[dtype][0] != entry.nbytes:
-            raise ValueError(f"{path}: tensor {name} {dtype}{list(shape)} should take "
-                             f"{entry.numel * READABLE_DTYPES[dtype][0]} bytes, header says {entry.nbytes}")
+            raise ValueError(
+                f"{path}: tensor {name} {dtype}{list(shape)} should take "
+                f"{entry.numel * READABLE_DTYPES[dtype][0]} bytes, header says {entry.nbytes}"
+            )
         entries.append(entry)
     return sorted(entries, key=lambda e: e.offset)
 
@@ -80,8 +84,9 @@ def read_header(path: Path) -> list:
 def read_tensor(handle, entry: TensorEntry) -> np.ndarray:
     """One tensor from an open file as float32 (F32, F16, BF16; the caller rejects other dtypes)."""
     if entry.dtype not in READABLE_DTYPES:
-        raise ValueError(f"{entry.file}: tensor {entry.name} has dtype {entry.dtype}; only "
-                         f"{', '.join(READABLE_DTYPES)} can be read")
+        raise ValueError(
+            f"{entry.file}: tensor {entry.name} has dtype {entry.dtype}; only {', '.join(READABLE_DTYPES)} can be read"
+        )
     handle.seek(entry.offset)
     raw = np.fromfile(handle, dtype=READABLE_DTYPES[entry.dtype][1], count=entry.numel)
     if raw.size != entry.numel:

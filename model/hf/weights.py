@@ -8,10 +8,11 @@ stacked ``[E, out, in]`` expert parameter, whose name has no ``{expert}``.
 Shapes: V vocab, H hidden, N query heads, G kv heads, D head_dim, I dense FFN width, E experts,
 I_e expert width, S = n_shared * I_e.
 """
+
 import re
 from dataclasses import dataclass
 
-from model.config import ModelConfig
+from mindmoe.model.config import ModelConfig
 
 SWIGLU = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -47,32 +48,51 @@ def _common_rules(extra_attention_weights: tuple) -> list:
         Rule("model.embed_tokens.weight", "embed_tokens.weight"),
         Rule("model.norm.weight", "norm.weight"),
         Rule("lm_head.weight", "lm_head.weight"),
-        Rule("model.layers.{layer}.{norm}.weight", "layers.{layer}.{norm}.weight",
-             (("norm", ("input_layernorm", "post_attention_layernorm")),)),
-        Rule("model.layers.{layer}.self_attn.{proj}.weight", "layers.{layer}.self_attn.{proj}.weight",
-             (("proj", ("q_proj", "k_proj", "v_proj", "o_proj") + extra_attention_weights),)),
+        Rule(
+            "model.layers.{layer}.{norm}.weight",
+            "layers.{layer}.{norm}.weight",
+            (("norm", ("input_layernorm", "post_attention_layernorm")),),
+        ),
+        Rule(
+            "model.layers.{layer}.self_attn.{proj}.weight",
+            "layers.{layer}.self_attn.{proj}.weight",
+            (("proj", ("q_proj", "k_proj", "v_proj", "o_proj") + extra_attention_weights),),
+        ),
     ]
 
 
 def _router_and_expert_rules(moe: str, expert_words) -> list:
     return [
         Rule(f"model.layers.{{layer}}.{moe}.gate.weight", "layers.{layer}.mlp.router.weight"),
-        Rule(f"model.layers.{{layer}}.{moe}.experts.{{expert}}.{{proj}}.weight", "layers.{layer}.mlp.experts.{proj}",
-             (("proj", expert_words),)),
+        Rule(
+            f"model.layers.{{layer}}.{moe}.experts.{{expert}}.{{proj}}.weight",
+            "layers.{layer}.mlp.experts.{proj}",
+            (("proj", expert_words),),
+        ),
     ]
 
 
 DENSE_MLP = Rule("model.layers.{layer}.mlp.{proj}.weight", "layers.{layer}.mlp.{proj}.weight", (("proj", SWIGLU),))
-QKV_BIAS = Rule("model.layers.{layer}.self_attn.{proj}.bias", "layers.{layer}.self_attn.{proj}.bias",
-                (("proj", ("q_proj", "k_proj", "v_proj")),))
+QKV_BIAS = Rule(
+    "model.layers.{layer}.self_attn.{proj}.bias",
+    "layers.{layer}.self_attn.{proj}.bias",
+    (("proj", ("q_proj", "k_proj", "v_proj")),),
+)
 QK_NORM = ("q_norm", "k_norm")
 
 RULES = {
-    "glm4_moe": _common_rules(QK_NORM) + [QKV_BIAS, DENSE_MLP] + _router_and_expert_rules("mlp", SWIGLU) + [
-        Rule("model.layers.{layer}.mlp.gate.e_score_correction_bias",
-             "layers.{layer}.mlp.router.e_score_correction_bias"),
-        Rule("model.layers.{layer}.mlp.shared_experts.{proj}.weight",
-             "layers.{layer}.mlp.shared_experts.{proj}.weight", (("proj", SWIGLU),)),
+    "glm4_moe": _common_rules(QK_NORM)
+    + [QKV_BIAS, DENSE_MLP]
+    + _router_and_expert_rules("mlp", SWIGLU)
+    + [
+        Rule(
+            "model.layers.{layer}.mlp.gate.e_score_correction_bias", "layers.{layer}.mlp.router.e_score_correction_bias"
+        ),
+        Rule(
+            "model.layers.{layer}.mlp.shared_experts.{proj}.weight",
+            "layers.{layer}.mlp.shared_experts.{proj}.weight",
+            (("proj", SWIGLU),),
+        ),
     ],
     "qwen3_moe": _common_rules(QK_NORM) + [DENSE_MLP] + _router_and_expert_rules("mlp", SWIGLU),
     "mixtral": _common_rules(()) + _router_and_expert_rules("block_sparse_moe", MIXTRAL_EXPERT),
@@ -84,8 +104,9 @@ class NameMap:
 
     def __init__(self, model_type: str):
         self.model_type = model_type
-        self.rules = [(rule, rule._pattern(rule.hf, True), rule._pattern(rule.ours, False))
-                      for rule in RULES[model_type]]
+        self.rules = [
+            (rule, rule._pattern(rule.hf, True), rule._pattern(rule.ours, False)) for rule in RULES[model_type]
+        ]
 
     def to_ours(self, hf_name: str):
         """``(our name, expert row or None)``, or None when no rule matches."""
@@ -145,8 +166,7 @@ def expected_parameter_shapes(cfg: ModelConfig) -> dict:
         shapes[prefix + "mlp.experts.up_proj"] = (experts, width, hidden)
         shapes[prefix + "mlp.experts.down_proj"] = (experts, hidden, width)
         if cfg.num_shared_experts > 0:
-            shapes.update(_swiglu_shapes(prefix + "mlp.shared_experts.", hidden,
-                                         width * cfg.num_shared_experts))
+            shapes.update(_swiglu_shapes(prefix + "mlp.shared_experts.", hidden, width * cfg.num_shared_experts))
     shapes["norm.weight"] = (hidden,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
@@ -154,8 +174,11 @@ def expected_parameter_shapes(cfg: ModelConfig) -> dict:
 
 
 def _swiglu_shapes(prefix: str, hidden: int, width: int) -> dict:
-    return {prefix + "gate_proj.weight": (width, hidden), prefix + "up_proj.weight": (width, hidden),
-            prefix + "down_proj.weight": (hidden, width)}
+    return {
+        prefix + "gate_proj.weight": (width, hidden),
+        prefix + "up_proj.weight": (width, hidden),
+        prefix + "down_proj.weight": (hidden, width),
+    }
 
 
 def is_stacked_expert(our_name: str) -> bool:

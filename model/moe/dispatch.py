@@ -12,10 +12,11 @@ dropped. Slots are filled by *gathering* token rows and results are combined by
 ``[T, E]`` weight matrix that is zero off the chosen experts. Exact and static, at
 E/K times the routed FLOPs; the grouped-matmul path belongs to Ascend.
 """
+
 import math
 
-from mindspore import ops
 import mindspore as ms
+from mindspore import ops
 
 _BMM = ops.BatchMatMul()
 
@@ -35,8 +36,9 @@ def capacity_slots(topk_idx_TK, num_experts: int, capacity: int):
     # Rank of each assignment among those of its expert, counted in token order.
     rank_A = (ops.cumsum(one_hot_AE, 0) * one_hot_AE).sum(-1) - 1
     kept_A = rank_A < capacity
-    slot_A = ops.select(kept_A, expert_A * capacity + rank_A,
-                        ops.fill(ms.int32, expert_A.shape, num_experts * capacity))
+    slot_A = ops.select(
+        kept_A, expert_A * capacity + rank_A, ops.fill(ms.int32, expert_A.shape, num_experts * capacity)
+    )
     return slot_A.astype(ms.int32), kept_A
 
 
@@ -48,8 +50,9 @@ def gather_to_slots(x_TH, slot_A, num_experts: int, capacity: int):
     num_slots = num_experts * capacity
     # 1 + token index per filled slot (0 = empty); the extra last slot collects drops.
     token_plus_one_S = ops.scatter_nd(slot_A.expand_dims(-1), token_A + 1, (num_slots + 1,))[:num_slots]
-    source_S = ops.select(token_plus_one_S > 0, token_plus_one_S - 1,
-                          ops.fill(ms.int32, token_plus_one_S.shape, num_tokens))
+    source_S = ops.select(
+        token_plus_one_S > 0, token_plus_one_S - 1, ops.fill(ms.int32, token_plus_one_S.shape, num_tokens)
+    )
     x_padded = ops.concat((x_TH, ops.zeros((1, hidden), x_TH.dtype)), 0)
     return ops.gather(x_padded, source_S, 0).reshape(num_experts, capacity, hidden)
 

@@ -6,10 +6,11 @@ is row e of the stacked tensor.
 
 Shape legend: E experts, C rows per expert (capacity slots or all tokens), H hidden, I expert width.
 """
+
 import numpy as np
 from mindspore import Parameter, nn, ops
 
-from model.linear import normal_init
+from mindmoe.model.linear import normal_init
 
 
 class RowScaledWeightGradMatmul(nn.Cell):
@@ -39,15 +40,17 @@ class RowScaledWeightGradMatmul(nn.Cell):
 class RoutedExperts(nn.Cell):
     """Applies expert e to row-block e of ``x [E, C, H]`` (one batched matmul per projection)."""
 
-    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, std: float,
-                 rng: np.random.Generator):
+    def __init__(
+        self, num_experts: int, hidden_size: int, intermediate_size: int, std: float, rng: np.random.Generator
+    ):
         super().__init__()
-        self.gate_proj = Parameter(normal_init((num_experts, intermediate_size, hidden_size), std, rng),
-                                   name="gate_proj")
-        self.up_proj = Parameter(normal_init((num_experts, intermediate_size, hidden_size), std, rng),
-                                 name="up_proj")
-        self.down_proj = Parameter(normal_init((num_experts, hidden_size, intermediate_size), std, rng),
-                                   name="down_proj")
+        self.gate_proj = Parameter(
+            normal_init((num_experts, intermediate_size, hidden_size), std, rng), name="gate_proj"
+        )
+        self.up_proj = Parameter(normal_init((num_experts, intermediate_size, hidden_size), std, rng), name="up_proj")
+        self.down_proj = Parameter(
+            normal_init((num_experts, hidden_size, intermediate_size), std, rng), name="down_proj"
+        )
         self.bmm = ops.BatchMatMul(transpose_b=True)
         self.scaled_bmm = RowScaledWeightGradMatmul()
 

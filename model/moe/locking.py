@@ -13,8 +13,9 @@ of positions (``cummax``), so the whole thing is a handful of vectorised ops wit
 over tokens — it compiles into the graph, and a decoder can carry the same state
 incrementally. Documents are the contiguous runs of equal ``doc_ids`` (packing's layout).
 """
-from mindspore import ops
+
 import mindspore as ms
+from mindspore import ops
 
 
 def _prefix_last(flag_BS, positions_BS):
@@ -53,8 +54,9 @@ def lock_routing(topk_idx_BSK, doc_ids_BS, run_length: int, span: int):
 
     source_BSK = ops.broadcast_to(ops.maximum(source_BS, 0).expand_dims(-1), (batch, seq_len, top_k))
     inherited_BSK = ops.gather_elements(topk_idx_BSK, 1, source_BSK)
-    locked_topk_idx_BSK = ops.select(ops.broadcast_to(locked_BS.expand_dims(-1), (batch, seq_len, top_k)),
-                                     inherited_BSK, topk_idx_BSK)
+    locked_topk_idx_BSK = ops.select(
+        ops.broadcast_to(locked_BS.expand_dims(-1), (batch, seq_len, top_k)), inherited_BSK, topk_idx_BSK
+    )
     return locked_BS, locked_topk_idx_BSK
 
 

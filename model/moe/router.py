@@ -9,8 +9,9 @@ Conventions follow Megatron-Core / DeepSeek-V3 / HF ``glm4_moe``:
   perfectly balanced routing costs exactly ``coeff`` (HF Mixtral's form would give ``K * coeff``);
 - ``P_e`` uses softmax probabilities, or for sigmoid routers the scores normalised over experts.
 """
-from mindspore import ops
+
 import mindspore as ms
+from mindspore import ops
 
 # Keeps the renormalisation finite when every chosen sigmoid score underflows (HF uses the same).
 NORM_EPS = 1e-20
@@ -41,8 +42,12 @@ def select_experts(scores_TE, top_k: int, bias_E=None, n_group: int = 1, topk_gr
         grouped_TGE = choice_TE.reshape(num_tokens, n_group, per_group)
         group_score_TG = ops.sort(grouped_TGE, -1, True)[0][:, :, :2].sum(-1)
         _, group_order_TG = ops.sort(group_score_TG, -1, True)
-        keep_TG = ops.one_hot(group_order_TG[:, :topk_group], n_group, ops.ones((), ms.float32),
-                              ops.zeros((), ms.float32)).sum(1) > 0
+        keep_TG = (
+            ops.one_hot(
+                group_order_TG[:, :topk_group], n_group, ops.ones((), ms.float32), ops.zeros((), ms.float32)
+            ).sum(1)
+            > 0
+        )
         keep_TE = ops.broadcast_to(keep_TG.expand_dims(-1), grouped_TGE.shape).reshape(num_tokens, num_experts)
         choice_TE = ops.select(keep_TE, choice_TE, ops.full_like(choice_TE, MASKED_SCORE))
     # A stable descending sort, not ops.topk: topk orders ties arbitrarily, and expert locking
@@ -59,8 +64,15 @@ def gather_weights(scores_TE, topk_idx_TK, norm_topk_prob: bool, routed_scaling_
     return weight_TK * routed_scaling_factor
 
 
-def topk_routing(scores_TE, top_k: int, norm_topk_prob: bool, routed_scaling_factor: float,
-                 bias_E=None, n_group: int = 1, topk_group: int = 1):
+def topk_routing(
+    scores_TE,
+    top_k: int,
+    norm_topk_prob: bool,
+    routed_scaling_factor: float,
+    bias_E=None,
+    n_group: int = 1,
+    topk_group: int = 1,
+):
     """Selection and weights in one call: ``(topk_idx_TK int32, topk_weight_TK fp32)``."""
     topk_idx_TK = select_experts(scores_TE, top_k, bias_E, n_group, topk_group)
     return topk_idx_TK, gather_weights(scores_TE, topk_idx_TK, norm_topk_prob, routed_scaling_factor)

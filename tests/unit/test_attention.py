@@ -4,6 +4,7 @@ document-causal mask vs a NumPy transcription of its definition.
 Setup: 4 query heads, 2 key/value heads, head_dim 8, q/k/v bias, QK RMSNorm, partial
 rotary 0.5 (the first 4 channels rotate, rotate_half layout).
 """
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -12,9 +13,9 @@ from mindspore import Tensor
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeAttention, Glm4MoeRotaryEmbedding
 
-from model.attention import Attention, causal_chunks, document_causal_mask
-from model.config import ModelConfig
-from model.rope import default_inv_freq, rope_tables
+from mindmoe.model.attention import Attention, causal_chunks, document_causal_mask
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.rope import default_inv_freq, rope_tables
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MAX_POS = 32, 4, 2, 8, 32
 
@@ -42,9 +43,17 @@ def randomize(cell, seed):
 
 @pytest.fixture(scope="module")
 def attention():
-    cfg = ModelConfig(hidden_size=HIDDEN, num_heads=HEADS, num_kv_heads=KV_HEADS, qkv_bias=True,
-                      qk_norm=True, partial_rotary_factor=0.5, rope_theta=10000.0,
-                      max_position_embeddings=MAX_POS, rms_norm_eps=1e-5)
+    cfg = ModelConfig(
+        hidden_size=HIDDEN,
+        num_heads=HEADS,
+        num_kv_heads=KV_HEADS,
+        qkv_bias=True,
+        qk_norm=True,
+        partial_rotary_factor=0.5,
+        rope_theta=10000.0,
+        max_position_embeddings=MAX_POS,
+        rms_norm_eps=1e-5,
+    )
     cell = Attention(cfg, np.random.default_rng(0))
     randomize(cell, seed=1)
     cos, sin = rope_tables(default_inv_freq(cfg.rotary_dim, cfg.rope_theta), MAX_POS, interleaved=False)
@@ -54,10 +63,18 @@ def attention():
 @pytest.fixture(scope="module")
 def hf_attention(attention):
     cell = attention[0]
-    config = Glm4MoeConfig(hidden_size=HIDDEN, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
-                           partial_rotary_factor=0.5, rope_theta=10000.0, attention_bias=True,
-                           use_qk_norm=True, rms_norm_eps=1e-5, max_position_embeddings=MAX_POS,
-                           attn_implementation="eager")
+    config = Glm4MoeConfig(
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        partial_rotary_factor=0.5,
+        rope_theta=10000.0,
+        attention_bias=True,
+        use_qk_norm=True,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=MAX_POS,
+        attn_implementation="eager",
+    )
     module = Glm4MoeAttention(config, layer_idx=0).eval()
     ours = {name: torch.from_numpy(param.asnumpy()) for name, param in cell.parameters_and_names()}
     assert set(ours) == set(module.state_dict()), "parameter names must match HF one to one"
@@ -88,15 +105,13 @@ def run_hf(hf_attention, x_BSH, doc_ids_BS):
 def test_attention_matches_hf_glm4_moe_attention_with_causal_mask(attention, hf_attention):
     x = np.random.default_rng(3).normal(size=(2, 9, HIDDEN)).astype(np.float32)
     doc_ids = np.zeros((2, 9), np.int64)
-    np.testing.assert_allclose(run_ours(attention, x, doc_ids), run_hf(hf_attention, x, doc_ids),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(run_ours(attention, x, doc_ids), run_hf(hf_attention, x, doc_ids), atol=1e-5, rtol=1e-5)
 
 
 def test_attention_matches_hf_glm4_moe_attention_with_document_mask(attention, hf_attention):
     x = np.random.default_rng(4).normal(size=(2, 12, HIDDEN)).astype(np.float32)
     doc_ids = np.array([[0] * 5 + [1] * 7, [0] * 2 + [1] * 6 + [2] * 4])
-    np.testing.assert_allclose(run_ours(attention, x, doc_ids), run_hf(hf_attention, x, doc_ids),
-                               atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(run_ours(attention, x, doc_ids), run_hf(hf_attention, x, doc_ids), atol=1e-5, rtol=1e-5)
 
 
 def test_packed_documents_equal_each_document_run_alone_from_position_zero(attention):
@@ -122,8 +137,7 @@ def check_mask_against_reference(mask_B1SS, doc_ids_BS):
     assert np.all(mask[~allowed] <= -1e9)
 
 
-DOC_IDS = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3],
-                    [5, 5, 5, 5, 5, 5, 7, 7, 9, 9]])
+DOC_IDS = np.array([[0, 0, 0, 1, 1, 2, 2, 2, 2, 3], [5, 5, 5, 5, 5, 5, 7, 7, 9, 9]])
 
 
 def test_document_causal_mask_blocks_other_documents_and_the_future():
@@ -143,10 +157,10 @@ def test_document_causal_mask_chunks_are_the_visible_blocks_of_the_full_mask():
     for c, chunk in enumerate(chunks):
         chunk = chunk.asnumpy()
         assert chunk.shape == (2, 3, 3, 3 * (c + 1))  # 3 heads, 3 queries, the keys up to the chunk's end
-        expected = np.where(allowed[:, 3 * c:3 * (c + 1), :3 * (c + 1)], 0.0, chunk.min())
+        expected = np.where(allowed[:, 3 * c : 3 * (c + 1), : 3 * (c + 1)], 0.0, chunk.min())
         np.testing.assert_array_equal(chunk, np.broadcast_to(expected[:, None], chunk.shape))
         # Everything the chunk leaves out is in the future of all its queries.
-        assert not allowed[:, 3 * c:3 * (c + 1), 3 * (c + 1):].any()
+        assert not allowed[:, 3 * c : 3 * (c + 1), 3 * (c + 1) :].any()
     assert causal_chunks(512) == 4 and causal_chunks(256) == 2 and causal_chunks(200) == 1
     assert causal_chunks(384) == 2  # 96-query chunks would be too small
 

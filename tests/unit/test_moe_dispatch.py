@@ -4,6 +4,7 @@
 The naive loop is the definition: ``out_t = shared(x_t) + sum_k w_tk * SwiGLU_{e_tk}(x_t)``; with a
 capacity C, assignments are taken per expert in token order and the (C+1)-th and later are dropped.
 """
+
 import math
 
 import mindspore as ms
@@ -14,19 +15,30 @@ from mindspore import Tensor
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 
-from model.config import ModelConfig
-from model.moe import MoELayer, capacity_slots, expert_capacity
-from model.moe.dispatch import combine_from_slots, gather_to_slots
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe import MoELayer, capacity_slots, expert_capacity
+from mindmoe.model.moe.dispatch import combine_from_slots, gather_to_slots
 
 HIDDEN, EXPERTS, TOP_K, INTERMEDIATE = 16, 4, 2, 8
 BATCH, SEQ = 2, 6  # T = 12 tokens, 24 assignments
 
 
 def moe_config(dispatch, capacity_factor=4.0, score_func="softmax", **overrides):
-    fields = dict(hidden_size=HIDDEN, num_experts=EXPERTS, top_k=TOP_K, moe_intermediate_size=INTERMEDIATE,
-                  num_shared_experts=1, score_func=score_func, norm_topk_prob=True, routed_scaling_factor=1.5,
-                  dispatch=dispatch, capacity_factor=capacity_factor, aux_loss="switch", aux_loss_coeff=0.1,
-                  z_loss_coeff=0.01)
+    fields = dict(
+        hidden_size=HIDDEN,
+        num_experts=EXPERTS,
+        top_k=TOP_K,
+        moe_intermediate_size=INTERMEDIATE,
+        num_shared_experts=1,
+        score_func=score_func,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.5,
+        dispatch=dispatch,
+        capacity_factor=capacity_factor,
+        aux_loss="switch",
+        aux_loss_coeff=0.1,
+        z_loss_coeff=0.01,
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -55,6 +67,7 @@ def single_document(x):
 
 # ---- NumPy reference -----------------------------------------------------------------------------
 
+
 def np_silu(x):
     return x / (1.0 + np.exp(-x))
 
@@ -80,8 +93,9 @@ def np_route(x_TH, router_weight, score_func, top_k, norm, scaling):
 def naive_moe(x_BSH, weights, cfg, capacity=None):
     """Per-token loop; returns (out, counts of chosen assignments per expert, dropped assignments)."""
     x_TH = x_BSH.reshape(-1, HIDDEN).astype(np.float64)
-    idx, weight = np_route(x_TH, weights["router.weight"], cfg.score_func, cfg.top_k,
-                           cfg.norm_topk_prob, cfg.routed_scaling_factor)
+    idx, weight = np_route(
+        x_TH, weights["router.weight"], cfg.score_func, cfg.top_k, cfg.norm_topk_prob, cfg.routed_scaling_factor
+    )
     out = np.zeros_like(x_TH)
     load = np.zeros(cfg.num_experts, int)
     dropped = 0
@@ -92,10 +106,15 @@ def naive_moe(x_BSH, weights, cfg, capacity=None):
                 dropped += 1
                 continue
             load[e] += 1
-            out[t] += weight[t, k] * np_swiglu(x_TH[t], weights["experts.gate_proj"][e],
-                                               weights["experts.up_proj"][e], weights["experts.down_proj"][e])
-        out[t] += np_swiglu(x_TH[t], weights["shared_experts.gate_proj.weight"],
-                            weights["shared_experts.up_proj.weight"], weights["shared_experts.down_proj.weight"])
+            out[t] += weight[t, k] * np_swiglu(
+                x_TH[t], weights["experts.gate_proj"][e], weights["experts.up_proj"][e], weights["experts.down_proj"][e]
+            )
+        out[t] += np_swiglu(
+            x_TH[t],
+            weights["shared_experts.gate_proj.weight"],
+            weights["shared_experts.up_proj.weight"],
+            weights["shared_experts.down_proj.weight"],
+        )
     counts = np.bincount(idx.reshape(-1), minlength=cfg.num_experts)
     return out.reshape(x_BSH.shape), counts, dropped
 
@@ -110,6 +129,7 @@ def np_capacity_slots(idx_TK, num_experts, capacity):
 
 
 # ---- dispatch primitives -----------------------------------------------------------------------
+
 
 def random_topk_idx(seed, tokens=10):
     rng = np.random.default_rng(seed)
@@ -172,6 +192,7 @@ def test_combine_from_slots_sums_weighted_slot_rows_and_skips_dropped_assignment
 
 # ---- the layer ----------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def layers():
     """Compiled once per module: (dispatch, score_func) -> layer; plus an overflowing capacity layer."""
@@ -219,14 +240,22 @@ def test_moe_layer_drops_exactly_the_assignments_beyond_capacity_in_token_order(
 
 # ---- jit and gradients vs HF Glm4MoeMoE + torch autograd ------------------------------------------
 
+
 def hf_moe_from(layer, cfg):
-    config = Glm4MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTERMEDIATE, n_routed_experts=EXPERTS,
-                           num_experts_per_tok=TOP_K, n_shared_experts=1, n_group=1, topk_group=1,
-                           norm_topk_prob=cfg.norm_topk_prob, routed_scaling_factor=cfg.routed_scaling_factor)
+    config = Glm4MoeConfig(
+        hidden_size=HIDDEN,
+        moe_intermediate_size=INTERMEDIATE,
+        n_routed_experts=EXPERTS,
+        num_experts_per_tok=TOP_K,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
     module = Glm4MoeMoE(config)
     w = {name: torch.from_numpy(param.asnumpy().copy()) for name, param in layer.parameters_and_names()}
-    state = {"gate.weight": w["router.weight"],
-             "gate.e_score_correction_bias": torch.zeros(EXPERTS)}
+    state = {"gate.weight": w["router.weight"], "gate.e_score_correction_bias": torch.zeros(EXPERTS)}
     for e in range(EXPERTS):
         for proj in ("gate_proj", "up_proj", "down_proj"):
             state[f"experts.{e}.{proj}.weight"] = w[f"experts.{proj}"][e]
@@ -251,8 +280,9 @@ def torch_loss_and_grads(module, x, probe, cfg):
     loss.backward()
     grads = {"router.weight": module.gate.weight.grad}
     for proj in ("gate_proj", "up_proj", "down_proj"):
-        grads[f"experts.{proj}"] = torch.stack([module.experts[e].__getattr__(proj).weight.grad
-                                                for e in range(EXPERTS)])
+        grads[f"experts.{proj}"] = torch.stack(
+            [module.experts[e].__getattr__(proj).weight.grad for e in range(EXPERTS)]
+        )
         grads[f"shared_experts.{proj}.weight"] = module.shared_experts.__getattr__(proj).weight.grad
     return float(loss.detach()), {name: g.numpy() for name, g in grads.items()}
 

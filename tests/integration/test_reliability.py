@@ -1,40 +1,60 @@
 """Failures and recovery: exact resume after SIGKILL, SIGTERM checkpoints, corrupt checkpoints,
 non-finite steps. Runs go through the real ``mindmoe-train`` entry point in subprocesses."""
+
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import Tensor
 
-from model.config import ModelConfig
-from model.transformer import MoETransformer
-from train.checkpoint import list_checkpoints, save_checkpoint
-from train.config import TrainConfig
-from train.optim import build_optimizer
-from train.resume import pick_resume_checkpoint
-from train.checkpoint import CorruptCheckpointError
-from train.step import Trainer
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.transformer import MoETransformer
+from mindmoe.train.checkpoint import CorruptCheckpointError, list_checkpoints, save_checkpoint
+from mindmoe.train.config import TrainConfig
+from mindmoe.train.optim import build_optimizer
+from mindmoe.train.resume import pick_resume_checkpoint
+from mindmoe.train.step import Trainer
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Long enough that a kill or SIGTERM sent after an early checkpoint lands while training still runs.
 MAX_STEPS = 40
-SMALL_RUN = ["model.num_layers=2", "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2",
-             "model.intermediate_size=128", "model.moe_intermediate_size=32", "model.num_experts=4",
-             "data.seq_len=32", "data.global_batch_size=4", "data.micro_batch_size=4", f"train.max_steps={MAX_STEPS}",
-             "train.log_every=1", "train.save_every=1", "train.keep_last=3", "train.eval_every=0",
-             "train.eval_batches=1", "train.progress_bar=false", "train.peak_gflops=100"]
+SMALL_RUN = [
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=128",
+    "model.moe_intermediate_size=32",
+    "model.num_experts=4",
+    "data.seq_len=32",
+    "data.global_batch_size=4",
+    "data.micro_batch_size=4",
+    f"train.max_steps={MAX_STEPS}",
+    "train.log_every=1",
+    "train.save_every=1",
+    "train.keep_last=3",
+    "train.eval_every=0",
+    "train.eval_batches=1",
+    "train.progress_bar=false",
+    "train.peak_gflops=100",
+]
 
 
 def train_command(run_dir, data_cache, *extra):
-    return [sys.executable, "-m", "train.cli", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}",
-            *SMALL_RUN, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "mindmoe.train.cli",
+        f"hydra.run.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        *SMALL_RUN,
+        *extra,
+    ]
 
 
 def losses_by_step(run_dir):
@@ -68,19 +88,20 @@ def uninterrupted(tmp_path_factory, data_cache):
     return losses_by_step(run_dir)
 
 
-def test_sigkill_then_sigterm_then_resume_reproduces_the_uninterrupted_losses(uninterrupted, tmp_path,
-                                                                               data_cache):
+def test_sigkill_then_sigterm_then_resume_reproduces_the_uninterrupted_losses(uninterrupted, tmp_path, data_cache):
     run_dir = tmp_path / "interrupted"
-    killed = subprocess.Popen(train_command(run_dir, data_cache), cwd=REPO, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    killed = subprocess.Popen(
+        train_command(run_dir, data_cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_for_checkpoint(run_dir / "checkpoints", 3, killed)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
     killed_after = max(checkpoint_steps(run_dir / "checkpoints"))
     assert killed_after < MAX_STEPS, "the kill must land before the run ends"
 
-    terminated = subprocess.Popen(train_command(run_dir, data_cache), cwd=REPO, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True)
+    terminated = subprocess.Popen(
+        train_command(run_dir, data_cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     wait_for_checkpoint(run_dir / "checkpoints", killed_after + 2, terminated)
     terminated.send_signal(signal.SIGTERM)
     _, stderr = terminated.communicate(timeout=120)
@@ -97,8 +118,18 @@ def test_sigkill_then_sigterm_then_resume_reproduces_the_uninterrupted_losses(un
 
 
 def test_truncated_checkpoint_is_detected_and_previous_is_used_when_configured(tmp_path):
-    model = MoETransformer(ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2,
-                                       num_kv_heads=1, intermediate_size=16, first_k_dense=1), seed=0)
+    model = MoETransformer(
+        ModelConfig(
+            vocab_size=32,
+            hidden_size=16,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=16,
+            first_k_dense=1,
+        ),
+        seed=0,
+    )
     params = list(model.get_parameters())
     root = tmp_path / "checkpoints"
     for step in (1, 2):
@@ -111,8 +142,18 @@ def test_truncated_checkpoint_is_detected_and_previous_is_used_when_configured(t
 
 
 def test_a_save_killed_midway_leaves_the_previous_checkpoint_the_newest(tmp_path):
-    model = MoETransformer(ModelConfig(vocab_size=32, hidden_size=16, num_layers=1, num_heads=2,
-                                       num_kv_heads=1, intermediate_size=16, first_k_dense=1), seed=0)
+    model = MoETransformer(
+        ModelConfig(
+            vocab_size=32,
+            hidden_size=16,
+            num_layers=1,
+            num_heads=2,
+            num_kv_heads=1,
+            intermediate_size=16,
+            first_k_dense=1,
+        ),
+        seed=0,
+    )
     params = list(model.get_parameters())
     root = tmp_path / "checkpoints"
     save_checkpoint(root, 1, params, params[:1], {}, keep_last=3)
@@ -125,8 +166,17 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_the_newest(tmp_path
 
 
 def test_non_finite_step_is_skipped_without_touching_weights_or_optimizer_state():
-    cfg = ModelConfig(vocab_size=32, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
-                      intermediate_size=16, moe_intermediate_size=8, num_experts=4, first_k_dense=1)
+    cfg = ModelConfig(
+        vocab_size=32,
+        hidden_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=16,
+        moe_intermediate_size=8,
+        num_experts=4,
+        first_k_dense=1,
+    )
     model = MoETransformer(cfg, seed=0)
     optimizer = build_optimizer(model.trainable_params(), TrainConfig(max_steps=10, warmup_ratio=0.0))
     trainer = Trainer(model, optimizer, grad_clip=1.0, accum_steps=1)
@@ -148,8 +198,14 @@ def test_non_finite_step_is_skipped_without_touching_weights_or_optimizer_state(
 
 
 def test_diverging_run_stops_after_max_bad_steps_with_a_clear_error(tmp_path, data_cache):
-    result = subprocess.run(train_command(tmp_path, data_cache, "train.lr=1e30", "train.warmup_ratio=0",
-                                          "train.grad_clip=0", "train.max_bad_steps=2"),
-                            cwd=REPO, capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        train_command(
+            tmp_path, data_cache, "train.lr=1e30", "train.warmup_ratio=0", "train.grad_clip=0", "train.max_bad_steps=2"
+        ),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 2
     assert "consecutive steps" in result.stderr and "train.max_bad_steps=2" in result.stderr

@@ -5,7 +5,7 @@ Tiny GLM-4.5 layout: vocab 64, hidden 32, 3 layers (first dense), 4 heads / 2 KV
 QK-norm, partial rotary 0.5, 4 routed experts top-2 + 1 shared, sigmoid router with zero
 correction bias, n_group = topk_group = 1, norm_topk_prob, routed_scaling_factor 2.5, untied head.
 """
-import mindspore as ms
+
 import numpy as np
 import pytest
 import torch
@@ -13,44 +13,76 @@ from mindspore import Tensor
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
-from model.config import ModelConfig
-from model.hf.export import hf_named_tensors
-from model.transformer import MoETransformer
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.hf.export import hf_named_tensors
+from mindmoe.model.transformer import MoETransformer
 
 VOCAB, HIDDEN, LAYERS, FIRST_DENSE, EXPERTS, TOP_K = 64, 32, 3, 1, 4, 2
 BATCH, SEQ = 2, 10
 
 
 def ours_config(**overrides):
-    fields = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_layers=LAYERS, num_heads=4, num_kv_heads=2,
-                  qkv_bias=True, qk_norm=True, rope_theta=10000.0, partial_rotary_factor=0.5,
-                  rope_interleaved=False, max_position_embeddings=64, rms_norm_eps=1e-5,
-                  intermediate_size=48, first_k_dense=FIRST_DENSE, num_experts=EXPERTS, top_k=TOP_K,
-                  moe_intermediate_size=16, num_shared_experts=1, score_func="sigmoid", norm_topk_prob=True,
-                  routed_scaling_factor=2.5, dispatch="dropless", tie_word_embeddings=False)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        num_layers=LAYERS,
+        num_heads=4,
+        num_kv_heads=2,
+        qkv_bias=True,
+        qk_norm=True,
+        rope_theta=10000.0,
+        partial_rotary_factor=0.5,
+        rope_interleaved=False,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        intermediate_size=48,
+        first_k_dense=FIRST_DENSE,
+        num_experts=EXPERTS,
+        top_k=TOP_K,
+        moe_intermediate_size=16,
+        num_shared_experts=1,
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        dispatch="dropless",
+        tie_word_embeddings=False,
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
 
 def hf_config(cfg):
     return Glm4MoeConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, partial_rotary_factor=cfg.partial_rotary_factor,
-        max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-        rope_theta=cfg.rope_theta, attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm,
-        moe_intermediate_size=cfg.moe_intermediate_size, num_experts_per_tok=cfg.top_k,
-        n_shared_experts=cfg.num_shared_experts, n_routed_experts=cfg.num_experts,
-        routed_scaling_factor=cfg.routed_scaling_factor, n_group=1, topk_group=1,
-        first_k_dense_replace=cfg.first_k_dense, norm_topk_prob=cfg.norm_topk_prob,
-        tie_word_embeddings=cfg.tie_word_embeddings, attn_implementation="eager")
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        partial_rotary_factor=cfg.partial_rotary_factor,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rms_norm_eps=cfg.rms_norm_eps,
+        rope_theta=cfg.rope_theta,
+        attention_bias=cfg.qkv_bias,
+        use_qk_norm=cfg.qk_norm,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_experts_per_tok=cfg.top_k,
+        n_shared_experts=cfg.num_shared_experts,
+        n_routed_experts=cfg.num_experts,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=cfg.first_k_dense,
+        norm_topk_prob=cfg.norm_topk_prob,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        attn_implementation="eager",
+    )
 
 
 def to_hf_state_dict(model):
     """Our parameters under HF glm4_moe 4.57.1 names, by the mapping ``mindmoe-export`` uses."""
     named = ((param.name, param.asnumpy()) for param in model.get_parameters())
-    return {name: torch.from_numpy(array.copy())
-            for name, array in hf_named_tensors(model.config, "glm4_moe", named)}
+    return {name: torch.from_numpy(array.copy()) for name, array in hf_named_tensors(model.config, "glm4_moe", named)}
 
 
 def randomize(model, seed):
@@ -83,8 +115,10 @@ def capture_routing(hf):
     routed = {}
     for layer_idx, layer in enumerate(hf.model.layers):
         if layer_idx >= FIRST_DENSE:
+
             def hook(module, inputs, output, layer_idx=layer_idx):
                 routed[layer_idx] = output[0].numpy()
+
             layer.mlp.gate.register_forward_hook(hook)
     return routed
 
@@ -130,8 +164,8 @@ def test_packed_documents_give_the_logits_hf_gives_for_each_document_alone(sigmo
     for row, row_lengths in enumerate(lengths):
         start = 0
         for length in row_lengths:
-            alone = hf_logits(hf, ids[row:row + 1, start:start + length])[0]
-            np.testing.assert_allclose(logits[row, start:start + length], alone, atol=1e-4, rtol=0)
+            alone = hf_logits(hf, ids[row : row + 1, start : start + length])[0]
+            np.testing.assert_allclose(logits[row, start : start + length], alone, atol=1e-4, rtol=0)
             start += length
 
 
@@ -146,8 +180,13 @@ def softmax_router_forward(self, hidden_states):
 
 
 def test_softmax_routing_with_capacity_dispatch_matches_hf_with_a_softmax_router():
-    cfg = ours_config(score_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0,
-                      dispatch="capacity", capacity_factor=float(EXPERTS))  # capacity >= tokens: no drops
+    cfg = ours_config(
+        score_func="softmax",
+        norm_topk_prob=False,
+        routed_scaling_factor=1.0,
+        dispatch="capacity",
+        capacity_factor=float(EXPERTS),
+    )  # capacity >= tokens: no drops
     ours, hf = build_pair(cfg, seed=2)
     for layer in hf.model.layers[FIRST_DENSE:]:
         layer.mlp.gate.forward = softmax_router_forward.__get__(layer.mlp.gate)

@@ -1,4 +1,5 @@
 """End-to-end behaviour of mindmoe-train on the bundled corpus (a few steps, shared run)."""
+
 import json
 import os
 import subprocess
@@ -11,9 +12,9 @@ from hydra import compose, initialize_config_module
 from mindspore import Tensor
 from omegaconf import OmegaConf
 
-from conf.schema import register_configs
+from mindmoe.conf.schema import register_configs
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def compose_config(overrides):
@@ -25,11 +26,20 @@ def compose_config(overrides):
 @pytest.fixture(scope="session")
 def short_run(tmp_path_factory, data_cache):
     """40 optimizer steps of the default recipe; shared by the tests below."""
-    from train.loop import run
+    from mindmoe.train.loop import run
+
     run_dir = tmp_path_factory.mktemp("run")
-    cfg = compose_config(["train.max_steps=40", "train.log_every=5", "train.eval_every=0",
-                          "train.save_every=20", "train.eval_batches=4", "train.progress_bar=false",
-                          f"data.cache_dir={data_cache}"])
+    cfg = compose_config(
+        [
+            "train.max_steps=40",
+            "train.log_every=5",
+            "train.eval_every=0",
+            "train.save_every=20",
+            "train.eval_batches=4",
+            "train.progress_bar=false",
+            f"data.cache_dir={data_cache}",
+        ]
+    )
     summary = run(cfg, run_dir)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return cfg, run_dir, summary, rows
@@ -46,8 +56,19 @@ def test_metrics_rows_carry_required_fields(short_run):
     _, _, _, rows = short_run
     train_rows = [row for row in rows if "loss" in row]
     val_rows = [row for row in rows if "val_loss" in row]
-    required = {"step", "loss", "lm_loss", "aux_loss", "z_loss", "lr", "grad_norm", "tokens_per_s", "mfu",
-                "load_imbalance", "dropped_tokens"}
+    required = {
+        "step",
+        "loss",
+        "lm_loss",
+        "aux_loss",
+        "z_loss",
+        "lr",
+        "grad_norm",
+        "tokens_per_s",
+        "mfu",
+        "load_imbalance",
+        "dropped_tokens",
+    }
     for row in train_rows:
         assert required <= set(row)
         assert len(row["load_imbalance"]) == 3  # tiny_moe: 4 layers, first one dense
@@ -57,9 +78,10 @@ def test_metrics_rows_carry_required_fields(short_run):
 
 
 def test_checkpoint_reload_gives_identical_logits(short_run):
-    from model.transformer import MoETransformer
-    from model.config import ModelConfig
-    from train.checkpoint import list_checkpoints, load_model_weights, read_state
+    from mindmoe.model.config import ModelConfig
+    from mindmoe.model.transformer import MoETransformer
+    from mindmoe.train.checkpoint import list_checkpoints, load_model_weights, read_state
+
     _, run_dir, _, _ = short_run
     checkpoints = list_checkpoints(run_dir / "checkpoints")
     assert [path.name for path in checkpoints] == ["step_000020", "step_000040"]  # keep_last 2, last step
@@ -78,9 +100,10 @@ def test_checkpoint_reload_gives_identical_logits(short_run):
 
 
 def test_checkpoint_of_another_architecture_is_rejected_by_name(short_run):
-    from model.transformer import MoETransformer
-    from model.config import ModelConfig
-    from train.checkpoint import list_checkpoints, load_model_weights, read_state
+    from mindmoe.model.config import ModelConfig
+    from mindmoe.model.transformer import MoETransformer
+    from mindmoe.train.checkpoint import list_checkpoints, load_model_weights, read_state
+
     _, run_dir, _, _ = short_run
     checkpoint = list_checkpoints(run_dir / "checkpoints")[-1]
     config = dict(read_state(checkpoint)["model_config"], num_experts=4, qkv_bias=False)
@@ -93,8 +116,14 @@ def test_checkpoint_of_another_architecture_is_rejected_by_name(short_run):
 
 
 def run_cli(*args):
-    return subprocess.run([sys.executable, "-m", "train.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=120, env=dict(os.environ, HYDRA_FULL_ERROR="0"))
+    return subprocess.run(
+        [sys.executable, "-m", "mindmoe.train.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, HYDRA_FULL_ERROR="0"),
+    )
 
 
 def test_unknown_override_fails_naming_the_key():
@@ -111,7 +140,8 @@ def test_override_of_wrong_type_fails_naming_the_key():
 
 def test_invalid_model_value_fails_naming_the_key():
     cfg = compose_config(["model.top_k=9"])
-    from model.config import validate_model_config
+    from mindmoe.model.config import validate_model_config
+
     with pytest.raises(ValueError, match=r"model.top_k=9: cannot exceed model.num_experts=8"):
         validate_model_config(OmegaConf.to_object(cfg.model))
 

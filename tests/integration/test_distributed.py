@@ -1,6 +1,7 @@
 """mindmoe-launch and data-parallel training: the msrun command, layout errors before any worker
 starts, and multi-process runs on CPU (mccl) that must reproduce one process accumulating the same
 micro-batches. Multi-process runs go through the real ``mindmoe-launch`` entry point."""
+
 import os
 import shlex
 import signal
@@ -12,17 +13,33 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_reliability import losses_by_step
-from train.distributed import resolve_layout
+from mindmoe.train.distributed import resolve_layout
+from tests.integration.test_reliability import losses_by_step
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # Tiny model, seq 64: each worker compiles its own graphs on 2 cores. The aux-loss-free recipe makes
 # the next step depend on expert-load counts, which must be summed over ranks to stay identical.
-TINY_RUN = ["recipe=pretrain_tiny_aux_free", "model.bias_update_rate=0.01", "model.num_layers=2",
-            "model.hidden_size=64", "model.num_heads=4", "model.num_kv_heads=2", "model.intermediate_size=128",
-            "model.moe_intermediate_size=32", "model.num_experts=4", "data.seq_len=64", "data.global_batch_size=8",
-            "data.micro_batch_size=4", "train.max_steps=10", "train.log_every=1", "train.save_every=5",
-            "train.eval_every=0", "train.eval_batches=2", "train.progress_bar=false", "train.peak_gflops=100"]
+TINY_RUN = [
+    "recipe=pretrain_tiny_aux_free",
+    "model.bias_update_rate=0.01",
+    "model.num_layers=2",
+    "model.hidden_size=64",
+    "model.num_heads=4",
+    "model.num_kv_heads=2",
+    "model.intermediate_size=128",
+    "model.moe_intermediate_size=32",
+    "model.num_experts=4",
+    "data.seq_len=64",
+    "data.global_batch_size=8",
+    "data.micro_batch_size=4",
+    "train.max_steps=10",
+    "train.log_every=1",
+    "train.save_every=5",
+    "train.eval_every=0",
+    "train.eval_batches=2",
+    "train.progress_bar=false",
+    "train.peak_gflops=100",
+]
 RELATIVE_TOLERANCE = 1e-5
 
 
@@ -33,8 +50,15 @@ def free_port() -> int:
 
 
 def launch_command(run_dir, data_cache, *extra):
-    return [sys.executable, "-m", "launch.cli", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}",
-            *TINY_RUN, *extra]
+    return [
+        sys.executable,
+        "-m",
+        "mindmoe.launch.cli",
+        f"hydra.run.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        *TINY_RUN,
+        *extra,
+    ]
 
 
 def descendants(pid: int) -> list:
@@ -70,8 +94,9 @@ def processes():
 
 
 def start(processes, command):
-    process = subprocess.Popen(command, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     processes.append(process)
     return process
 
@@ -83,34 +108,59 @@ def finish(process, timeout=900):
 
 def assert_same_losses(actual: dict, expected: dict, steps):
     for step in steps:
-        assert abs(actual[step] - expected[step]) <= RELATIVE_TOLERANCE * abs(expected[step]), \
+        assert abs(actual[step] - expected[step]) <= RELATIVE_TOLERANCE * abs(expected[step]), (
             f"step {step}: {actual[step]} vs single process {expected[step]}"
+        )
 
 
 @pytest.fixture(scope="module")
 def single_process(tmp_path_factory, data_cache):
     """The reference: one process, no msrun, accumulating the 2 micro-batches of each step."""
     run_dir = tmp_path_factory.mktemp("single")
-    command = [sys.executable, "-m", "train.cli", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}",
-               *TINY_RUN]
+    command = [
+        sys.executable,
+        "-m",
+        "mindmoe.train.cli",
+        f"hydra.run.dir={run_dir}",
+        f"data.cache_dir={data_cache}",
+        *TINY_RUN,
+    ]
     subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
     return losses_by_step(run_dir)
 
 
 # --- the msrun command and configuration errors (no worker starts) ---------------------------------
 
+
 def test_dry_run_prints_the_msrun_command_and_environment_of_node_3(tmp_path, data_cache):
     from mindspore.parallel.cluster import run as msrun_module
+
     run_dir = tmp_path / "run"
     result = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "launch.dry_run=true", "launch.nodes=4", "launch.procs_per_node=8",
-         "launch.node_rank=3", "launch.master_addr=10.0.0.1", "launch.hccl_exec_timeout=1800",
-         "launch.hccl_socket_ifname=eth0", "launch.bind_core=true", "data.global_batch_size=512",
-         f"hydra.run.dir={run_dir}",
-         f"data.cache_dir={data_cache}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "mindmoe.launch.cli",
+            "launch.dry_run=true",
+            "launch.nodes=4",
+            "launch.procs_per_node=8",
+            "launch.node_rank=3",
+            "launch.master_addr=10.0.0.1",
+            "launch.hccl_exec_timeout=1800",
+            "launch.hccl_socket_ifname=eth0",
+            "launch.bind_core=true",
+            "data.global_batch_size=512",
+            f"hydra.run.dir={run_dir}",
+            f"data.cache_dir={data_cache}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     lines = result.stdout.strip().splitlines()
-    exports = dict(line[len("export "):].split("=", 1) for line in lines if line.startswith("export "))
+    exports = dict(line[len("export ") :].split("=", 1) for line in lines if line.startswith("export "))
     assert exports["HCCL_EXEC_TIMEOUT"] == "1800" and exports["HCCL_SOCKET_IFNAME"] == "eth0"
     assert exports["MS_NODE_TIMEOUT"] == "30" and "HCCL_CONNECT_TIMEOUT" not in exports
     command = shlex.split(lines[-1])
@@ -126,7 +176,7 @@ def test_dry_run_prints_the_msrun_command_and_environment_of_node_3(tmp_path, da
     assert (args.master_addr, args.master_port) == ("10.0.0.1", 8118)
     assert args.log_dir == str(run_dir.resolve() / "msrun") and args.join is True and args.bind_core is True
     assert args.task_script == "python"
-    assert args.task_script_args[:2] == ["-m", "train.cli"]
+    assert args.task_script_args[:2] == ["-m", "mindmoe.train.cli"]
     worker_args = args.task_script_args[2:]
     assert f"hydra.run.dir={run_dir.resolve()}" in worker_args and "data.global_batch_size=512" in worker_args
     assert not any(arg.startswith("launch.") for arg in worker_args)
@@ -137,37 +187,78 @@ def test_dry_run_of_a_batch_that_does_not_divide_prints_the_command_and_warns_na
     """The issue's own command (default batch, no shared run dir): the command, then why a real launch
     would stop, starting nothing."""
     result = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "launch.dry_run=true", "launch.nodes=4", "launch.procs_per_node=8",
-         "launch.node_rank=3", "launch.master_addr=10.0.0.1"],
-        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get(
-            "PYTHONPATH")]))), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "mindmoe.launch.cli",
+            "launch.dry_run=true",
+            "launch.nodes=4",
+            "launch.procs_per_node=8",
+            "launch.node_rank=3",
+            "launch.master_addr=10.0.0.1",
+        ],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip().splitlines()[-1].startswith("msrun --worker_num=32 --local_worker_num=8 "
-                                                              "--master_addr=10.0.0.1 --master_port=8118 --node_rank=3")
+    assert (
+        result.stdout.strip()
+        .splitlines()[-1]
+        .startswith(
+            "msrun --worker_num=32 --local_worker_num=8 --master_addr=10.0.0.1 --master_port=8118 --node_rank=3"
+        )
+    )
     assert "warning: the launch would stop here" in result.stderr and "hydra.run.dir=/shared/path" in result.stderr
     assert not list(tmp_path.glob("runs/*/*/msrun")), "a dry run must not start anything"
 
     shared = subprocess.run(
-        [sys.executable, "-m", "launch.cli", "launch.dry_run=true", "launch.nodes=4", "launch.procs_per_node=8",
-         "launch.node_rank=3", "launch.master_addr=10.0.0.1", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "mindmoe.launch.cli",
+            "launch.dry_run=true",
+            "launch.nodes=4",
+            "launch.procs_per_node=8",
+            "launch.node_rank=3",
+            "launch.master_addr=10.0.0.1",
+            f"hydra.run.dir={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert shared.returncode == 0, shared.stderr
-    assert ("data.global_batch_size=16 must be a positive multiple of data.micro_batch_size=16 x "
-            "data-parallel size 32") in shared.stderr
+    assert (
+        "data.global_batch_size=16 must be a positive multiple of data.micro_batch_size=16 x data-parallel size 32"
+    ) in shared.stderr
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (["parallel.ep=3"], "parallel.ep=3 must divide model.num_experts=4"),
-    (["model.num_experts=8", "parallel.ep=4"], "parallel.ep=4 must divide the number of processes 2"),
-    (["parallel.dp=4"], "parallel.dp=4 x parallel.ep=1 = 4 processes, but 2 are started"),
-    (["data.global_batch_size=6", "data.micro_batch_size=2"],
-     "data.global_batch_size=6 must be a positive multiple of data.micro_batch_size=2 x data-parallel size 2"),
-    (["launch.node_rank=1"], "launch.node_rank=1 must be in 0..0"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["parallel.ep=3"], "parallel.ep=3 must divide model.num_experts=4"),
+        (["model.num_experts=8", "parallel.ep=4"], "parallel.ep=4 must divide the number of processes 2"),
+        (["parallel.dp=4"], "parallel.dp=4 x parallel.ep=1 = 4 processes, but 2 are started"),
+        (
+            ["data.global_batch_size=6", "data.micro_batch_size=2"],
+            "data.global_batch_size=6 must be a positive multiple of data.micro_batch_size=2 x data-parallel size 2",
+        ),
+        (["launch.node_rank=1"], "launch.node_rank=1 must be in 0..0"),
+    ],
+)
 def test_a_world_that_does_not_divide_fails_before_any_worker_starts(tmp_path, data_cache, overrides, message):
     run_dir = tmp_path / "run"
-    result = subprocess.run(launch_command(run_dir, data_cache, "launch.procs_per_node=2", *overrides),
-                            cwd=REPO, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        launch_command(run_dir, data_cache, "launch.procs_per_node=2", *overrides),
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2, result.stdout + result.stderr
     assert message in result.stderr
     assert not (run_dir / "msrun").exists()
@@ -176,9 +267,21 @@ def test_a_world_that_does_not_divide_fails_before_any_worker_starts(tmp_path, d
 def test_several_nodes_need_an_explicit_shared_run_dir(tmp_path, data_cache):
     # Run from tmp_path: the default run dir is relative to the working directory.
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-m", "launch.cli", "launch.nodes=2",
-                             "hydra.output_subdir=null", f"data.cache_dir={data_cache}"],
-                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mindmoe.launch.cli",
+            "launch.nodes=2",
+            "hydra.output_subdir=null",
+            f"data.cache_dir={data_cache}",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "hydra.run.dir=/shared/path" in result.stderr
 
 
@@ -190,12 +293,13 @@ def test_layout_defaults_dp_to_the_world_and_accumulates_the_rest():
 
 # --- multi-process runs on CPU ----------------------------------------------------------------------
 
+
 @pytest.mark.msrun
-def test_two_data_parallel_workers_reproduce_the_single_process_losses(single_process, tmp_path, data_cache,
-                                                                      processes):
+def test_two_data_parallel_workers_reproduce_the_single_process_losses(single_process, tmp_path, data_cache, processes):
     run_dir = tmp_path / "dp2"
-    launcher = start(processes, launch_command(run_dir, data_cache, "launch.procs_per_node=2",
-                                               f"launch.master_port={free_port()}"))
+    launcher = start(
+        processes, launch_command(run_dir, data_cache, "launch.procs_per_node=2", f"launch.master_port={free_port()}")
+    )
     code, stdout, stderr = finish(launcher)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     losses = losses_by_step(run_dir)
@@ -208,11 +312,17 @@ def test_two_data_parallel_workers_reproduce_the_single_process_losses(single_pr
 
 @pytest.mark.msrun
 def test_expert_parallel_workers_reproduce_the_single_process_and_their_checkpoint_resumes_with_ep1(
-        single_process, tmp_path, data_cache, processes):
+    single_process, tmp_path, data_cache, processes
+):
     from safetensors.numpy import load_file
+
     run_dir = tmp_path / "ep2"
-    launcher = start(processes, launch_command(run_dir, data_cache, "launch.procs_per_node=2", "parallel.ep=2",
-                                               f"launch.master_port={free_port()}"))
+    launcher = start(
+        processes,
+        launch_command(
+            run_dir, data_cache, "launch.procs_per_node=2", "parallel.ep=2", f"launch.master_port={free_port()}"
+        ),
+    )
     code, stdout, stderr = finish(launcher)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "data parallel 1, accumulation 2" in stdout
@@ -220,20 +330,35 @@ def test_expert_parallel_workers_reproduce_the_single_process_and_their_checkpoi
     # Full expert tensors (and AdamW moments) although each rank held half of the experts.
     checkpoint = run_dir / "checkpoints" / "step_000005"
     assert load_file(str(checkpoint / "model.safetensors"))["layers.1.mlp.experts.gate_proj"].shape == (4, 32, 64)
-    assert load_file(str(checkpoint / "optimizer.safetensors"))["adam_v.layers.1.mlp.experts.down_proj"].shape \
-        == (4, 64, 32)
+    assert load_file(str(checkpoint / "optimizer.safetensors"))["adam_v.layers.1.mlp.experts.down_proj"].shape == (
+        4,
+        64,
+        32,
+    )
 
     resumed_dir = tmp_path / "ep1"
-    subprocess.run([sys.executable, "-m", "train.cli", f"hydra.run.dir={resumed_dir}", f"data.cache_dir={data_cache}",
-                    *TINY_RUN, f"train.resume={checkpoint}"], cwd=REPO, check=True, capture_output=True, timeout=900)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "mindmoe.train.cli",
+            f"hydra.run.dir={resumed_dir}",
+            f"data.cache_dir={data_cache}",
+            *TINY_RUN,
+            f"train.resume={checkpoint}",
+        ],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
     resumed = losses_by_step(resumed_dir)
     assert sorted(resumed) == list(range(6, 11))
     assert_same_losses(resumed, single_process, range(6, 11))
 
 
 @pytest.mark.msrun
-def test_two_nodes_of_one_worker_reproduce_the_single_process_losses(single_process, tmp_path, data_cache,
-                                                                    processes):
+def test_two_nodes_of_one_worker_reproduce_the_single_process_losses(single_process, tmp_path, data_cache, processes):
     run_dir = tmp_path / "nodes2"
     node = ["launch.nodes=2", "launch.procs_per_node=1", f"launch.master_port={free_port()}"]
     node0 = start(processes, launch_command(run_dir, data_cache, *node, "launch.node_rank=0"))
@@ -265,11 +390,13 @@ def worker_pid(run_dir, rank):
 
 @pytest.mark.msrun
 def test_a_stopped_or_killed_worker_stops_the_job_naming_its_log_and_a_relaunch_resumes(
-        single_process, tmp_path, data_cache, processes):
+    single_process, tmp_path, data_cache, processes
+):
     run_dir = tmp_path / "killed"
     worker_log = str(run_dir / "msrun" / "worker_1.log")
-    command = launch_command(run_dir, data_cache, "launch.procs_per_node=2", "launch.node_timeout=5",
-                             "train.save_every=2")
+    command = launch_command(
+        run_dir, data_cache, "launch.procs_per_node=2", "launch.node_timeout=5", "train.save_every=2"
+    )
 
     # SIGTERM to one worker: every rank stops at the same step, after rank 0 wrote its checkpoint.
     launcher = start(processes, command + [f"launch.master_port={free_port()}"])
@@ -303,16 +430,38 @@ def test_cluster_script_gives_every_node_its_rank_the_master_and_the_same_overri
     fake_ssh = tmp_path / "ssh"
     fake_ssh.write_text('#!/bin/sh\necho "$1|$2"\n')
     fake_ssh.chmod(0o755)
-    env = dict(os.environ, HOSTS="10.0.0.1 10.0.0.2 10.0.0.3", RUN_DIR="/shared/run 1", PROCS_PER_NODE="4",
-               MINDMOE_SSH=str(fake_ssh), WORKDIR="/opt/mindmoe")
-    result = subprocess.run(["bash", str(REPO / "launch" / "cluster.sh"), "data.global_batch_size=48",
-                             "data.train_files=[a.jsonl,b c.jsonl]"], env=env, capture_output=True, text=True,
-                            timeout=60, check=True)
+    env = dict(
+        os.environ,
+        HOSTS="10.0.0.1 10.0.0.2 10.0.0.3",
+        RUN_DIR="/shared/run 1",
+        PROCS_PER_NODE="4",
+        MINDMOE_SSH=str(fake_ssh),
+        WORKDIR="/opt/mindmoe",
+    )
+    result = subprocess.run(
+        [
+            "bash",
+            str(REPO / "launch" / "cluster.sh"),
+            "data.global_batch_size=48",
+            "data.train_files=[a.jsonl,b c.jsonl]",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     remote = dict(line.split("|", 1) for line in result.stdout.strip().splitlines())
     assert sorted(remote) == ["10.0.0.1", "10.0.0.2", "10.0.0.3"]
     for node_rank, host in enumerate(["10.0.0.1", "10.0.0.2", "10.0.0.3"]):
         words = shlex.split(remote[host].split("&&")[-1])
         assert words[0] == "mindmoe-launch"
-        assert {"launch.nodes=3", f"launch.node_rank={node_rank}", "launch.procs_per_node=4",
-                "launch.master_addr=10.0.0.1", "hydra.run.dir=/shared/run 1", "data.global_batch_size=48",
-                "data.train_files=[a.jsonl,b c.jsonl]"} <= set(words)
+        assert {
+            "launch.nodes=3",
+            f"launch.node_rank={node_rank}",
+            "launch.procs_per_node=4",
+            "launch.master_addr=10.0.0.1",
+            "hydra.run.dir=/shared/run 1",
+            "data.global_batch_size=48",
+            "data.train_files=[a.jsonl,b c.jsonl]",
+        } <= set(words)

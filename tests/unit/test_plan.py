@@ -1,6 +1,7 @@
 """mindmoe-plan: exact parameter counts (vs the instantiated model and HF ``num_parameters()``),
 the GLM-4.5 recipes against their published sizes, the memory model against hand arithmetic,
 and the layout search."""
+
 import re
 import subprocess
 import sys
@@ -11,20 +12,45 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from conf.schema import register_configs
-from launch.plan import (GIB, MIB, Batch, Layout, PlanConfig, activation_bytes_per_token, layout_errors,
-                         plan_layout, search_layouts, validate_plan_config)
-from model.config import ModelConfig
-from model.param_count import count_parameters, parameter_shapes
+from mindmoe.conf.schema import register_configs
+from mindmoe.launch.plan import (
+    GIB,
+    MIB,
+    Batch,
+    Layout,
+    PlanConfig,
+    activation_bytes_per_token,
+    layout_errors,
+    plan_layout,
+    search_layouts,
+    validate_plan_config,
+)
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.param_count import count_parameters, parameter_shapes
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def tiny(**overrides):
-    fields = dict(vocab_size=50, hidden_size=16, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=8,
-                  intermediate_size=24, first_k_dense=1, num_experts=4, top_k=2, moe_intermediate_size=8,
-                  num_shared_experts=1, qkv_bias=True, qk_norm=True, expert_bias=True, score_func="sigmoid",
-                  tie_word_embeddings=False)
+    fields = dict(
+        vocab_size=50,
+        hidden_size=16,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        intermediate_size=24,
+        first_k_dense=1,
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=8,
+        num_shared_experts=1,
+        qkv_bias=True,
+        qk_norm=True,
+        expert_bias=True,
+        score_func="sigmoid",
+        tie_word_embeddings=False,
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -47,7 +73,8 @@ def model_config(name):
 
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
 def test_parameter_shapes_are_exactly_what_the_model_creates(name):
-    from model.transformer import MoETransformer
+    from mindmoe.model.transformer import MoETransformer
+
     cfg = TINY_CONFIGS[name]
     model = MoETransformer(cfg)
     created = [(p.name, tuple(p.shape)) for p in model.get_parameters()]
@@ -59,20 +86,31 @@ def test_parameter_shapes_are_exactly_what_the_model_creates(name):
 
 def hf_glm4_moe(cfg):
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
+
     return Glm4MoeForCausalLM(hf_config(cfg))
 
 
 def hf_config(cfg):
     """The HF ``glm4_moe`` config of one of ours (the fields that shape parameters)."""
     from transformers import Glm4MoeConfig
+
     return Glm4MoeConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=cfg.num_layers, num_attention_heads=cfg.num_heads,
-        num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.resolved_head_dim,
-        attention_bias=cfg.qkv_bias, use_qk_norm=cfg.qk_norm, moe_intermediate_size=cfg.moe_intermediate_size,
-        num_experts_per_tok=cfg.top_k, n_shared_experts=cfg.num_shared_experts,
-        n_routed_experts=cfg.num_experts, first_k_dense_replace=cfg.first_k_dense,
-        tie_word_embeddings=cfg.tie_word_embeddings)
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_heads,
+        num_key_value_heads=cfg.num_kv_heads,
+        head_dim=cfg.resolved_head_dim,
+        attention_bias=cfg.qkv_bias,
+        use_qk_norm=cfg.qk_norm,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        num_experts_per_tok=cfg.top_k,
+        n_shared_experts=cfg.num_shared_experts,
+        n_routed_experts=cfg.num_experts,
+        first_k_dense_replace=cfg.first_k_dense,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+    )
 
 
 @pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # HF builds 0-wide shared experts
@@ -98,10 +136,12 @@ def test_glm45_recipes_equal_hf_num_parameters(name):
     """HF models built on the meta device (no memory) with the dense layers plus one and two MoE
     layers; MoE layers are identical, so the full depth is the linear extrapolation. (Building all
     92 layers on meta gives the same 352,797,814,784 for GLM-4.5 but takes ~20 s.)"""
-    import torch
     from dataclasses import replace
+
+    import torch
     from transformers.modeling_utils import no_init_weights
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
+
     cfg = model_config(name)
     sizes = []
     for moe_layers in (1, 2):
@@ -118,8 +158,11 @@ def closed_form_total(cfg):
     q, kv = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
     attention = hidden * q * 2 + hidden * kv * 2 + (q + 2 * kv) * cfg.qkv_bias + 2 * head_dim * cfg.qk_norm
     dense = 3 * hidden * cfg.intermediate_size
-    moe = (cfg.num_experts * hidden + cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
-           + 3 * hidden * cfg.moe_intermediate_size * cfg.num_shared_experts)
+    moe = (
+        cfg.num_experts * hidden
+        + cfg.num_experts * 3 * hidden * cfg.moe_intermediate_size
+        + 3 * hidden * cfg.moe_intermediate_size * cfg.num_shared_experts
+    )
     layers = cfg.num_layers * (attention + 2 * hidden) + cfg.first_k_dense * dense + cfg.num_moe_layers * moe
     return layers + hidden + cfg.vocab_size * hidden * (1 if cfg.tie_word_embeddings else 2)
 
@@ -137,14 +180,19 @@ def test_glm45_recipes_match_the_published_sizes(name, total, active):
 def test_glm45_exact_counts():
     """The figures quoted in the README (MTP excluded; active excludes embedding and LM head)."""
     glm45, air = count_parameters(model_config("glm45")), count_parameters(model_config("glm45_air"))
-    assert (glm45.total, glm45.active, glm45.active_with_lm_head) == (352_797_814_784, 32_080_359_424,
-                                                                      32_856_305_664)
+    assert (glm45.total, glm45.active, glm45.active_with_lm_head) == (352_797_814_784, 32_080_359_424, 32_856_305_664)
     assert (air.total, air.active, air.active_with_lm_head) == (106_852_245_504, 12_182_609_920, 12_803_366_912)
 
 
 def run_cli(args, cwd, env=None):
-    return subprocess.run([sys.executable, "-m", "launch.plan_cli", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "mindmoe.launch.plan_cli", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_cli_prints_total_and_active_first_and_exits_zero():
@@ -169,22 +217,37 @@ def test_cli_writes_no_files_and_rejects_an_impossible_layout(tmp_path):
 # width 2 (q = 8, kv = 4), QK-norm, q/k/v bias, dense FFN 16, 4 experts of width 4, top-2, one shared
 # expert, vocab 100, untied, dropless. Layout dp=2 tp=1 pp=2 ep=2 (edp=1); seq 16, micro-batch 2,
 # global batch 8 -> 2 micro-batches per rank, 32 tokens per micro-batch.
-HAND = dict(vocab_size=100, hidden_size=8, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=2,
-            intermediate_size=16, first_k_dense=1, num_experts=4, top_k=2, moe_intermediate_size=4,
-            num_shared_experts=1, qkv_bias=True, qk_norm=True, dispatch="dropless", tie_word_embeddings=False)
+HAND = dict(
+    vocab_size=100,
+    hidden_size=8,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=2,
+    intermediate_size=16,
+    first_k_dense=1,
+    num_experts=4,
+    top_k=2,
+    moe_intermediate_size=4,
+    num_shared_experts=1,
+    qkv_bias=True,
+    qk_norm=True,
+    dispatch="dropless",
+    tie_word_embeddings=False,
+)
 HAND_BATCH = Batch(seq_len=16, micro_batch=2, global_batch=8)
-ATTENTION = 8 * 8 + 8 + 2 * (8 * 4 + 4) + 8 * 8          # q, k, v (+ bias), o = 208
-NORMS_PER_LAYER = 8 + 8 + 2 + 2                           # two RMSNorms + q_norm, k_norm
-STAGE0_SPLIT = 100 * 8 + ATTENTION + 3 * 8 * 16           # embedding, attention, dense FFN = 1392
-STAGE0_REPLICATED = NORMS_PER_LAYER                       # 20
-STAGE1_SPLIT = ATTENTION + 3 * 8 * 4 + 100 * 8            # attention, shared expert, LM head = 1104
-STAGE1_REPLICATED = NORMS_PER_LAYER + 4 * 8 + 8           # + router, final norm = 60
-STAGE1_EXPERTS = 4 * 3 * 8 * 4                            # 384
+ATTENTION = 8 * 8 + 8 + 2 * (8 * 4 + 4) + 8 * 8  # q, k, v (+ bias), o = 208
+NORMS_PER_LAYER = 8 + 8 + 2 + 2  # two RMSNorms + q_norm, k_norm
+STAGE0_SPLIT = 100 * 8 + ATTENTION + 3 * 8 * 16  # embedding, attention, dense FFN = 1392
+STAGE0_REPLICATED = NORMS_PER_LAYER  # 20
+STAGE1_SPLIT = ATTENTION + 3 * 8 * 4 + 100 * 8  # attention, shared expert, LM head = 1104
+STAGE1_REPLICATED = NORMS_PER_LAYER + 4 * 8 + 8  # + router, final norm = 60
+STAGE1_EXPERTS = 4 * 3 * 8 * 4  # 384
 # bytes per token: norm+qkv inputs 4h, q/k/v 2(q+2kv), o_proj input 2q, qk-norm inputs 2(q+kv), lse 4a
-ATTN_ACT = 4 * 8 + 2 * (8 + 8) + 2 * 8 + 2 * (8 + 4) + 4 * 4          # 120
-DENSE_ACT = ATTN_ACT + 4 * 8 + 6 * 16                                 # 248
-MOE_ACT = ATTN_ACT + 4 * 8 + 8 * 4 + 2 * (4 * 8 + 6 * 4) + 6 * 4      # 320
-HEAD_ACT = 4 * 8 + 4 * 100                                             # 432
+ATTN_ACT = 4 * 8 + 2 * (8 + 8) + 2 * 8 + 2 * (8 + 4) + 4 * 4  # 120
+DENSE_ACT = ATTN_ACT + 4 * 8 + 6 * 16  # 248
+MOE_ACT = ATTN_ACT + 4 * 8 + 8 * 4 + 2 * (4 * 8 + 6 * 4) + 6 * 4  # 320
+HEAD_ACT = 4 * 8 + 4 * 100  # 432
 
 
 def hand_plan(**plan_overrides):
@@ -197,15 +260,15 @@ def test_memory_matches_hand_arithmetic_zero1():
     stage0, stage1 = hand_plan().stages
     assert stage0.weights == 2 * (STAGE0_SPLIT + STAGE0_REPLICATED)
     assert stage0.grads == 4 * (STAGE0_SPLIT + STAGE0_REPLICATED)
-    assert stage0.optimizer == 12 * (STAGE0_SPLIT + STAGE0_REPLICATED) / 2          # ZeRO-1 over dp=2
-    assert stage0.activations == 2 * 32 * DENSE_ACT                                   # 2 micro-batches in flight
-    assert stage0.comm == 2 * MIB + 2 * 32 * 2 * 8 * 2 + 4 * 32 * 8 * 2              # buckets, all-to-all, p2p
-    held1 = STAGE1_SPLIT + STAGE1_REPLICATED + STAGE1_EXPERTS / 2                     # experts over ep=2
+    assert stage0.optimizer == 12 * (STAGE0_SPLIT + STAGE0_REPLICATED) / 2  # ZeRO-1 over dp=2
+    assert stage0.activations == 2 * 32 * DENSE_ACT  # 2 micro-batches in flight
+    assert stage0.comm == 2 * MIB + 2 * 32 * 2 * 8 * 2 + 4 * 32 * 8 * 2  # buckets, all-to-all, p2p
+    held1 = STAGE1_SPLIT + STAGE1_REPLICATED + STAGE1_EXPERTS / 2  # experts over ep=2
     assert stage1.weights == 2 * held1
     assert stage1.grads == 4 * held1
     # dense states over dp=2, expert states over edp = dp*tp/ep = 1
     assert stage1.optimizer == 12 * (STAGE1_SPLIT / 2 + STAGE1_REPLICATED / 2 + STAGE1_EXPERTS / 2)
-    assert stage1.activations == 1 * 32 * (MOE_ACT + HEAD_ACT)                         # last stage: 1 in flight
+    assert stage1.activations == 1 * 32 * (MOE_ACT + HEAD_ACT)  # last stage: 1 in flight
 
 
 def test_memory_zero_levels_recompute_and_scores():
@@ -214,33 +277,46 @@ def test_memory_zero_levels_recompute_and_scores():
     sharded_grads = hand_plan(zero=2, grad_dtype="bf16").stages[0]
     assert sharded_grads.grads == 2 * (STAGE0_SPLIT + STAGE0_REPLICATED) / 2
     recompute = hand_plan(recompute=True).stages[0]
-    assert recompute.activations == 32 * (2 * 1 * 2 * 8 + DENSE_ACT)                  # inputs kept + one layer
+    assert recompute.activations == 32 * (2 * 1 * 2 * 8 + DENSE_ACT)  # inputs kept + one layer
     no_flash = hand_plan(flash_attention=False).stages[0]
-    assert no_flash.activations == 2 * 32 * (DENSE_ACT - 4 * 4 + 2 * 4 * 16)         # stored softmax 2as
+    assert no_flash.activations == 2 * 32 * (DENSE_ACT - 4 * 4 + 2 * 4 * 16)  # stored softmax 2as
 
 
 def test_memory_with_tensor_parallelism():
-    layout = Layout(dp=1, tp=2, pp=1, ep=2)                                        # edp = 1
+    layout = Layout(dp=1, tp=2, pp=1, ep=2)  # edp = 1
     stage = hand_plan(layout=layout).stages[0]
     held = (STAGE0_SPLIT + STAGE1_SPLIT) / 2 + STAGE0_REPLICATED + STAGE1_REPLICATED + STAGE1_EXPERTS / 2
     assert stage.weights == 2 * held
-    assert stage.activations == 32 / 2 * (DENSE_ACT + MOE_ACT + HEAD_ACT)           # sequence parallel
-    assert stage.comm == 2 * 32 / 2 * 2 * 8 * 2 + 2 * 32 * 8 * 2                    # all-to-all, SP gather
+    assert stage.activations == 32 / 2 * (DENSE_ACT + MOE_ACT + HEAD_ACT)  # sequence parallel
+    assert stage.comm == 2 * 32 / 2 * 2 * 8 * 2 + 2 * 32 * 8 * 2  # all-to-all, SP gather
 
 
 def test_attention_activations_are_korthikanti_without_dropout():
     """MHA, no QK-norm, stored softmax: Korthikanti's attention 11h + 5as plus its norm 2h, minus the
     dropout mask h and the dropout's 3as, is 12h + 2as per token."""
-    cfg = ModelConfig(vocab_size=10, hidden_size=64, num_heads=8, num_kv_heads=8, qk_norm=False,
-                      intermediate_size=32, first_k_dense=1, num_layers=1)
+    cfg = ModelConfig(
+        vocab_size=10,
+        hidden_size=64,
+        num_heads=8,
+        num_kv_heads=8,
+        qk_norm=False,
+        intermediate_size=32,
+        first_k_dense=1,
+        num_layers=1,
+    )
     seq = 128
     attention = activation_bytes_per_token(cfg, False, seq, flash_attention=False) - (4 * 64 + 6 * 32)
     assert attention == 12 * 64 + 2 * 8 * seq
 
 
-@pytest.mark.parametrize("key, value, message", [("zero", 3, "plan.zero=3: must be 0"),
-                                                 ("grad_dtype", "fp16", "plan.grad_dtype='fp16': must be one of"),
-                                                 ("reserved_gb", 64.0, "plan.device_memory_gb=64.0: must exceed")])
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("zero", 3, "plan.zero=3: must be 0"),
+        ("grad_dtype", "fp16", "plan.grad_dtype='fp16': must be one of"),
+        ("reserved_gb", 64.0, "plan.device_memory_gb=64.0: must exceed"),
+    ],
+)
 def test_plan_config_errors_name_the_key(key, value, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         validate_plan_config(PlanConfig(**{key: value}))

@@ -1,9 +1,10 @@
 """The global gradient norm of the train step (train.step.sum_of_squares) against NumPy."""
-import numpy as np
+
 import mindspore as ms
+import numpy as np
 from mindspore import Tensor, ops
 
-from train.step import sum_of_squares
+from mindmoe.train.step import sum_of_squares
 
 
 def test_sum_of_squares_under_jit_matches_numpy_float64_for_any_rank():

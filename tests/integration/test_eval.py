@@ -4,6 +4,7 @@ The reference packs the validation text itself (SentencePiece ids, windows of L 
 document stream) and takes a NumPy log-softmax over the logits of a model built by hand with the
 RoPE scaling the table claims, run eagerly (PyNative), not through the compiled evaluation.
 """
+
 import dataclasses
 import json
 import os
@@ -19,19 +20,19 @@ from hydra import compose, initialize_config_module
 from mindspore import Tensor
 from omegaconf import OmegaConf
 
-import data
-from conf.schema import register_configs
-from data.config import DataConfig
-from data.prepare import prepare_data
-from model.config import ModelConfig
-from model.rope_scaling import RopeScalingConfig
-from model.transformer import MoETransformer
-from train.checkpoint import load_model_weights, save_checkpoint
-from train.eval_config import EvalConfig, validate_eval_config
-from train.eval_report import markdown
-from train.evaluate import context_offsets, evaluate_checkpoint, evaluate_model
+import mindmoe.data as data
+from mindmoe.conf.schema import register_configs
+from mindmoe.data.config import DataConfig
+from mindmoe.data.prepare import prepare_data
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.rope_scaling import RopeScalingConfig
+from mindmoe.model.transformer import MoETransformer
+from mindmoe.train.checkpoint import load_model_weights, save_checkpoint
+from mindmoe.train.eval_config import EvalConfig, validate_eval_config
+from mindmoe.train.eval_report import markdown
+from mindmoe.train.evaluate import context_offsets, evaluate_checkpoint, evaluate_model
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 TRAINED = 16
 LENGTHS = [TRAINED, 3 * TRAINED]
 FACTOR = 2.0
@@ -51,13 +52,30 @@ def english_valid(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, data_cache, english_valid):
     """A run dir as mindmoe-train leaves it: checkpoints/step_000007 and resolved_config.yaml (seq_len 16)."""
-    prepared = prepare_data(DataConfig(train_files=[str(english_valid)], valid_files=[str(english_valid)],
-                                       seq_len=TRAINED, vocab_size=512, cache_dir=data_cache, num_proc=1))
+    prepared = prepare_data(
+        DataConfig(
+            train_files=[str(english_valid)],
+            valid_files=[str(english_valid)],
+            seq_len=TRAINED,
+            vocab_size=512,
+            cache_dir=data_cache,
+            num_proc=1,
+        )
+    )
     # A large init so attention is sharp and positions change the logits measurably.
     # One MoE layer keeps each of the four compiled graphs small.
-    model_cfg = ModelConfig(vocab_size=prepared.vocab_size, hidden_size=32, num_layers=1, num_heads=2,
-                            num_kv_heads=1, first_k_dense=0, num_experts=4, top_k=2, moe_intermediate_size=32,
-                            initializer_range=0.3)
+    model_cfg = ModelConfig(
+        vocab_size=prepared.vocab_size,
+        hidden_size=32,
+        num_layers=1,
+        num_heads=2,
+        num_kv_heads=1,
+        first_k_dense=0,
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=32,
+        initializer_range=0.3,
+    )
     model = MoETransformer(model_cfg, seed=3)
     run_dir = tmp_path_factory.mktemp("run")
     state = {"model_config": dataclasses.asdict(model_cfg), "tokenizer": prepared.tokenizer_path}
@@ -75,19 +93,30 @@ def compose_config(overrides):
 @pytest.fixture(scope="module")
 def report(tiny_run, english_valid, data_cache):
     checkpoint, _, _ = tiny_run
-    cfg = compose_config([f"checkpoint={checkpoint}", f"data.train_files=[{english_valid}]",
-                          f"data.valid_files=[{english_valid}]", f"data.cache_dir={data_cache}",
-                          "data.num_proc=1", f"eval.context_lengths={LENGTHS}",
-                          "eval.scaling_types=[none,dynamic_ntk]", f"eval.factor={FACTOR}",
-                          f"eval.max_windows={MAX_WINDOWS}", "eval.batch_size=2"])
+    cfg = compose_config(
+        [
+            f"checkpoint={checkpoint}",
+            f"data.train_files=[{english_valid}]",
+            f"data.valid_files=[{english_valid}]",
+            f"data.cache_dir={data_cache}",
+            "data.num_proc=1",
+            f"eval.context_lengths={LENGTHS}",
+            "eval.scaling_types=[none,dynamic_ntk]",
+            f"eval.factor={FACTOR}",
+            f"eval.max_windows={MAX_WINDOWS}",
+            "eval.batch_size=2",
+        ]
+    )
     return evaluate_checkpoint(cfg)
 
 
 def reference_windows(tokenizer_path, valid_file, length, count=MAX_WINDOWS):
     """The first ``count`` windows of ``length + 1`` tokens cut from the stream of BOS + text + EOS documents."""
     processor = spm.SentencePieceProcessor(model_file=tokenizer_path)
-    documents = [[processor.bos_id()] + processor.encode(json.loads(line)["text"]) + [processor.eos_id()]
-                 for line in Path(valid_file).open(encoding="utf-8")]
+    documents = [
+        [processor.bos_id()] + processor.encode(json.loads(line)["text"]) + [processor.eos_id()]
+        for line in Path(valid_file).open(encoding="utf-8")
+    ]
     tokens = np.concatenate([np.asarray(ids) for ids in documents])
     doc_of_token = np.concatenate([np.full(len(ids), index) for index, ids in enumerate(documents)])
     window = length + 1
@@ -106,8 +135,9 @@ def reference_losses(model_cfg, checkpoint, rope_scaling, ids, docs, cross_docum
     attention_docs = np.zeros_like(docs) if cross_document else docs
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
-        logits = model(Tensor(ids[:, :-1].astype(np.int32)),
-                       Tensor(attention_docs[:, :-1].astype(np.int32)))[0].asnumpy()
+        logits = model(Tensor(ids[:, :-1].astype(np.int32)), Tensor(attention_docs[:, :-1].astype(np.int32)))[
+            0
+        ].asnumpy()
     finally:
         ms.set_context(mode=ms.GRAPH_MODE)
     logits = logits.astype(np.float64)
@@ -115,22 +145,29 @@ def reference_losses(model_cfg, checkpoint, rope_scaling, ids, docs, cross_docum
     log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
     nll = -np.take_along_axis(log_probs, ids[:, 1:, None], -1)[..., 0]
     scored = docs[:, 1:] == docs[:, :-1]
-    offset = np.array([[t - min(s for s in range(t + 1) if row[s] == row[t]) for t in range(len(row))]
-                       for row in attention_docs[:, :-1]])
+    offset = np.array(
+        [
+            [t - min(s for s in range(t + 1) if row[s] == row[t]) for t in range(len(row))]
+            for row in attention_docs[:, :-1]
+        ]
+    )
     beyond = scored & (offset >= TRAINED)
     return nll[scored].mean(), (nll[beyond].mean() if beyond.any() else None)
 
 
 def test_loss_per_length_and_type_matches_numpy_log_softmax_on_independently_packed_windows(
-        report, tiny_run, english_valid):
+    report, tiny_run, english_valid
+):
     _, model_cfg, tokenizer_path = tiny_run
     checkpoint = Path(report["checkpoint"])
     assert report["trained_length"] == TRAINED  # read back from the run's resolved_config.yaml
-    expected_scaling = {"none": RopeScalingConfig(),
-                        "dynamic_ntk": RopeScalingConfig(type="dynamic_ntk", factor=FACTOR,
-                                                         original_max_position=TRAINED)}
+    expected_scaling = {
+        "none": RopeScalingConfig(),
+        "dynamic_ntk": RopeScalingConfig(type="dynamic_ntk", factor=FACTOR, original_max_position=TRAINED),
+    }
     assert [(row["scaling"], row["length"]) for row in report["rows"]] == [
-        (name, length) for length in LENGTHS for name in ("none", "dynamic_ntk")]
+        (name, length) for length in LENGTHS for name in ("none", "dynamic_ntk")
+    ]
     for row in report["rows"]:
         ids, docs = reference_windows(tokenizer_path, english_valid, row["length"])
         loss, loss_beyond = reference_losses(model_cfg, checkpoint, expected_scaling[row["scaling"]], ids, docs)
@@ -186,8 +223,11 @@ def test_static_scaling_changes_the_logits_even_within_the_trained_length(tiny_r
     logits = {}
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
-        for scaling in (RopeScalingConfig(), RopeScalingConfig(type="linear", factor=FACTOR),
-                        RopeScalingConfig(type="dynamic_ntk", factor=FACTOR, original_max_position=TRAINED)):
+        for scaling in (
+            RopeScalingConfig(),
+            RopeScalingConfig(type="linear", factor=FACTOR),
+            RopeScalingConfig(type="dynamic_ntk", factor=FACTOR, original_max_position=TRAINED),
+        ):
             model = MoETransformer(dataclasses.replace(model_cfg, rope_scaling=scaling), seed=3)
             logits[scaling.type] = model(ids, docs)[0].asnumpy()
     finally:
@@ -198,25 +238,35 @@ def test_static_scaling_changes_the_logits_even_within_the_trained_length(tiny_r
 
 def test_context_offsets_count_from_the_document_start_or_the_window_start():
     doc_ids = np.array([[0, 0, 0, 1, 1, 2], [0, 1, 2, 3, 4, 5]])
-    np.testing.assert_array_equal(context_offsets(doc_ids, cross_document=False),
-                                  [[0, 1, 2, 0, 1, 0], [0, 0, 0, 0, 0, 0]])
+    np.testing.assert_array_equal(
+        context_offsets(doc_ids, cross_document=False), [[0, 1, 2, 0, 1, 0], [0, 0, 0, 0, 0, 0]]
+    )
     np.testing.assert_array_equal(context_offsets(doc_ids, cross_document=True), [list(range(6))] * 2)
 
 
-@pytest.mark.parametrize("field, value, message", [
-    ("context_lengths", [], r"eval.context_lengths=\[\]: must list at least one"),
-    ("scaling_types", ["none", "rope2"], r"eval.scaling_types=\['none', 'rope2'\]: must be a non-empty list"),
-    ("factor", 0.5, r"eval.factor=0.5: must be 0 \(L / trained length per column\) or >= 1"),
-    ("dispatch", "gshard", r"eval.dispatch='gshard': must be one of"),
-])
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("context_lengths", [], r"eval.context_lengths=\[\]: must list at least one"),
+        ("scaling_types", ["none", "rope2"], r"eval.scaling_types=\['none', 'rope2'\]: must be a non-empty list"),
+        ("factor", 0.5, r"eval.factor=0.5: must be 0 \(L / trained length per column\) or >= 1"),
+        ("dispatch", "gshard", r"eval.dispatch='gshard': must be one of"),
+    ],
+)
 def test_invalid_eval_keys_fail_naming_the_key(field, value, message):
     with pytest.raises(ValueError, match=message):
         validate_eval_config(dataclasses.replace(EvalConfig(), **{field: value}))
 
 
 def run_eval_cli(*args):
-    return subprocess.run([sys.executable, "-m", "train.eval_cli", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=120, env=dict(os.environ, HYDRA_FULL_ERROR="0"))
+    return subprocess.run(
+        [sys.executable, "-m", "mindmoe.train.eval_cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, HYDRA_FULL_ERROR="0"),
+    )
 
 
 def test_cli_rejects_a_missing_checkpoint_naming_it(tmp_path):

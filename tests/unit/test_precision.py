@@ -1,28 +1,42 @@
 """``train.dtype``, ``train.recompute`` and ``train.cell_reuse``: CPU refuses low precision and cell reuse,
 dynamic loss scaling follows its published rule and leaves updates unchanged, recompute leaves loss and
 gradients unchanged, cell reuse gives all layers of a kind one reuse key."""
+
 import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import Tensor
 
-from model.config import ModelConfig
-from model.transformer import MoETransformer
-from train.config import TrainConfig
-from train.optim import build_optimizer
-from train.precision import LossScale, apply_precision, validate_precision
-from train.step import Trainer, masked_cross_entropy, split_window
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.transformer import MoETransformer
+from mindmoe.train.config import TrainConfig
+from mindmoe.train.optim import build_optimizer
+from mindmoe.train.precision import LossScale, apply_precision, validate_precision
+from mindmoe.train.step import Trainer, masked_cross_entropy, split_window
 
-MODEL = ModelConfig(vocab_size=96, hidden_size=32, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=64,
-                    moe_intermediate_size=16, num_experts=4, top_k=2)
+MODEL = ModelConfig(
+    vocab_size=96,
+    hidden_size=32,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_experts=4,
+    top_k=2,
+)
 SEQ = 16
 
 
 def batches(count, seed=0):
     rng = np.random.default_rng(seed)
-    return [{"input_ids": rng.integers(0, MODEL.vocab_size, (2, SEQ + 1)).astype(np.int32),
-             "doc_ids": np.repeat(rng.integers(0, 2, (2, 1)), SEQ + 1, axis=1).astype(np.int32)}
-            for _ in range(count)]
+    return [
+        {
+            "input_ids": rng.integers(0, MODEL.vocab_size, (2, SEQ + 1)).astype(np.int32),
+            "doc_ids": np.repeat(rng.integers(0, 2, (2, 1)), SEQ + 1, axis=1).astype(np.int32),
+        }
+        for _ in range(count)
+    ]
 
 
 def make_trainer(loss_scale=None):
@@ -49,8 +63,18 @@ def test_cell_reuse_is_refused_on_cpu_naming_the_key_and_keys_layers_by_kind():
         validate_precision(TrainConfig(cell_reuse=True), "CPU")
     validate_precision(TrainConfig(cell_reuse=True), "Ascend")
     # lazy_inline compiles one body per distinct key: the layers of one kind must share it.
-    cfg = ModelConfig(vocab_size=96, hidden_size=32, num_layers=4, first_k_dense=1, num_heads=2, num_kv_heads=1,
-                      intermediate_size=64, moe_intermediate_size=16, num_experts=4, top_k=2)
+    cfg = ModelConfig(
+        vocab_size=96,
+        hidden_size=32,
+        num_layers=4,
+        first_k_dense=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_experts=4,
+        top_k=2,
+    )
     keys = [layer.cell_init_args for layer in MoETransformer(cfg, cell_reuse=True).layers]
     assert keys[1] == keys[2] == keys[3] != keys[0]
     assert not any(hasattr(layer, "cell_init_args") for layer in MoETransformer(cfg).layers)
@@ -58,7 +82,7 @@ def test_cell_reuse_is_refused_on_cpu_naming_the_key_and_keys_layers_by_kind():
 
 def test_power_of_two_loss_scale_leaves_every_update_unchanged_and_doubles_after_its_window():
     plain_model, plain = make_trainer()
-    scaled_model, scaled = make_trainer(LossScale(initial=2.0 ** 10, window=2))
+    scaled_model, scaled = make_trainer(LossScale(initial=2.0**10, window=2))
     scales = []
     for batch in batches(3):
         reference, stats = plain.step([batch]), scaled.step([batch])
@@ -67,17 +91,17 @@ def test_power_of_two_loss_scale_leaves_every_update_unchanged_and_doubles_after
     # Multiplying by 2^k and dividing again is exact in floating point: identical weights.
     for name, value in weights(plain_model).items():
         np.testing.assert_array_equal(weights(scaled_model)[name], value, err_msg=name)
-    assert scales == [2.0 ** 10, 2.0 ** 11, 2.0 ** 11]
+    assert scales == [2.0**10, 2.0**11, 2.0**11]
 
 
 def test_overflowing_loss_scale_skips_the_step_and_halves():
-    model, trainer = make_trainer(LossScale(initial=2.0 ** 127, window=1000))
+    model, trainer = make_trainer(LossScale(initial=2.0**127, window=1000))
     before = weights(model)
     stats = trainer.step(batches(1)[:1])
     assert stats.skipped
     for name, value in weights(model).items():
         np.testing.assert_array_equal(value, before[name], err_msg=name)
-    assert float(trainer.loss_scale_state[0].asnumpy()) == 2.0 ** 126
+    assert float(trainer.loss_scale_state[0].asnumpy()) == 2.0**126
 
 
 def loss_and_grads(model, batch):

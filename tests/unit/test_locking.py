@@ -6,13 +6,14 @@ consecutive tokens ending at t, inside t's document, whose set equals ``N_t``; t
 s with ``t - span <= s <= t - 1`` in t's document has ``run(s) >= run_length``, and is then routed to
 ``N_{s*}`` of the most recent such s*, with weights gathered from t's *own* unbiased scores.
 """
+
 import mindspore as ms
 import numpy as np
 import pytest
 from mindspore import Tensor
 
-from model.moe import MoELayer, flip_rate, lock_routing
-from tests.test_moe_dispatch import HIDDEN, EXPERTS, TOP_K, build_layer, layer_weights, moe_config, np_swiglu
+from mindmoe.model.moe import MoELayer, flip_rate, lock_routing
+from tests.unit.test_moe_dispatch import EXPERTS, HIDDEN, TOP_K, build_layer, layer_weights, moe_config, np_swiglu
 
 # ---- brute-force NumPy transcriptions ----------------------------------------------------------
 
@@ -206,9 +207,10 @@ def test_run_length_one_locks_every_token_to_its_predecessor_within_a_document()
 def test_hand_written_cases_agree_with_the_brute_force_transcription():
     # The transcription used for the random cases gives the hand-written answers too.
     for sets, docs, run_length, span, expected in [
-            ([A, A, A, B, C, D, D], [0] * 7, 3, 2, [0, 0, 0, 1, 1, 0, 0]),
-            ([A, A, B, B, C, D], [0] * 6, 2, 5, [0, 0, 1, 1, 1, 1]),
-            ([A, A, A, A, B, B], [0, 0, 1, 1, 1, 1], 3, 4, [0] * 6)]:
+        ([A, A, A, B, C, D, D], [0] * 7, 3, 2, [0, 0, 0, 1, 1, 0, 0]),
+        ([A, A, B, B, C, D], [0] * 6, 2, 5, [0, 0, 1, 1, 1, 1]),
+        ([A, A, A, A, B, B], [0, 0, 1, 1, 1, 1], 3, 4, [0] * 6),
+    ]:
         locked, _ = np_lock_routing(np.array([sets]), np.array([docs]), run_length, span)
         np.testing.assert_array_equal(locked[0], expected)
 
@@ -257,8 +259,9 @@ def naive_locked_moe(x_BSH, doc_ids_BS, weights, cfg, capacity=None):
     x_TH = x_BSH.reshape(-1, hidden).astype(np.float64)
     scores, natural = np_natural_routing(x_TH, weights, cfg.top_k)
     if cfg.expert_lock:
-        locked, routed = np_lock_routing(natural.reshape(batch, seq_len, -1), doc_ids_BS,
-                                         cfg.lock_run_length, cfg.lock_span)
+        locked, routed = np_lock_routing(
+            natural.reshape(batch, seq_len, -1), doc_ids_BS, cfg.lock_run_length, cfg.lock_span
+        )
         locked, routed = locked.reshape(-1), routed.reshape(-1, cfg.top_k)
     else:
         locked, routed = np.zeros(len(x_TH), bool), natural
@@ -271,10 +274,15 @@ def naive_locked_moe(x_BSH, doc_ids_BS, weights, cfg, capacity=None):
             e = routed[t, k]
             if not kept[t, k]:
                 continue
-            out[t] += weight[t, k] * np_swiglu(x_TH[t], weights["experts.gate_proj"][e],
-                                               weights["experts.up_proj"][e], weights["experts.down_proj"][e])
-        out[t] += np_swiglu(x_TH[t], weights["shared_experts.gate_proj.weight"],
-                            weights["shared_experts.up_proj.weight"], weights["shared_experts.down_proj.weight"])
+            out[t] += weight[t, k] * np_swiglu(
+                x_TH[t], weights["experts.gate_proj"][e], weights["experts.up_proj"][e], weights["experts.down_proj"][e]
+            )
+        out[t] += np_swiglu(
+            x_TH[t],
+            weights["shared_experts.gate_proj.weight"],
+            weights["shared_experts.up_proj.weight"],
+            weights["shared_experts.down_proj.weight"],
+        )
     return out.reshape(x_BSH.shape), natural, routed, locked, kept, weight
 
 
@@ -282,8 +290,7 @@ def runs_input(seed=23):
     """Rows made of runs of identical token vectors (identical vectors route identically), so locks
     trigger; the tokens after a run are fresh vectors whose own routing usually differs."""
     rng = np.random.default_rng(seed)
-    pattern = [[0, 0, 0, 1, 2, 3, 4, 4, 5, 6, 7, 8],
-               [0, 1, 1, 1, 2, 3, 3, 4, 4, 4, 5, 6]]
+    pattern = [[0, 0, 0, 1, 2, 3, 4, 4, 5, 6, 7, 8], [0, 1, 1, 1, 2, 3, 3, 4, 4, 4, 5, 6]]
     x = np.zeros((BATCH, SEQ, HIDDEN), np.float32)
     for b, row in enumerate(pattern):
         vectors = rng.normal(size=(max(row) + 1, HIDDEN)).astype(np.float32)
@@ -293,8 +300,14 @@ def runs_input(seed=23):
 
 
 def lock_layer_config(dispatch, capacity_factor, **overrides):
-    fields = dict(score_func="sigmoid", expert_bias=True, routed_scaling_factor=2.5, expert_lock=True,
-                  lock_run_length=2, lock_span=3)
+    fields = dict(
+        score_func="sigmoid",
+        expert_bias=True,
+        routed_scaling_factor=2.5,
+        expert_lock=True,
+        lock_run_length=2,
+        lock_span=3,
+    )
     fields.update(overrides)
     return moe_config(dispatch, capacity_factor, **fields)
 
@@ -310,8 +323,7 @@ def copy_parameters_by_name(source, target):
 def test_layer_with_locking_that_never_triggers_equals_layer_without_locking():
     dispatch = "capacity"
     run_length = SEQ + 1  # longer than any sequence: no token can qualify
-    locking = build_layer(lock_layer_config(dispatch, 4.0, lock_run_length=run_length, isolation_decay=1.0),
-                          seed=3)
+    locking = build_layer(lock_layer_config(dispatch, 4.0, lock_run_length=run_length, isolation_decay=1.0), seed=3)
     plain = MoELayer(lock_layer_config(dispatch, 4.0, expert_lock=False), np.random.default_rng(1))
     copy_parameters_by_name(locking, plain)
     x, doc_ids = runs_input()

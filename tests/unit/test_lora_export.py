@@ -1,5 +1,6 @@
 """``mindmoe-export export.adapter=...``: a PEFT adapter merged into the bundled HF base before export
 gives, in transformers, the logits of ``PeftModel`` on the original base (fp32, <= 1e-4)."""
+
 from pathlib import Path
 
 import numpy as np
@@ -9,12 +10,12 @@ from mindspore import Tensor
 from peft import PeftModel
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
-from model.hf import load_hf_pretrained
-from model.lora import LoraConfig, apply_lora
-from model.peft_adapter import save_adapter
-from tests.test_train import compose_config
+from mindmoe.model.hf import load_hf_pretrained
+from mindmoe.model.lora import LoraConfig, apply_lora
+from mindmoe.model.peft_adapter import save_adapter
+from tests.integration.test_train import compose_config
 
-BASE = Path(__file__).resolve().parent.parent / "data" / "samples" / "tiny_base"
+BASE = Path(__file__).resolve().parents[2] / "data" / "samples" / "tiny_base"
 
 
 @pytest.fixture(scope="module")
@@ -30,13 +31,19 @@ def adapter_dir(tmp_path_factory):
 
 
 def test_hf_export_with_adapter_equals_peft_on_the_base(adapter_dir, tmp_path):
-    from train.export import run_export
-    overrides = [f"model.pretrained={BASE}", "export.format=hf", f"export.out={tmp_path / 'out'}",
-                 f"export.adapter={adapter_dir}"]
+    from mindmoe.train.export import run_export
+
+    overrides = [
+        f"model.pretrained={BASE}",
+        "export.format=hf",
+        f"export.out={tmp_path / 'out'}",
+        f"export.adapter={adapter_dir}",
+    ]
     out = run_export(compose_config(overrides), tmp_path, overrides)
     ids = torch.from_numpy(np.random.default_rng(2).integers(0, 4096, size=(2, 24)))
-    peft = PeftModel.from_pretrained(Glm4MoeForCausalLM.from_pretrained(BASE, dtype=torch.float32),
-                                     str(adapter_dir)).eval()
+    peft = PeftModel.from_pretrained(
+        Glm4MoeForCausalLM.from_pretrained(BASE, dtype=torch.float32), str(adapter_dir)
+    ).eval()
     exported = Glm4MoeForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     base = Glm4MoeForCausalLM.from_pretrained(BASE, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -46,7 +53,8 @@ def test_hf_export_with_adapter_equals_peft_on_the_base(adapter_dir, tmp_path):
 
 
 def test_a_lora_checkpoint_is_not_an_export_source(tmp_path):
-    from train.export import resolve_source
+    from mindmoe.train.export import resolve_source
+
     checkpoint = tmp_path / "step_000010"
     (checkpoint / "adapter").mkdir(parents=True)
     (checkpoint / "model.safetensors").write_bytes(b"")
@@ -59,9 +67,9 @@ def test_a_lora_checkpoint_is_not_an_export_source(tmp_path):
 def test_mindir_export_with_adapter_equals_the_unmerged_model_with_adapters(adapter_dir, tmp_path):
     """The exported prefill graph of base + adapter gives the last-position logits of mindmoe's own
     model with the adapters applied and not merged (LoRA branches computed in the graph)."""
-    from model.export.runner import ExportedModel
-    from model.peft_adapter import load_adapter, read_adapter_config
-    from train.export import run_export
+    from mindmoe.model.export.runner import ExportedModel
+    from mindmoe.model.peft_adapter import load_adapter, read_adapter_config
+    from mindmoe.train.export import run_export
 
     out = tmp_path / "mindir"
     overrides = [f"model.pretrained={BASE}", f"export.out={out}", f"export.adapter={adapter_dir}"]

@@ -4,6 +4,7 @@ Expected values come from independent computations (brute-force loops over
 document lengths, hand-computed losses, the single-process batch order), never
 from the code under test.
 """
+
 import importlib.util
 import json
 import math
@@ -17,14 +18,21 @@ import numpy as np
 import pytest
 from omegaconf import OmegaConf
 
-import data
-from data.config import DataConfig
-from data.mindrecord import EvalLoader, WindowLoader, write_shards
-from data.packing import (PackedWindows, attention_allowed, loss_mask_from_doc_ids, mix_sources,
-                          mixture_counts, pack_documents, unigram_loss)
-from data.prepare import build_once, prepare_data
-from data.reader import DataInputError, read_source, tokenize_documents
-from data.tokenizer import load_tokenizer, train_sentencepiece
+import mindmoe.data as data
+from mindmoe.data.config import DataConfig
+from mindmoe.data.mindrecord import EvalLoader, WindowLoader, write_shards
+from mindmoe.data.packing import (
+    PackedWindows,
+    attention_allowed,
+    loss_mask_from_doc_ids,
+    mix_sources,
+    mixture_counts,
+    pack_documents,
+    unigram_loss,
+)
+from mindmoe.data.prepare import build_once, prepare_data
+from mindmoe.data.reader import DataInputError, read_source, tokenize_documents
+from mindmoe.data.tokenizer import load_tokenizer, train_sentencepiece
 
 SAMPLES = Path(data.__file__).parent / "samples"
 
@@ -60,8 +68,14 @@ def small_tokenizer(small_corpus, tmp_path_factory):
 
 
 def _small_config(small_corpus, **overrides):
-    fields = dict(train_files=[str(small_corpus / "train.jsonl")], valid_files=[str(small_corpus / "valid.jsonl")],
-                  seq_len=32, vocab_size=2048, num_proc=1, shard_windows=100)
+    fields = dict(
+        train_files=[str(small_corpus / "train.jsonl")],
+        valid_files=[str(small_corpus / "valid.jsonl")],
+        seq_len=32,
+        vocab_size=2048,
+        num_proc=1,
+        shard_windows=100,
+    )
     fields.update(overrides)
     return DataConfig(**fields)
 
@@ -109,9 +123,11 @@ def test_generated_invoices_add_up():
 
 # ---------------------------------------------------------------- tokenizer
 def test_tokenizer_round_trips_chinese_and_english(small_tokenizer):
-    texts = ["Invoice INV-2405-0042\nSubtotal: $1,234.50\n\n  two  spaces",
-             "本季度公司实现营业收入¥23,074,000.00，环比增长9.7%。\n- 合计：12台",
-             "unseen 字符 ☃ and emoji 😀 fall back to bytes"]
+    texts = [
+        "Invoice INV-2405-0042\nSubtotal: $1,234.50\n\n  two  spaces",
+        "本季度公司实现营业收入¥23,074,000.00，环比增长9.7%。\n- 合计：12台",
+        "unseen 字符 ☃ and emoji 😀 fall back to bytes",
+    ]
     for text in texts:
         ids = small_tokenizer.encode(text)
         assert small_tokenizer.decode(ids) == text
@@ -144,22 +160,38 @@ def _write(path, content):
     return path
 
 
-@pytest.mark.parametrize("name, content, pattern", [
-    ("bad.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": "c" "d"}\n',
-     r"data\.train_files\[0\]: .*bad\.jsonl line 3 is not valid JSON \(Expecting ',' delimiter"),
-    ("field.jsonl", '{"text": "a"}\n{"body": "b", "id": 7}\n',
-     r"data\.train_files\[0\]: .*field\.jsonl line 2 has no field 'text' \(fields: 'body', 'id'\)"),
-    ("bytes.jsonl", b'{"text": "ok"}\n{"text": "caf\xe9"}\n',
-     r"data\.train_files\[0\]: .*bytes\.jsonl line 2 is not valid UTF-8"),
-    ("empty.jsonl", "", r"data\.train_files\[0\]: .*empty\.jsonl contains no text"),
-    ("blank.jsonl", '{"text": ""}\n{"text": "  "}\n', r"blank\.jsonl contains no text \(2 empty documents skipped\)"),
-    ("list.jsonl", '["text"]\n', r"list\.jsonl line 1 is a JSON list, expected an object"),
-    ("number.jsonl", '{"text": 5}\n', r"number\.jsonl line 1: field 'text' is a JSON int"),
-    ("bytes.txt", b"fine\n\n\xff\xfe\n", r"bytes\.txt line 3 is not valid UTF-8"),
-    ("array.json", b'[{"text": "a"},\n {"text": "\xe9"}]', r"array\.json line 2 is not valid UTF-8"),
-    ("broken.json", '[{"text": "a"},\n {"text": }]', r"broken\.json line 2 is not valid JSON \(Expecting value"),
-    ("table.csv", "text\nhello\n", r"unsupported file type '\.csv'"),
-])
+@pytest.mark.parametrize(
+    "name, content, pattern",
+    [
+        (
+            "bad.jsonl",
+            '{"text": "a"}\n{"text": "b"}\n{"text": "c" "d"}\n',
+            r"data\.train_files\[0\]: .*bad\.jsonl line 3 is not valid JSON \(Expecting ',' delimiter",
+        ),
+        (
+            "field.jsonl",
+            '{"text": "a"}\n{"body": "b", "id": 7}\n',
+            r"data\.train_files\[0\]: .*field\.jsonl line 2 has no field 'text' \(fields: 'body', 'id'\)",
+        ),
+        (
+            "bytes.jsonl",
+            b'{"text": "ok"}\n{"text": "caf\xe9"}\n',
+            r"data\.train_files\[0\]: .*bytes\.jsonl line 2 is not valid UTF-8",
+        ),
+        ("empty.jsonl", "", r"data\.train_files\[0\]: .*empty\.jsonl contains no text"),
+        (
+            "blank.jsonl",
+            '{"text": ""}\n{"text": "  "}\n',
+            r"blank\.jsonl contains no text \(2 empty documents skipped\)",
+        ),
+        ("list.jsonl", '["text"]\n', r"list\.jsonl line 1 is a JSON list, expected an object"),
+        ("number.jsonl", '{"text": 5}\n', r"number\.jsonl line 1: field 'text' is a JSON int"),
+        ("bytes.txt", b"fine\n\n\xff\xfe\n", r"bytes\.txt line 3 is not valid UTF-8"),
+        ("array.json", b'[{"text": "a"},\n {"text": "\xe9"}]', r"array\.json line 2 is not valid UTF-8"),
+        ("broken.json", '[{"text": "a"},\n {"text": }]', r"broken\.json line 2 is not valid JSON \(Expecting value"),
+        ("table.csv", "text\nhello\n", r"unsupported file type '\.csv'"),
+    ],
+)
 def test_bad_input_error_names_key_file_and_line(tmp_path, name, content, pattern):
     path = _write(tmp_path / name, content)
     with pytest.raises(DataInputError, match=pattern):
@@ -174,8 +206,10 @@ def test_missing_file_error_names_the_config_key(tmp_path, small_corpus):
 
 
 def test_empty_texts_are_skipped_and_counted(tmp_path):
-    path = _write(tmp_path / "mixed.jsonl",
-                  '{"text": "one"}\n\n{"text": ""}\n{"text": null, "id": "x"}\n{"text": "two", "id": 3}\n')
+    path = _write(
+        tmp_path / "mixed.jsonl",
+        '{"text": "one"}\n\n{"text": ""}\n{"text": null, "id": "x"}\n{"text": "two", "id": 3}\n',
+    )
     dataset, stats = read_source(str(path), "text", "data.train_files[0]", tmp_path / "work")
     assert dataset["text"] == ["one", "two"]
     assert (stats.documents, stats.skipped_empty) == (2, 2)
@@ -193,6 +227,7 @@ def test_txt_documents_are_blank_line_separated_and_json_arrays_are_read(tmp_pat
 def test_parquet_is_read_and_a_missing_column_is_named(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"content": ["alpha", "", None, "beta"], "id": [1, 2, 3, 4]}), path)
     dataset, stats = read_source(str(path), "content", "k", tmp_path / "work")
@@ -203,8 +238,9 @@ def test_parquet_is_read_and_a_missing_column_is_named(tmp_path):
 
 def test_parallel_tokenisation_wraps_each_document_in_bos_and_eos(small_corpus, small_tokenizer, tmp_path):
     dataset, _ = read_source(str(small_corpus / "valid.jsonl"), "text", "data.valid_files[0]", tmp_path)
-    expected = [[small_tokenizer.bos_id] + small_tokenizer.encode(text) + [small_tokenizer.eos_id]
-                for text in dataset["text"]]
+    expected = [
+        [small_tokenizer.bos_id] + small_tokenizer.encode(text) + [small_tokenizer.eos_id] for text in dataset["text"]
+    ]
     stream = tokenize_documents(dataset, small_tokenizer, num_proc=2)
     assert stream.doc_lengths.tolist() == [len(ids) for ids in expected]
     assert stream.tokens.tolist() == [token for ids in expected for token in ids]
@@ -242,8 +278,7 @@ def test_attention_mask_never_crosses_a_document_boundary():
 
 def test_loss_mask_never_predicts_across_a_document_boundary():
     doc_ids = np.array([[0, 0, 0, 1, 1, 2, 2, 2]], dtype=np.int32)
-    np.testing.assert_array_equal(loss_mask_from_doc_ids(doc_ids),
-                                  [[True, True, False, True, False, True, True]])
+    np.testing.assert_array_equal(loss_mask_from_doc_ids(doc_ids), [[True, True, False, True, False, True, True]])
 
 
 def test_mixture_counts_are_proportional_to_weights_and_keep_the_total():
@@ -258,6 +293,7 @@ def test_small_source_is_repeated_evenly_and_mixing_is_deterministic():
     def source(tag, count):
         ids = np.repeat(tag * 1000 + np.arange(count, dtype=np.int32)[:, None], 5, axis=1)
         return PackedWindows(ids, np.zeros((count, 5), np.int32))
+
     sources = [source(1, 100), source(2, 10)]
     counts = mixture_counts([100, 10], [1, 3])
     assert counts == [28, 82]
@@ -320,7 +356,7 @@ def test_ranks_split_every_global_batch_disjointly(numbered_shards):
         assert not set(ranks[0][step]) & set(ranks[1][step])
         assert ranks[0][step] + ranks[1][step] == single[step]
     for epoch in range(3):
-        seen = [w for step in single[epoch * 4:(epoch + 1) * 4] for w in step]
+        seen = [w for step in single[epoch * 4 : (epoch + 1) * 4] for w in step]
         assert len(set(seen)) == 64
     assert single[:4] != single[4:8]
 
@@ -363,6 +399,7 @@ def _independent_unigram_loss(train_files, valid_files, vocab_size):
         for batch in EvalLoader(files, batch_size=1):
             ids, docs = batch["input_ids"][0].tolist(), batch["doc_ids"][0].tolist()
             yield from (ids[t + 1] for t in range(len(ids) - 1) if docs[t + 1] == docs[t])
+
     counts = Counter(scored_labels(train_files))
     total = sum(counts.values())
     valid = list(scored_labels(valid_files))
@@ -376,9 +413,10 @@ def test_prepare_data_builds_once_and_reuses_the_cache(small_corpus, isolated_ca
     assert first.num_train_windows > 100 and first.num_valid_windows > 10
     assert all(Path(f).is_relative_to(isolated_cache) for f in first.train_shards + first.valid_shards)
     assert first.unigram_val_loss == pytest.approx(
-        _independent_unigram_loss(first.train_shards, first.valid_shards, 2048), rel=1e-9)
+        _independent_unigram_loss(first.train_shards, first.valid_shards, 2048), rel=1e-9
+    )
     for name in ("_build_shards", "train_sentencepiece"):
-        monkeypatch.setattr(f"data.prepare.{name}", lambda *a, **k: pytest.fail("rebuilt a cached entry"))
+        monkeypatch.setattr(f"mindmoe.data.prepare.{name}", lambda *a, **k: pytest.fail("rebuilt a cached entry"))
     assert prepare_data(cfg) == first
 
 
@@ -415,6 +453,7 @@ def _slow_build(entry, marker_dir, results):
         time.sleep(0.5)
         (staging / "payload").write_text("done")
         return {"ok": True}
+
     results.put(build_once(entry, build))
 
 

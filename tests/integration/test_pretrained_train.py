@@ -5,6 +5,7 @@ The reference is the HF model itself: the first step's loss (measured before any
 the transformers model's next-token loss on the same packed windows, evaluated document by
 document (packing's per-document causal mask; RoPE depends only on relative positions).
 """
+
 import json
 
 import numpy as np
@@ -12,8 +13,8 @@ import pytest
 import torch
 from hydra import compose, initialize_config_module
 
-from conf.schema import SAMPLES_DIR, register_configs
-from tests.test_hf_interop import glm4_config, randomize_hf, save_hf
+from mindmoe.conf.schema import SAMPLES_DIR, register_configs
+from tests.unit.test_hf_interop import glm4_config, randomize_hf, save_hf
 
 SEQ_LEN, MICRO, GLOBAL = 32, 2, 4
 
@@ -32,36 +33,53 @@ def pretrained_dir(tmp_path_factory):
     from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
     directory = tmp_path_factory.mktemp("hf_base")
-    texts = [json.loads(line)["text"] for line in
-             (SAMPLES_DIR / "corpus_train.jsonl").read_text(encoding="utf-8").splitlines()[:300]]
+    texts = [
+        json.loads(line)["text"]
+        for line in (SAMPLES_DIR / "corpus_train.jsonl").read_text(encoding="utf-8").splitlines()[:300]
+    ]
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"}))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>"})
+    )
     vocab = tokenizer.get_vocab_size(with_added_tokens=True) + 20  # padded, as published models are
     torch.manual_seed(0)
     hf = randomize_hf(Glm4MoeForCausalLM(glm4_config(vocab_size=vocab, max_position_embeddings=128)), seed=3)
     save_hf(hf, directory, max_shard_size="200KB")
     data_file = directory.parent / "train.jsonl"
-    data_file.write_text("\n".join(json.dumps({"text": text}, ensure_ascii=False) for text in texts) + "\n",
-                         encoding="utf-8")
+    data_file.write_text(
+        "\n".join(json.dumps({"text": text}, ensure_ascii=False) for text in texts) + "\n", encoding="utf-8"
+    )
     return directory, data_file, hf
 
 
 def run_overrides(pretrained, data_file, cache, *extra):
-    return [f"model.pretrained={pretrained}", f"data.train_files=[{data_file}]", "data.valid_files=[]",
-            f"data.seq_len={SEQ_LEN}", f"data.micro_batch_size={MICRO}", f"data.global_batch_size={GLOBAL}",
-            f"data.cache_dir={cache}", "train.max_steps=2", "train.log_every=1", "train.save_every=2",
-            "train.eval_every=0", "train.progress_bar=false", "train.peak_gflops=50", *extra]
+    return [
+        f"model.pretrained={pretrained}",
+        f"data.train_files=[{data_file}]",
+        "data.valid_files=[]",
+        f"data.seq_len={SEQ_LEN}",
+        f"data.micro_batch_size={MICRO}",
+        f"data.global_batch_size={GLOBAL}",
+        f"data.cache_dir={cache}",
+        "train.max_steps=2",
+        "train.log_every=1",
+        "train.save_every=2",
+        "train.eval_every=0",
+        "train.progress_bar=false",
+        "train.peak_gflops=50",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
 def pretrained_run(pretrained_dir, tmp_path_factory):
-    from train.loop import run
+    from mindmoe.train.loop import run
 
     directory, data_file, _ = pretrained_dir
     cache = tmp_path_factory.mktemp("cache")
@@ -89,8 +107,8 @@ def hf_window_loss(hf, window_ids, window_docs):
 
 
 def test_first_step_loss_is_the_hf_models_loss_on_the_same_windows(pretrained_dir, pretrained_run):
-    from data.mindrecord import WindowLoader
-    from data.prepare import prepare_data, with_pretrained_tokenizer
+    from mindmoe.data.mindrecord import WindowLoader
+    from mindmoe.data.prepare import prepare_data, with_pretrained_tokenizer
 
     _, _, hf = pretrained_dir
     cfg, _, rows = pretrained_run
@@ -121,12 +139,13 @@ def test_run_uses_the_hf_architecture_tokenizer_and_dropless_dispatch(pretrained
 
 def test_resume_of_a_pretrained_run_continues_from_its_checkpoint(pretrained_dir, pretrained_run, tmp_path):
     """The checkpoint, not the HF weights, is where a resumed run starts: step 3 follows step 2."""
-    from train.loop import run
+    from mindmoe.train.loop import run
 
     directory, data_file, _ = pretrained_dir
     cfg, run_dir, rows = pretrained_run
-    resumed = compose_config(run_overrides(directory, data_file, cfg.data.cache_dir, "train.max_steps=3",
-                                           "train.resume=auto"))
+    resumed = compose_config(
+        run_overrides(directory, data_file, cfg.data.cache_dir, "train.max_steps=3", "train.resume=auto")
+    )
     run(resumed, run_dir, explicit_model_keys=set())
     all_rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [row["step"] for row in all_rows if "lm_loss" in row]
@@ -134,12 +153,18 @@ def test_resume_of_a_pretrained_run_continues_from_its_checkpoint(pretrained_dir
 
 
 def test_command_line_training_keys_apply_and_architecture_keys_must_agree(pretrained_dir, tmp_path):
-    from train.init_model import build_model, explicit_model_keys
+    from mindmoe.train.init_model import build_model, explicit_model_keys
 
     directory, data_file, hf = pretrained_dir
-    overrides = run_overrides(directory, data_file, tmp_path, "model.dispatch=capacity",
-                              "model.capacity_factor=2.0", "model.rope_scaling.type=linear",
-                              "model.rope_scaling.factor=2.0")
+    overrides = run_overrides(
+        directory,
+        data_file,
+        tmp_path,
+        "model.dispatch=capacity",
+        "model.capacity_factor=2.0",
+        "model.rope_scaling.type=linear",
+        "model.rope_scaling.factor=2.0",
+    )
     keys = explicit_model_keys(overrides)
     assert keys == {"dispatch", "capacity_factor", "rope_scaling"}
     model_cfg, _ = build_model(compose_config(overrides), hf.config.vocab_size, keys, load_weights=False)
@@ -149,12 +174,13 @@ def test_command_line_training_keys_apply_and_architecture_keys_must_agree(pretr
 
     conflicting = run_overrides(directory, data_file, tmp_path, "model.hidden_size=64")
     with pytest.raises(ValueError, match=r"model.hidden_size=64 conflicts with .*config.json"):
-        build_model(compose_config(conflicting), hf.config.vocab_size, explicit_model_keys(conflicting),
-                    load_weights=False)
+        build_model(
+            compose_config(conflicting), hf.config.vocab_size, explicit_model_keys(conflicting), load_weights=False
+        )
 
 
 def test_tokenizer_larger_than_the_pretrained_vocabulary_is_refused(pretrained_dir, tmp_path):
-    from train.init_model import build_model
+    from mindmoe.train.init_model import build_model
 
     directory, data_file, hf = pretrained_dir
     cfg = compose_config(run_overrides(directory, data_file, tmp_path))

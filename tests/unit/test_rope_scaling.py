@@ -6,6 +6,7 @@ References: the float64 test vectors of REFERENCES.md §1.9 (published formulas)
 ``Glm4MoeForCausalLM`` for the whole model). Static NTK is not an HF type: it is checked against
 the published base-change formula only.
 """
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -14,34 +15,74 @@ from mindspore import Tensor, nn, ops
 from transformers import Glm4MoeConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.glm.modeling_glm import apply_rotary_pos_emb as hf_apply_interleaved
-from transformers.models.glm4_moe.modeling_glm4_moe import (Glm4MoeForCausalLM, Glm4MoeRotaryEmbedding,
-                                                            apply_rotary_pos_emb as hf_apply_rotate_half)
+from transformers.models.glm4_moe.modeling_glm4_moe import (
+    Glm4MoeForCausalLM,
+    Glm4MoeRotaryEmbedding,
+)
+from transformers.models.glm4_moe.modeling_glm4_moe import (
+    apply_rotary_pos_emb as hf_apply_rotate_half,
+)
 
-from model.config import ModelConfig, validate_model_config
-from model.rope import RotaryEmbedding, apply_rope, rope_tables
-from model.rope_scaling import (RopeScalingConfig, default_inv_freq, dynamic_ntk_inv_freq, linear_inv_freq,
-                                ntk_base, ntk_inv_freq, scaled_inv_freq, validate_rope_scaling,
-                                yarn_attention_factor, yarn_correction_range, yarn_extrapolation_weight,
-                                yarn_inv_freq)
-from model.transformer import MoETransformer
-from tests.test_transformer_hf import VOCAB, hf_config, hf_logits, ours_config, randomize, to_hf_state_dict
+from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.rope import RotaryEmbedding, apply_rope, rope_tables
+from mindmoe.model.rope_scaling import (
+    RopeScalingConfig,
+    default_inv_freq,
+    dynamic_ntk_inv_freq,
+    linear_inv_freq,
+    ntk_base,
+    ntk_inv_freq,
+    scaled_inv_freq,
+    validate_rope_scaling,
+    yarn_attention_factor,
+    yarn_correction_range,
+    yarn_extrapolation_weight,
+    yarn_inv_freq,
+)
+from mindmoe.model.transformer import MoETransformer
+from tests.unit.test_transformer_hf import VOCAB, hf_config, hf_logits, ours_config, randomize, to_hf_state_dict
 
 # REFERENCES.md §1.9 setup: base 10000, factor (alpha) 4, original context 2048.
 BASE, FACTOR, L_ORIG = 10000.0, 4.0, 2048
 V2_NTK = {  # rotary dim: (base', inv_freq)
     8: (63496.04207872797, [1, 0.062996052495, 0.0039685026299, 0.00025]),
-    16: (48760.54616817902, [1, 0.25941281701, 0.067295009632, 0.01745718802, 0.0045286183213,
-                             0.0011747816359, 0.00030475341355, 7.9056941504e-05]),
+    16: (
+        48760.54616817902,
+        [
+            1,
+            0.25941281701,
+            0.067295009632,
+            0.01745718802,
+            0.0045286183213,
+            0.0011747816359,
+            0.00030475341355,
+            7.9056941504e-05,
+        ],
+    ),
 }
 V3_DYNAMIC_AT_4096 = {
     8: (85498.79733383484, [1, 0.058480354764, 0.0034199518934, 0.0002]),
-    16: (62924.947532091326, [1, 0.25127376217, 0.063138503556, 0.015865049326, 0.0039864706313,
-                              0.0010016954733, 0.00025169979013, 6.3245553203e-05]),
+    16: (
+        62924.947532091326,
+        [
+            1,
+            0.25127376217,
+            0.063138503556,
+            0.015865049326,
+            0.0039864706313,
+            0.0010016954733,
+            0.00025169979013,
+            6.3245553203e-05,
+        ],
+    ),
 }
 V4_YARN = {  # rotary dim: ((low, high), extrapolation weight, inv_freq)
     8: ((1, 3), [1, 1, 0.5, 0], [1, 0.1, 0.00625, 0.00025]),
-    16: ((2, 6), [1, 1, 1, 0.75, 0.5, 0.25, 0, 0],
-         [1, 0.31622776602, 0.1, 0.025693505989, 0.00625, 0.0013834964763, 0.00025, 7.9056941504e-05]),
+    16: (
+        (2, 6),
+        [1, 1, 1, 0.75, 0.5, 0.25, 0, 0],
+        [1, 0.31622776602, 0.1, 0.025693505989, 0.00625, 0.0013834964763, 0.00025, 7.9056941504e-05],
+    ),
 }
 V4_YARN_ATTENTION_FACTOR = 1.138629436111989
 V4_YARN_COS_AT_100_D8 = [0.9818616513, -0.955391542, 0.9233864795, 1.1382736329]
@@ -55,25 +96,45 @@ SPACED = np.arange(0, 300, 7)  # crosses yarn's original context of 256
 ROTATION_CASES = {
     "linear": (RopeScalingConfig("linear", 4.0), {"rope_type": "linear", "factor": 4.0}, TABLE_POSITIONS, SPACED),
     # HF 4.57.1 "dynamic" takes L_orig from max_position_embeddings; ours from original_max_position.
-    "dynamic_below_original": (RopeScalingConfig("dynamic_ntk", 4.0, original_max_position=DYNAMIC_ORIG),
-                               {"rope_type": "dynamic", "factor": 4.0}, DYNAMIC_ORIG, np.arange(12)),
-    "dynamic_above_original": (RopeScalingConfig("dynamic_ntk", 4.0, original_max_position=DYNAMIC_ORIG),
-                               {"rope_type": "dynamic", "factor": 4.0}, DYNAMIC_ORIG, np.arange(40)),
-    "yarn": (RopeScalingConfig("yarn", 4.0, original_max_position=256),
-             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256}, TABLE_POSITIONS,
-             SPACED),
+    "dynamic_below_original": (
+        RopeScalingConfig("dynamic_ntk", 4.0, original_max_position=DYNAMIC_ORIG),
+        {"rope_type": "dynamic", "factor": 4.0},
+        DYNAMIC_ORIG,
+        np.arange(12),
+    ),
+    "dynamic_above_original": (
+        RopeScalingConfig("dynamic_ntk", 4.0, original_max_position=DYNAMIC_ORIG),
+        {"rope_type": "dynamic", "factor": 4.0},
+        DYNAMIC_ORIG,
+        np.arange(40),
+    ),
+    "yarn": (
+        RopeScalingConfig("yarn", 4.0, original_max_position=256),
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+        TABLE_POSITIONS,
+        SPACED,
+    ),
     # No original_max_position: both fall back to max_position_embeddings.
     "yarn_custom_betas_and_attention_factor": (
         RopeScalingConfig("yarn", 8.0, beta_fast=16.0, beta_slow=2.0, attention_factor=1.5),
         {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0, "attention_factor": 1.5},
-        TABLE_POSITIONS, SPACED),
+        TABLE_POSITIONS,
+        SPACED,
+    ),
 }
 
 
 def hf_rope_config(rope_scaling, max_positions, head_dim=HEAD_DIM, partial=PARTIAL, base=BASE):
-    return Glm4MoeConfig(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                         partial_rotary_factor=partial, rope_theta=base, max_position_embeddings=max_positions,
-                         rope_scaling=rope_scaling)
+    return Glm4MoeConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        partial_rotary_factor=partial,
+        rope_theta=base,
+        max_position_embeddings=max_positions,
+        rope_scaling=rope_scaling,
+    )
 
 
 def hf_inv_freq(rope_scaling, max_positions, seq_len=None, **kwargs):
@@ -129,13 +190,20 @@ class RopeTables(nn.Cell):
 
 def random_qk(seq_len, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(2, 4, seq_len, HEAD_DIM)).astype(np.float32),
-            rng.normal(size=(2, 2, seq_len, HEAD_DIM)).astype(np.float32))
+    return (
+        rng.normal(size=(2, 4, seq_len, HEAD_DIM)).astype(np.float32),
+        rng.normal(size=(2, 2, seq_len, HEAD_DIM)).astype(np.float32),
+    )
 
 
 def dynamic_rope(original=DYNAMIC_ORIG, interleaved=False):
-    return RotaryEmbedding(ROTARY_DIM, BASE, TABLE_POSITIONS,
-                           RopeScalingConfig("dynamic_ntk", FACTOR, original_max_position=original), interleaved)
+    return RotaryEmbedding(
+        ROTARY_DIM,
+        BASE,
+        TABLE_POSITIONS,
+        RopeScalingConfig("dynamic_ntk", FACTOR, original_max_position=original),
+        interleaved,
+    )
 
 
 def hf_dynamic_rotated_q(q):
@@ -145,13 +213,15 @@ def hf_dynamic_rotated_q(q):
 
 # ---------------------------------------------------------------- published test vectors (REFERENCES §1.9)
 
+
 @pytest.mark.parametrize("dim", sorted(V2_NTK))
 def test_static_ntk_matches_published_base_change(dim):
     base, inv_freq = V2_NTK[dim]
     assert ntk_base(dim, BASE, FACTOR) == pytest.approx(base, rel=1e-12)
     np.testing.assert_allclose(ntk_inv_freq(dim, BASE, FACTOR), inv_freq, rtol=1e-9)
-    np.testing.assert_allclose(scaled_inv_freq(RopeScalingConfig("ntk", FACTOR), dim, BASE, L_ORIG)[0], inv_freq,
-                               rtol=1e-9)
+    np.testing.assert_allclose(
+        scaled_inv_freq(RopeScalingConfig("ntk", FACTOR), dim, BASE, L_ORIG)[0], inv_freq, rtol=1e-9
+    )
 
 
 @pytest.mark.parametrize("dim", sorted(V3_DYNAMIC_AT_4096))
@@ -159,8 +229,9 @@ def test_dynamic_ntk_matches_published_vectors_above_and_is_default_rope_up_to_o
     _, inv_freq = V3_DYNAMIC_AT_4096[dim]
     np.testing.assert_allclose(dynamic_ntk_inv_freq(dim, BASE, FACTOR, 4096, L_ORIG), inv_freq, rtol=1e-9)
     for seq_len in (1, 1000, L_ORIG):
-        np.testing.assert_array_equal(dynamic_ntk_inv_freq(dim, BASE, FACTOR, seq_len, L_ORIG),
-                                      default_inv_freq(dim, BASE))
+        np.testing.assert_array_equal(
+            dynamic_ntk_inv_freq(dim, BASE, FACTOR, seq_len, L_ORIG), default_inv_freq(dim, BASE)
+        )
 
 
 @pytest.mark.parametrize("dim", sorted(V4_YARN))
@@ -181,10 +252,12 @@ def test_yarn_cos_table_carries_the_attention_factor_at_position_100():
 
 # ---------------------------------------------------------------- inverse frequencies vs HF ROPE_INIT_FUNCTIONS
 
+
 @pytest.mark.parametrize("head_dim,partial", [(32, 0.5), (16, 1.0), (128, 0.5)])
 def test_linear_inv_freq_matches_hf(head_dim, partial):
-    hf, attention_factor = hf_inv_freq({"rope_type": "linear", "factor": 4.0}, L_ORIG, head_dim=head_dim,
-                                       partial=partial)
+    hf, attention_factor = hf_inv_freq(
+        {"rope_type": "linear", "factor": 4.0}, L_ORIG, head_dim=head_dim, partial=partial
+    )
     ours, ours_factor = scaled_inv_freq(RopeScalingConfig("linear", 4.0), int(head_dim * partial), BASE, L_ORIG)
     np.testing.assert_allclose(ours, hf, rtol=2e-6)
     assert ours_factor == attention_factor == 1.0
@@ -193,10 +266,12 @@ def test_linear_inv_freq_matches_hf(head_dim, partial):
 @pytest.mark.parametrize("seq_len", [1, 100, L_ORIG, L_ORIG + 1, 4096, 10000])
 @pytest.mark.parametrize("head_dim,partial", [(32, 0.5), (16, 1.0)])
 def test_dynamic_ntk_inv_freq_matches_hf_dynamic_below_and_above_original_length(seq_len, head_dim, partial):
-    hf, attention_factor = hf_inv_freq({"rope_type": "dynamic", "factor": 4.0}, L_ORIG, seq_len, head_dim=head_dim,
-                                       partial=partial)
-    ours, ours_factor = scaled_inv_freq(RopeScalingConfig("dynamic_ntk", 4.0), int(head_dim * partial), BASE,
-                                        L_ORIG, seq_len)
+    hf, attention_factor = hf_inv_freq(
+        {"rope_type": "dynamic", "factor": 4.0}, L_ORIG, seq_len, head_dim=head_dim, partial=partial
+    )
+    ours, ours_factor = scaled_inv_freq(
+        RopeScalingConfig("dynamic_ntk", 4.0), int(head_dim * partial), BASE, L_ORIG, seq_len
+    )
     np.testing.assert_allclose(ours, hf, rtol=2e-6)
     assert ours_factor == attention_factor == 1.0
 
@@ -204,14 +279,25 @@ def test_dynamic_ntk_inv_freq_matches_hf_dynamic_below_and_above_original_length
 YARN_HF_CASES = [
     # (ours, HF rope_scaling, max_position_embeddings, base)
     (RopeScalingConfig("yarn", 4.0), {"rope_type": "yarn", "factor": 4.0}, L_ORIG, BASE),
-    (RopeScalingConfig("yarn", 4.0, original_max_position=L_ORIG),
-     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L_ORIG}, 4 * L_ORIG, BASE),
-    (RopeScalingConfig("yarn", 16.0, beta_fast=8.0, beta_slow=2.0, attention_factor=1.3),
-     {"rope_type": "yarn", "factor": 16.0, "beta_fast": 8.0, "beta_slow": 2.0, "attention_factor": 1.3},
-     4096, BASE),
+    (
+        RopeScalingConfig("yarn", 4.0, original_max_position=L_ORIG),
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": L_ORIG},
+        4 * L_ORIG,
+        BASE,
+    ),
+    (
+        RopeScalingConfig("yarn", 16.0, beta_fast=8.0, beta_slow=2.0, attention_factor=1.3),
+        {"rope_type": "yarn", "factor": 16.0, "beta_fast": 8.0, "beta_slow": 2.0, "attention_factor": 1.3},
+        4096,
+        BASE,
+    ),
     # GLM-4.5 geometry: theta 1e6, 131072 context extended from 32768.
-    (RopeScalingConfig("yarn", 4.0, original_max_position=32768),
-     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}, 131072, 1e6),
+    (
+        RopeScalingConfig("yarn", 4.0, original_max_position=32768),
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768},
+        131072,
+        1e6,
+    ),
     (RopeScalingConfig("yarn", 1.0), {"rope_type": "yarn", "factor": 1.0}, L_ORIG, BASE),
 ]
 
@@ -226,6 +312,7 @@ def test_yarn_inv_freq_and_attention_factor_match_hf(ours_cfg, hf_scaling, max_p
 
 
 # ---------------------------------------------------------------- rotated q/k vs HF rotary helpers
+
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["rotate_half", "interleaved"])
 @pytest.mark.parametrize("case", sorted(ROTATION_CASES))
@@ -242,6 +329,7 @@ def test_rotated_query_and_key_match_hf_rotary_helpers(case, interleaved):
 
 
 # ---------------------------------------------------------------- dynamic NTK inside compiled graphs
+
 
 def test_dynamic_ntk_in_ms_jit_follows_the_runtime_length_below_and_above_the_original():
     rope = dynamic_rope()
@@ -280,8 +368,12 @@ def test_dynamic_ntk_with_enable_dynamic_jit_follows_the_runtime_length():
 
 
 def test_dynamic_ntk_exported_mindir_with_dynamic_shapes_follows_the_runtime_length(tmp_path):
-    ms.export(RotatedQ(dynamic_rope()), Tensor(shape=[None, None, None, HEAD_DIM], dtype=ms.float32),
-              file_name=str(tmp_path / "rope"), file_format="MINDIR")
+    ms.export(
+        RotatedQ(dynamic_rope()),
+        Tensor(shape=[None, None, None, HEAD_DIM], dtype=ms.float32),
+        file_name=str(tmp_path / "rope"),
+        file_format="MINDIR",
+    )
     graph = nn.GraphCell(ms.load(str(tmp_path / "rope.mindir")))
     for seq_len in (12, 40):
         q, _ = random_qk(seq_len)
@@ -318,8 +410,11 @@ def test_rotation_preserves_norm_and_query_key_product_depends_only_on_position_
     rotated_k = apply_rope(Tensor(k), cos, sin, interleaved).asnumpy()
     # Rotation keeps the norm; yarn additionally scales cos and sin by its attention factor.
     scale = yarn_attention_factor(4.0) if name == "yarn" else 1.0
-    np.testing.assert_allclose(np.linalg.norm(rotated_q[:, :ROTARY_DIM], axis=-1),
-                               scale * np.linalg.norm(q[:, :ROTARY_DIM], axis=-1), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.linalg.norm(rotated_q[:, :ROTARY_DIM], axis=-1),
+        scale * np.linalg.norm(q[:, :ROTARY_DIM], axis=-1),
+        rtol=1e-5,
+    )
     for offset in (5, -3):
         pairs = [(p, p - offset) for p in (10, 30, 50)]
         dots = [float(rotated_q[p] @ rotated_k[s]) for p, s in pairs]
@@ -332,8 +427,11 @@ def test_ntk_keeps_the_highest_frequency_and_lowers_the_lowest_exactly_as_linear
     np.testing.assert_allclose(ntk[-1], linear_inv_freq(dim, BASE, FACTOR)[-1], rtol=1e-12)
     assert ntk[0] == 1.0
     # Dynamic NTK is the same base change with alpha = factor*L/L_orig - (factor-1).
-    np.testing.assert_allclose(dynamic_ntk_inv_freq(dim, BASE, FACTOR, 2 * L_ORIG, L_ORIG)[-1],
-                               default_inv_freq(dim, BASE)[-1] / (FACTOR * 2 - (FACTOR - 1)), rtol=1e-12)
+    np.testing.assert_allclose(
+        dynamic_ntk_inv_freq(dim, BASE, FACTOR, 2 * L_ORIG, L_ORIG)[-1],
+        default_inv_freq(dim, BASE)[-1] / (FACTOR * 2 - (FACTOR - 1)),
+        rtol=1e-12,
+    )
 
 
 def test_yarn_keeps_fast_frequencies_and_interpolates_slow_ones():
@@ -341,9 +439,11 @@ def test_yarn_keeps_fast_frequencies_and_interpolates_slow_ones():
     assert 0 < low < high < 31
     yarn = yarn_inv_freq(64, 1e6, 8.0, 4096, 32.0, 1.0)
     default = default_inv_freq(64, 1e6)
-    np.testing.assert_array_equal(yarn[:low + 1], default[:low + 1])
+    np.testing.assert_array_equal(yarn[: low + 1], default[: low + 1])
     np.testing.assert_allclose(yarn[high:], default[high:] / 8.0, rtol=1e-12)
-    assert np.all((yarn[low + 1:high] < default[low + 1:high]) & (yarn[low + 1:high] > default[low + 1:high] / 8))
+    assert np.all(
+        (yarn[low + 1 : high] < default[low + 1 : high]) & (yarn[low + 1 : high] > default[low + 1 : high] / 8)
+    )
 
 
 # ---------------------------------------------------------------- config validation
@@ -351,22 +451,31 @@ def test_yarn_keeps_fast_frequencies_and_interpolates_slow_ones():
 BETA_ORDER = "must be greater than model.rope_scaling.beta_slow"
 
 
-@pytest.mark.parametrize("scaling,key,fragment", [
-    (RopeScalingConfig("linear", 0.5), "factor", "must be >= 1"),
-    (RopeScalingConfig("yarn", 4.0, beta_fast=1.0, beta_slow=1.0), "beta_fast", BETA_ORDER),
-    (RopeScalingConfig("yarn", 4.0, beta_fast=2.0, beta_slow=8.0), "beta_fast", BETA_ORDER),
-    (RopeScalingConfig("yarn", 4.0, beta_slow=0.0), "beta_slow", "must be > 0"),
-    (RopeScalingConfig("rope3d", 2.0), "type", "must be one of ('none', 'linear', 'ntk', 'dynamic_ntk', 'yarn')"),
-    (RopeScalingConfig("dynamic", 2.0), "type", "HF 'dynamic' is 'dynamic_ntk' here"),
-    (RopeScalingConfig("yarn", 4.0, original_max_position=8192), "original_max_position",
-     "exceeds model.max_position_embeddings=4096"),
-    (RopeScalingConfig("linear", 4.0, original_max_position=2048), "original_max_position",
-     "only used by dynamic_ntk and yarn"),
-    (RopeScalingConfig("none", 2.0), "factor", "has no effect with model.rope_scaling.type='none'"),
-    (RopeScalingConfig("linear", 2.0, beta_fast=16.0), "beta_fast", "only used by type 'yarn'"),
-    (RopeScalingConfig("ntk", 2.0, attention_factor=1.2), "attention_factor", "only used by type 'yarn'"),
-    (RopeScalingConfig("yarn", 2.0, attention_factor=-1.0), "attention_factor", "must be > 0"),
-])
+@pytest.mark.parametrize(
+    "scaling,key,fragment",
+    [
+        (RopeScalingConfig("linear", 0.5), "factor", "must be >= 1"),
+        (RopeScalingConfig("yarn", 4.0, beta_fast=1.0, beta_slow=1.0), "beta_fast", BETA_ORDER),
+        (RopeScalingConfig("yarn", 4.0, beta_fast=2.0, beta_slow=8.0), "beta_fast", BETA_ORDER),
+        (RopeScalingConfig("yarn", 4.0, beta_slow=0.0), "beta_slow", "must be > 0"),
+        (RopeScalingConfig("rope3d", 2.0), "type", "must be one of ('none', 'linear', 'ntk', 'dynamic_ntk', 'yarn')"),
+        (RopeScalingConfig("dynamic", 2.0), "type", "HF 'dynamic' is 'dynamic_ntk' here"),
+        (
+            RopeScalingConfig("yarn", 4.0, original_max_position=8192),
+            "original_max_position",
+            "exceeds model.max_position_embeddings=4096",
+        ),
+        (
+            RopeScalingConfig("linear", 4.0, original_max_position=2048),
+            "original_max_position",
+            "only used by dynamic_ntk and yarn",
+        ),
+        (RopeScalingConfig("none", 2.0), "factor", "has no effect with model.rope_scaling.type='none'"),
+        (RopeScalingConfig("linear", 2.0, beta_fast=16.0), "beta_fast", "only used by type 'yarn'"),
+        (RopeScalingConfig("ntk", 2.0, attention_factor=1.2), "attention_factor", "only used by type 'yarn'"),
+        (RopeScalingConfig("yarn", 2.0, attention_factor=-1.0), "attention_factor", "must be > 0"),
+    ],
+)
 def test_invalid_rope_scaling_is_rejected_naming_the_key(scaling, key, fragment):
     with pytest.raises(ValueError) as error:
         validate_model_config(ModelConfig(max_position_embeddings=4096, rope_scaling=scaling))
@@ -404,18 +513,27 @@ MODEL_LAYERS, MODEL_HEAD_DIM, MODEL_TABLES = 2, 16, 64  # one dense and one MoE 
 MODEL_CASES = {
     # name: (ours, HF rope_scaling, HF max_position_embeddings, sequence lengths)
     "linear": (RopeScalingConfig("linear", 4.0), {"rope_type": "linear", "factor": 4.0}, MODEL_TABLES, (24,)),
-    "dynamic": (RopeScalingConfig("dynamic_ntk", 4.0, original_max_position=8),
-                {"rope_type": "dynamic", "factor": 4.0}, 8, (24, 6)),
-    "yarn": (RopeScalingConfig("yarn", 4.0, original_max_position=16),
-             {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}, MODEL_TABLES, (24,)),
+    "dynamic": (
+        RopeScalingConfig("dynamic_ntk", 4.0, original_max_position=8),
+        {"rope_type": "dynamic", "factor": 4.0},
+        8,
+        (24, 6),
+    ),
+    "yarn": (
+        RopeScalingConfig("yarn", 4.0, original_max_position=16),
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        MODEL_TABLES,
+        (24,),
+    ),
 }
 
 
 @pytest.mark.parametrize("case", sorted(MODEL_CASES))
 def test_model_logits_match_hf_glm4_moe_with_the_same_rope_scaling(case):
     scaling, hf_scaling, hf_max_positions, seq_lens = MODEL_CASES[case]
-    cfg = ours_config(num_layers=MODEL_LAYERS, head_dim=MODEL_HEAD_DIM, max_position_embeddings=MODEL_TABLES,
-                      rope_scaling=scaling)
+    cfg = ours_config(
+        num_layers=MODEL_LAYERS, head_dim=MODEL_HEAD_DIM, max_position_embeddings=MODEL_TABLES, rope_scaling=scaling
+    )
     ours = MoETransformer(cfg, seed=0)
     randomize(ours, seed=4)
     if case == "dynamic":
@@ -427,8 +545,9 @@ def test_model_logits_match_hf_glm4_moe_with_the_same_rope_scaling(case):
     config.rope_scaling = hf_scaling
     hf = Glm4MoeForCausalLM(config).eval()
     hf.load_state_dict(to_hf_state_dict(ours), strict=True)
-    plain_config = hf_config(ours_config(num_layers=MODEL_LAYERS, head_dim=MODEL_HEAD_DIM,
-                                         max_position_embeddings=MODEL_TABLES))
+    plain_config = hf_config(
+        ours_config(num_layers=MODEL_LAYERS, head_dim=MODEL_HEAD_DIM, max_position_embeddings=MODEL_TABLES)
+    )
     plain_config.head_dim = MODEL_HEAD_DIM
     plain_hf = Glm4MoeForCausalLM(plain_config).eval()
     plain_hf.load_state_dict(to_hf_state_dict(ours), strict=True)
@@ -439,7 +558,8 @@ def test_model_logits_match_hf_glm4_moe_with_the_same_rope_scaling(case):
         expected = hf_logits(hf, ids)
         np.testing.assert_allclose(logits, expected, atol=1e-4, rtol=0)
         scaled = seq_len > 8 or case != "dynamic"
-        assert scaled != np.allclose(expected, hf_logits(plain_hf, ids), atol=1e-3), \
+        assert scaled != np.allclose(expected, hf_logits(plain_hf, ids), atol=1e-3), (
             "the scaling must change the logits exactly where it applies"
+        )
     if case == "dynamic":
         assert len(ours.compile_cache) == 1

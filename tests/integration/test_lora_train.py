@@ -1,6 +1,7 @@
 """``mindmoe-train recipe=lora_business`` for a few steps on the bundled base and SFT sample: the
 trainable-parameter report, adapters-only checkpoints with a PEFT copy, and resuming (which must
 reload the frozen base, since checkpoints do not hold it)."""
+
 import dataclasses
 import json
 
@@ -8,23 +9,33 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from model.peft_adapter import read_adapter_config
-from tests.test_train import compose_config
-from train.checkpoint import verify_checkpoint
+from mindmoe.model.peft_adapter import read_adapter_config
+from mindmoe.train.checkpoint import verify_checkpoint
+from tests.integration.test_train import compose_config
 
 STEPS = 4
 
 
 def overrides(cache, steps):
-    return ["recipe=lora_business", f"train.max_steps={steps}", "train.save_every=2", "train.log_every=1",
-            "train.eval_every=0", "train.eval_batches=2", "train.progress_bar=false", f"data.cache_dir={cache}",
-            # Shorter windows keep the test quick; the longer conversations are cut (and counted).
-            "data.seq_len=128", "data.sft_overlong=truncate"]
+    return [
+        "recipe=lora_business",
+        f"train.max_steps={steps}",
+        "train.save_every=2",
+        "train.log_every=1",
+        "train.eval_every=0",
+        "train.eval_batches=2",
+        "train.progress_bar=false",
+        f"data.cache_dir={cache}",
+        # Shorter windows keep the test quick; the longer conversations are cut (and counted).
+        "data.seq_len=128",
+        "data.sft_overlong=truncate",
+    ]
 
 
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, data_cache):
-    from train.loop import run
+    from mindmoe.train.loop import run
+
     run_dir = tmp_path_factory.mktemp("lora_run")
     summary = run(compose_config(overrides(data_cache, STEPS)), run_dir)
     return run_dir, summary
@@ -62,7 +73,8 @@ def test_checkpoints_hold_only_the_adapters_and_their_optimizer_state_plus_a_pef
 
 
 def test_resuming_reloads_the_base_and_continues_the_loss_curve(lora_run, data_cache):
-    from train.loop import run
+    from mindmoe.train.loop import run
+
     run_dir, _ = lora_run
     before = {row["step"]: row["lm_loss"] for row in rows(run_dir) if "lm_loss" in row}
     run(compose_config(overrides(data_cache, STEPS + 2)), run_dir)
@@ -73,16 +85,26 @@ def test_resuming_reloads_the_base_and_continues_the_loss_curve(lora_run, data_c
 
 
 def test_base_checkpoint_gives_the_architecture_and_weights_of_a_mindmoe_checkpoint(tmp_path):
-    from model.config import ModelConfig
-    from model.transformer import MoETransformer
-    from train.checkpoint import save_checkpoint
-    from train.lora_setup import setup_lora
+    from mindmoe.model.config import ModelConfig
+    from mindmoe.model.transformer import MoETransformer
+    from mindmoe.train.checkpoint import save_checkpoint
+    from mindmoe.train.lora_setup import setup_lora
 
-    base_cfg = ModelConfig(vocab_size=64, hidden_size=16, num_layers=2, num_heads=2, num_kv_heads=1,
-                           intermediate_size=24, num_experts=4, moe_intermediate_size=8, max_position_embeddings=64)
+    base_cfg = ModelConfig(
+        vocab_size=64,
+        hidden_size=16,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=24,
+        num_experts=4,
+        moe_intermediate_size=8,
+        max_position_embeddings=64,
+    )
     base = MoETransformer(base_cfg, seed=7)
-    saved = save_checkpoint(tmp_path, 5, list(base.get_parameters()), [], {"model_config": dataclasses.asdict(base_cfg)},
-                            keep_last=1)
+    saved = save_checkpoint(
+        tmp_path, 5, list(base.get_parameters()), [], {"model_config": dataclasses.asdict(base_cfg)}, keep_last=1
+    )
     cfg = compose_config([f"lora.base_checkpoint={saved}", "lora.enabled=true", "lora.r=2"])
     unrelated = MoETransformer(dataclasses.replace(base_cfg, hidden_size=32), seed=0)  # what build_model made
     model_cfg, model, lora_run = setup_lora(cfg, cfg.model, unrelated, vocab_size=64)

@@ -1,12 +1,13 @@
 """The optimizer of train.optim (mindformers AdamW, fused update) against torch.optim.AdamW."""
-import numpy as np
+
 import mindspore as ms
-from mindspore import Parameter, Tensor
+import numpy as np
 import pytest
 import torch
+from mindspore import Parameter, Tensor
 
-from train.config import TrainConfig
-from train.optim import build_lr_schedule, build_optimizer
+from mindmoe.train.config import TrainConfig
+from mindmoe.train.optim import build_lr_schedule, build_optimizer
 
 
 @pytest.mark.parametrize("warmup_ratio", [0.0, 0.5])
@@ -15,12 +16,18 @@ def test_fused_adamw_matches_torch_adamw_with_decay_groups(warmup_ratio):
     shapes = {"layer.weight": (6, 5), "layer.bias": (6,), "norm.weight": (5,), "experts.up_proj": (3, 4, 5)}
     initial = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
     steps = 4
-    grads = [{name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
-             for _ in range(steps)]
+    grads = [{name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()} for _ in range(steps)]
     # With warmup the first step has lr 0 (nothing may move, nothing may turn NaN); torch gets the
     # same per-step learning rates from the schedule.
-    cfg = TrainConfig(max_steps=steps, lr=1e-2, warmup_ratio=warmup_ratio, min_lr_ratio=1.0, weight_decay=0.1,
-                      betas=[0.9, 0.95], eps=1e-6)
+    cfg = TrainConfig(
+        max_steps=steps,
+        lr=1e-2,
+        warmup_ratio=warmup_ratio,
+        min_lr_ratio=1.0,
+        weight_decay=0.1,
+        betas=[0.9, 0.95],
+        eps=1e-6,
+    )
     schedule = build_lr_schedule(cfg)
     lrs = [float(schedule(Tensor(np.array([step], np.int32))).asnumpy().reshape(-1)[0]) for step in range(steps)]
     assert (lrs[0] == 0.0) == (warmup_ratio > 0)
@@ -35,9 +42,12 @@ def test_fused_adamw_matches_torch_adamw_with_decay_groups(warmup_ratio):
     torch_params = {name: torch.nn.Parameter(torch.from_numpy(value.copy())) for name, value in initial.items()}
     decayed = [p for name, p in torch_params.items() if len(shapes[name]) > 1]
     not_decayed = [p for name, p in torch_params.items() if len(shapes[name]) == 1]
-    reference = torch.optim.AdamW([{"params": decayed, "weight_decay": 0.1},
-                                   {"params": not_decayed, "weight_decay": 0.0}],
-                                  lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
+    reference = torch.optim.AdamW(
+        [{"params": decayed, "weight_decay": 0.1}, {"params": not_decayed, "weight_decay": 0.0}],
+        lr=1e-2,
+        betas=(0.9, 0.95),
+        eps=1e-6,
+    )
     for lr, step_grads in zip(lrs, grads):
         update(tuple(Tensor(step_grads[p.name]) for p in params))
         for group in reference.param_groups:

@@ -2,6 +2,7 @@
 (transformers 4.57.1; zero correction bias, n_group = topk_group = 1) and the Megatron-Core
 test vectors of REFERENCES.md §3.8.
 """
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -10,9 +11,8 @@ from mindspore import Tensor
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 
-from model.config import ModelConfig
-from model.moe import (Router, aux_probs, expert_counts, router_scores, switch_aux_loss, topk_routing,
-                       z_loss)
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe import Router, aux_probs, expert_counts, router_scores, switch_aux_loss, topk_routing, z_loss
 
 # REFERENCES.md §3.8 (T = 4 tokens, E = 4 experts, k = 2).
 REF_LOGITS = np.array([[2, 1, 0, -1], [0.5, 0.4, 2, 0], [-1, 3, 0, 1], [0.2, 1.7, -0.3, 1.5]], np.float32)
@@ -22,6 +22,7 @@ REF_Z_LOSS = 7.054552002231462
 
 
 # ---- NumPy transcriptions (float64) ------------------------------------------------------------
+
 
 def np_softmax(logits):
     shifted = np.exp(logits - logits.max(-1, keepdims=True))
@@ -55,7 +56,7 @@ def np_switch_aux_loss(scores, score_func, idx, num_experts, coeff):
 
 def np_z_loss(logits, coeff):
     lse = np.log(np.exp(logits).sum(-1))
-    return coeff * np.mean(lse ** 2)
+    return coeff * np.mean(lse**2)
 
 
 def random_logits(seed, tokens=16, experts=8):
@@ -70,11 +71,16 @@ def sorted_by_expert(idx, weight):
 
 # ---- scores and top-k ---------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
 def test_router_scores_match_numpy(score_func):
     logits = random_logits(0)
-    np.testing.assert_allclose(router_scores(Tensor(logits), score_func).asnumpy(),
-                               np_scores(logits.astype(np.float64), score_func), rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(
+        router_scores(Tensor(logits), score_func).asnumpy(),
+        np_scores(logits.astype(np.float64), score_func),
+        rtol=1e-5,
+        atol=1e-7,
+    )
 
 
 @pytest.mark.parametrize("scaling", [1.0, 2.5])
@@ -105,9 +111,15 @@ def test_sigmoid_routing_matches_hf_glm4_moe_topk_router(norm_topk_prob):
     weight = (0.4 * rng.normal(size=(experts, hidden))).astype(np.float32)
     x = rng.normal(size=(tokens, hidden)).astype(np.float32)
 
-    hf_config = Glm4MoeConfig(hidden_size=hidden, n_routed_experts=experts, num_experts_per_tok=top_k,
-                              n_group=1, topk_group=1, norm_topk_prob=norm_topk_prob,
-                              routed_scaling_factor=2.5)
+    hf_config = Glm4MoeConfig(
+        hidden_size=hidden,
+        n_routed_experts=experts,
+        num_experts_per_tok=top_k,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=norm_topk_prob,
+        routed_scaling_factor=2.5,
+    )
     hf_router = Glm4MoeTopkRouter(hf_config)
     with torch.no_grad():
         hf_router.weight.copy_(torch.from_numpy(weight))
@@ -139,6 +151,7 @@ def test_routing_under_jit_matches_numpy():
 
 
 # ---- balancing losses and counts ----------------------------------------------------------------
+
 
 def our_switch_aux(logits, score_func, coeff, top_k=2):
     scores = router_scores(Tensor(logits), score_func)
@@ -182,7 +195,8 @@ def test_z_loss_matches_test_vector_and_numpy():
     assert float(z_loss(Tensor(REF_LOGITS), 1.0).asnumpy()) == pytest.approx(REF_Z_LOSS, rel=1e-6)
     logits = random_logits(5)
     assert float(z_loss(Tensor(logits), 1e-3).asnumpy()) == pytest.approx(
-        np_z_loss(logits.astype(np.float64), 1e-3), rel=1e-6)
+        np_z_loss(logits.astype(np.float64), 1e-3), rel=1e-6
+    )
 
 
 def test_expert_counts_match_bincount():
@@ -197,8 +211,7 @@ def test_balancing_losses_under_jit_match_test_vectors():
     def losses(logits):
         scores = router_scores(logits, "softmax")
         idx, _ = topk_routing(scores, 2, True, 1.0)
-        return switch_aux_loss(aux_probs(scores, "softmax"), idx, 1.0), z_loss(logits, 1.0), \
-            expert_counts(idx, 4)
+        return switch_aux_loss(aux_probs(scores, "softmax"), idx, 1.0), z_loss(logits, 1.0), expert_counts(idx, 4)
 
     aux, router_z, counts = losses(Tensor(REF_LOGITS))
     assert float(aux.asnumpy()) == pytest.approx(REF_SWITCH_AUX_SOFTMAX, rel=1e-6)

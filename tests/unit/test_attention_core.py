@@ -1,13 +1,14 @@
 """Attention's core (grouped queries, hand-written backward) against torch autograd of the plain formula."""
+
 import math
 
-import numpy as np
 import mindspore as ms
-from mindspore import Tensor
+import numpy as np
 import pytest
 import torch
+from mindspore import Tensor
 
-from model.attention import MASK_VALUE, AttentionCore
+from mindmoe.model.attention import MASK_VALUE, AttentionCore
 
 
 def reference(q_BNSD, k_BGKD, v_BGKD, mask_B1SK, upstream_BNSD):
@@ -26,7 +27,7 @@ def document_mask(batch, seq_len, num_keys, boundary):
     offset = num_keys - seq_len
     allowed = np.arange(num_keys)[None, :] <= np.arange(seq_len)[:, None] + offset
     allowed = np.repeat(allowed[None], batch, 0)
-    allowed[1, boundary - offset:, :boundary] = False
+    allowed[1, boundary - offset :, :boundary] = False
     return allowed, np.where(allowed, 0.0, MASK_VALUE).astype(np.float32)[:, None]
 
 
@@ -49,7 +50,11 @@ def test_attention_core_matches_torch_with_grouped_heads(heads, kv_heads, seq_le
         return (out_BGRD * Tensor(upstream.reshape(batch, kv_heads, rows, head_dim))).sum(), out_BGRD
 
     (_, out), grads = ms.jit(ms.value_and_grad(weighted, (0, 1, 2, 3), has_aux=True))(
-        Tensor(q.reshape(batch, kv_heads, rows, head_dim)), Tensor(k), Tensor(v), Tensor(np.ascontiguousarray(mask_BGRK)))
+        Tensor(q.reshape(batch, kv_heads, rows, head_dim)),
+        Tensor(k),
+        Tensor(v),
+        Tensor(np.ascontiguousarray(mask_BGRK)),
+    )
     out_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, mask, upstream)
     np.testing.assert_allclose(out.asnumpy().reshape(q.shape), out_ref, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(grads[0].asnumpy().reshape(q.shape), dq_ref, rtol=1e-4, atol=1e-5)

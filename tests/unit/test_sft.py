@@ -4,27 +4,31 @@ The reference for the loss mask is a character-level tokenizer: token i is chara
 conversation, so the scored labels must be exactly the characters of the assistant replies, located
 in the rendered text by string search (independent of how data/sft.py segments the rendering).
 """
+
 import json
 
 import numpy as np
 import pytest
 from mindspore import Tensor
 
-from data.hf_tokenizer import render_chat_template
-from data.mindrecord import EvalLoader, WindowLoader, write_shards
-from data.reader import DataInputError
-from data.packing import label_mask
-from data.sft import conversation_messages, encode_conversation, pack_conversations, read_conversations
-from train.step import masked_cross_entropy, split_window
+from mindmoe.data.hf_tokenizer import render_chat_template
+from mindmoe.data.mindrecord import EvalLoader, WindowLoader, write_shards
+from mindmoe.data.packing import label_mask
+from mindmoe.data.reader import DataInputError
+from mindmoe.data.sft import conversation_messages, encode_conversation, pack_conversations, read_conversations
+from mindmoe.train.step import masked_cross_entropy, split_window
 
 # A chat template in the style of HF ones (Jinja), closing each assistant reply with an end marker.
-TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
-            "${% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% if m['role'] == 'assistant' %}"
+    "${% endif %}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
 VOCAB = 256
 
 
 class CharTokenizer:
     """One token per character (code point mod 256)."""
+
     chat_template = TEMPLATE
     bos_id, eos_id, pad_id = -1, -1, 0
 
@@ -35,11 +39,13 @@ class CharTokenizer:
         return render_chat_template(self.chat_template, messages, add_generation_prompt)
 
 
-CONVERSATION = [{"role": "system", "content": "You are the order desk."},
-                {"role": "user", "content": "Where is order 1042?"},
-                {"role": "assistant", "content": "It shipped on 3 May."},
-                {"role": "user", "content": "订单什么时候到？"},
-                {"role": "assistant", "content": "预计5月6日送达。"}]
+CONVERSATION = [
+    {"role": "system", "content": "You are the order desk."},
+    {"role": "user", "content": "Where is order 1042?"},
+    {"role": "assistant", "content": "It shipped on 3 May."},
+    {"role": "user", "content": "订单什么时候到？"},
+    {"role": "assistant", "content": "预计5月6日送达。"},
+]
 
 
 def expected_char_mask(messages):
@@ -50,7 +56,7 @@ def expected_char_mask(messages):
     for message in messages:
         if message["role"] == "assistant":
             where = text.index("<assistant>" + message["content"] + "$", start) + len("<assistant>")
-            mask[where:where + len(message["content"]) + 1] = 1
+            mask[where : where + len(message["content"]) + 1] = 1
             start = where
     return text, mask
 
@@ -125,21 +131,32 @@ def test_overlong_conversations_are_errors_or_counted_truncations():
     assert result.windows.input_ids[0].tolist() == list(range(14))
 
 
-@pytest.mark.parametrize("line,message", [
-    ('{"messages": [{"role": "user", "content": "hi"}', "line 2 is not valid JSON"),
-    ('["user", "hi"]', "line 2: expected a JSON object, got list"),
-    ('{"text": "hi"}', "line 2: expected 'messages' or 'prompt' and 'response'"),
-    ('{"prompt": "hi"}', "line 2: a prompt/response row needs string 'prompt' and 'response'"),
-    ('{"messages": []}', "line 2: 'messages' must be a non-empty list"),
-    ('{"messages": [{"role": "bot", "content": "x"}]}', "line 2: message 0: role 'bot'"),
-    ('{"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]}',
-     r"line 2: message 0 \(user\): content must be a non-empty string"),
-    ('{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, '
-     '{"role": "assistant", "content": "c"}]}', "line 2: message 1 is from the user, expected the assistant"),
-    ('{"messages": [{"role": "user", "content": "a"}]}', "line 2: the conversation must end with an assistant"),
-    ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, '
-     '{"role": "system", "content": "c"}]}', "line 2: message 2 is from the system"),
-])
+@pytest.mark.parametrize(
+    "line,message",
+    [
+        ('{"messages": [{"role": "user", "content": "hi"}', "line 2 is not valid JSON"),
+        ('["user", "hi"]', "line 2: expected a JSON object, got list"),
+        ('{"text": "hi"}', "line 2: expected 'messages' or 'prompt' and 'response'"),
+        ('{"prompt": "hi"}', "line 2: a prompt/response row needs string 'prompt' and 'response'"),
+        ('{"messages": []}', "line 2: 'messages' must be a non-empty list"),
+        ('{"messages": [{"role": "bot", "content": "x"}]}', "line 2: message 0: role 'bot'"),
+        (
+            '{"messages": [{"role": "user", "content": ""}, {"role": "assistant", "content": "x"}]}',
+            r"line 2: message 0 \(user\): content must be a non-empty string",
+        ),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, '
+            '{"role": "assistant", "content": "c"}]}',
+            "line 2: message 1 is from the user, expected the assistant",
+        ),
+        ('{"messages": [{"role": "user", "content": "a"}]}', "line 2: the conversation must end with an assistant"),
+        (
+            '{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, '
+            '{"role": "system", "content": "c"}]}',
+            "line 2: message 2 is from the system",
+        ),
+    ],
+)
 def test_malformed_conversations_name_file_line_and_problem(tmp_path, line, message):
     path = tmp_path / "chats.jsonl"
     good = json.dumps({"prompt": "q", "response": "a"})
@@ -151,7 +168,10 @@ def test_malformed_conversations_name_file_line_and_problem(tmp_path, line, mess
 
 def test_prompt_response_rows_become_user_and_assistant_messages():
     assert conversation_messages({"system": "s", "prompt": "p", "response": "r"}, "x") == [
-        {"role": "system", "content": "s"}, {"role": "user", "content": "p"}, {"role": "assistant", "content": "r"}]
+        {"role": "system", "content": "s"},
+        {"role": "user", "content": "p"},
+        {"role": "assistant", "content": "r"},
+    ]
 
 
 def test_loss_mask_survives_mindrecord_shards_and_both_loaders(tmp_path):
@@ -170,7 +190,8 @@ def test_bundled_business_sample_is_reproducible_and_valid(tmp_path):
     import subprocess
     import sys
     from pathlib import Path
-    samples = Path(__file__).resolve().parent.parent / "data" / "samples"
+
+    samples = Path(__file__).resolve().parents[2] / "data" / "samples"
     subprocess.run([sys.executable, str(samples / "generate_sft.py"), "--out-dir", str(tmp_path)], check=True)
     for name in ("business_sft_train.jsonl", "business_sft_valid.jsonl"):
         assert (tmp_path / name).read_bytes() == (samples / name).read_bytes(), name

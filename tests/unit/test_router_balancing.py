@@ -3,6 +3,7 @@ loss and the bias update, vs the REFERENCES.md §3 test vectors, HF ``Glm4MoeTop
 ``Glm4MoeMoE`` (transformers 4.57.1), NumPy transcriptions of DeepSeek-V3 ``Gate`` and Megatron-Core
 ``seq_aux_loss`` / ``get_updated_expert_bias``, and a training step of a tiny model.
 """
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -11,17 +12,23 @@ from mindspore import Tensor
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE, Glm4MoeTopkRouter
 
-from model.config import ModelConfig, validate_model_config
-from model.moe import (aux_probs, gather_weights, router_scores, select_experts, seq_aux_loss, topk_routing,
-                       updated_bias)
-from model.transformer import MoETransformer
-from tests.test_isolation import np_model_routing, transformer_config
-from tests.test_moe_dispatch import build_layer, layer_weights
-from tests.test_moe_router import REF_LOGITS, REF_SWITCH_AUX_SIGMOID, np_sigmoid, sorted_by_expert
+from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.moe import (
+    aux_probs,
+    gather_weights,
+    router_scores,
+    select_experts,
+    seq_aux_loss,
+    topk_routing,
+    updated_bias,
+)
+from mindmoe.model.transformer import MoETransformer
+from tests.unit.test_isolation import np_model_routing, transformer_config
+from tests.unit.test_moe_dispatch import build_layer, layer_weights
+from tests.unit.test_moe_router import REF_LOGITS, REF_SWITCH_AUX_SIGMOID, np_sigmoid, sorted_by_expert
 
 # REFERENCES.md §3.8, noaux_tc router: E = 8, k = 2, n_group 2, topk_group 1, normalised, scale 2.5.
-NOAUX_LOGITS = np.array([[0.3, -0.2, 1.1, 0, -0.5, 0.9, 0.2, -1], [-0.7, 0.4, 0.1, 0.8, 1.2, -0.3, 0, 0.6]],
-                        np.float32)
+NOAUX_LOGITS = np.array([[0.3, -0.2, 1.1, 0, -0.5, 0.9, 0.2, -1], [-0.7, 0.4, 0.1, 0.8, 1.2, -0.3, 0, 0.6]], np.float32)
 NOAUX_BIAS = np.array([0, 0.1, -0.1, 0, 0.05, 0, 0, 0.2], np.float32)
 NOAUX_INDICES = np.array([[5, 6], [4, 7]])
 NOAUX_WEIGHTS = np.array([[1.4097374820107054, 1.0902625179892949], [1.3586039105652403, 1.1413960894347595]])
@@ -39,7 +46,7 @@ def np_deepseek_v3_gate(logits, bias, top_k, n_groups, topk_groups, route_scale)
     tokens = scores.shape[0]
     if n_groups > 1:
         grouped = scores.reshape(tokens, n_groups, -1)
-        group_scores = np.sort(grouped, -1)[..., -2:].sum(-1)                        # topk(2).sum
+        group_scores = np.sort(grouped, -1)[..., -2:].sum(-1)  # topk(2).sum
         indices = np.argsort(-group_scores, -1, kind="stable")[:, :topk_groups]
         mask = np.ones((tokens, n_groups), bool)
         np.put_along_axis(mask, indices, False, 1)
@@ -53,7 +60,8 @@ def np_deepseek_v3_gate(logits, bias, top_k, n_groups, topk_groups, route_scale)
 def megatron_switch_load_balancing_loss(probs, tokens_per_expert, total_num_tokens, topk, num_experts, coeff):
     aggregated_probs_per_expert = probs.sum(0)
     return (aggregated_probs_per_expert * tokens_per_expert).sum() * (
-        num_experts * coeff / (topk * total_num_tokens * total_num_tokens))
+        num_experts * coeff / (topk * total_num_tokens * total_num_tokens)
+    )
 
 
 def megatron_seq_aux_loss(probs_SBE, routing_map_SBE, topk, coeff):
@@ -62,8 +70,7 @@ def megatron_seq_aux_loss(probs_SBE, routing_map_SBE, topk, coeff):
     seq_len, batch, num_experts = probs_SBE.shape
     probs = probs_SBE.reshape(seq_len, batch * num_experts)
     tokens_per_expert = routing_map_SBE.reshape(seq_len, batch * num_experts).sum(0)
-    return megatron_switch_load_balancing_loss(probs, tokens_per_expert, seq_len, topk, num_experts,
-                                               coeff) / batch
+    return megatron_switch_load_balancing_loss(probs, tokens_per_expert, seq_len, topk, num_experts, coeff) / batch
 
 
 def np_plain_topk(scores, top_k):
@@ -100,9 +107,15 @@ def route(logits, top_k, bias=None, n_group=1, topk_group=1, norm=True, scale=2.
 
 
 def hf_router(num_experts, top_k, n_group, topk_group, weight, bias, scale=2.5):
-    config = Glm4MoeConfig(hidden_size=weight.shape[1], n_routed_experts=num_experts, num_experts_per_tok=top_k,
-                           n_group=n_group, topk_group=topk_group, norm_topk_prob=True,
-                           routed_scaling_factor=scale)
+    config = Glm4MoeConfig(
+        hidden_size=weight.shape[1],
+        n_routed_experts=num_experts,
+        num_experts_per_tok=top_k,
+        n_group=n_group,
+        topk_group=topk_group,
+        norm_topk_prob=True,
+        routed_scaling_factor=scale,
+    )
     router = Glm4MoeTopkRouter(config)
     with torch.no_grad():
         router.weight.copy_(torch.from_numpy(weight))
@@ -122,7 +135,8 @@ def test_noaux_tc_router_matches_reference_vector_and_hf():
     # HF on the same logits (identity router weight, hidden = E) gives the vector too.
     with torch.no_grad():
         hf_idx, hf_weight = hf_router(8, 2, 2, 1, np.eye(8, dtype=np.float32), NOAUX_BIAS)(
-            torch.from_numpy(NOAUX_LOGITS))
+            torch.from_numpy(NOAUX_LOGITS)
+        )
     hf_idx, hf_weight = sorted_by_expert(hf_idx.numpy(), hf_weight.numpy())
     np.testing.assert_array_equal(hf_idx, ref_idx)
     np.testing.assert_allclose(hf_weight, ref_weight, rtol=1e-6)
@@ -163,8 +177,9 @@ def test_grouped_biased_selection_matches_numpy_deepseek_v3_gate(experts, top_k,
     idx, weight = route(logits, top_k, bias, n_group, topk_group)
     assert idx.dtype == np.int32
     np.testing.assert_array_equal(np.sort(idx), np.sort(ref_idx))
-    np.testing.assert_allclose(*[sorted_by_expert(i, w)[1] for i, w in ((idx, weight), (ref_idx, ref_weight))],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        *[sorted_by_expert(i, w)[1] for i, w in ((idx, weight), (ref_idx, ref_weight))], rtol=1e-5
+    )
 
 
 def test_grouped_biased_selection_under_jit_matches_numpy_deepseek_v3_gate():
@@ -204,8 +219,9 @@ def our_seq_aux(logits_BSE, top_k, coeff, score_func="sigmoid"):
     scores = router_scores(Tensor(logits_BSE.reshape(-1, experts)), score_func)
     idx = select_experts(scores, top_k)
     probs = aux_probs(scores, score_func)
-    return float(seq_aux_loss(probs.reshape(batch, seq_len, experts), idx.reshape(batch, seq_len, top_k),
-                              coeff).asnumpy())
+    return float(
+        seq_aux_loss(probs.reshape(batch, seq_len, experts), idx.reshape(batch, seq_len, top_k), coeff).asnumpy()
+    )
 
 
 def test_seq_aux_loss_matches_megatron_test_vector():
@@ -247,9 +263,11 @@ def test_updated_bias_matches_megatron_test_vector_and_formula():
     np.testing.assert_allclose(updated.asnumpy(), [-0.001, 0.001, 0.0, 0.001], rtol=1e-6, atol=0)
     bias = np.random.default_rng(53).normal(scale=0.01, size=8).astype(np.float32)
     load = np.array([12, 3, 7, 8, 0, 15, 8, 11], np.float32)  # mean 8: experts 3 and 6 must not move
-    np.testing.assert_allclose(updated_bias(Tensor(bias), Tensor(load), 0.01).asnumpy(),
-                               np_updated_expert_bias(bias.astype(np.float64), load.astype(np.float64), 0.01),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        updated_bias(Tensor(bias), Tensor(load), 0.01).asnumpy(),
+        np_updated_expert_bias(bias.astype(np.float64), load.astype(np.float64), 0.01),
+        rtol=1e-6,
+    )
 
 
 # ---- the MoE layer ------------------------------------------------------------------------------
@@ -258,18 +276,36 @@ LAYER_BATCH, LAYER_SEQ, LAYER_EXPERTS, LAYER_HIDDEN = 2, 8, 8, 16
 
 
 def aux_layer_config(aux_loss, **overrides):
-    fields = dict(hidden_size=LAYER_HIDDEN, num_experts=LAYER_EXPERTS, top_k=2, moe_intermediate_size=8,
-                  num_shared_experts=1, score_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.5,
-                  dispatch="dropless", aux_loss=aux_loss, aux_loss_coeff=0.1, z_loss_coeff=0.01)
+    fields = dict(
+        hidden_size=LAYER_HIDDEN,
+        num_experts=LAYER_EXPERTS,
+        top_k=2,
+        moe_intermediate_size=8,
+        num_shared_experts=1,
+        score_func="sigmoid",
+        norm_topk_prob=True,
+        routed_scaling_factor=2.5,
+        dispatch="dropless",
+        aux_loss=aux_loss,
+        aux_loss_coeff=0.1,
+        z_loss_coeff=0.01,
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
 
 def hf_moe_from(layer, cfg):
-    config = Glm4MoeConfig(hidden_size=cfg.hidden_size, moe_intermediate_size=cfg.moe_intermediate_size,
-                           n_routed_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k, n_shared_experts=1,
-                           n_group=cfg.n_group, topk_group=cfg.topk_group, norm_topk_prob=cfg.norm_topk_prob,
-                           routed_scaling_factor=cfg.routed_scaling_factor)
+    config = Glm4MoeConfig(
+        hidden_size=cfg.hidden_size,
+        moe_intermediate_size=cfg.moe_intermediate_size,
+        n_routed_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        n_shared_experts=1,
+        n_group=cfg.n_group,
+        topk_group=cfg.topk_group,
+        norm_topk_prob=cfg.norm_topk_prob,
+        routed_scaling_factor=cfg.routed_scaling_factor,
+    )
     module = Glm4MoeMoE(config)
     w = {name: torch.from_numpy(param.asnumpy().copy()) for name, param in layer.parameters_and_names()}
     state = {"gate.weight": w["router.weight"], "gate.e_score_correction_bias": w["router.e_score_correction_bias"]}
@@ -340,8 +376,8 @@ def test_layer_with_bias_and_groups_routes_like_hf_and_balances_the_plain_topk(a
 
 
 def test_trainer_step_moves_each_bias_by_rate_times_sign_of_mean_minus_kept_load():
-    from train.routing import RouterStepUpdates
-    from train.step import Trainer
+    from mindmoe.train.routing import RouterStepUpdates
+    from mindmoe.train.step import Trainer
 
     rate = 0.01
     cfg = transformer_config(expert_lock=False, expert_bias=True, bias_update_rate=rate, capacity_factor=0.75)
@@ -359,8 +395,10 @@ def test_trainer_step_moves_each_bias_by_rate_times_sign_of_mean_minus_kept_load
     assert not bias_names & {p.name for p in optimizer.parameters}
     assert not any(bias.requires_grad for bias in biases)
 
-    window = {"input_ids": rng.integers(0, cfg.vocab_size, (2, 17)),
-              "doc_ids": np.array([[0] * 17, [0] * 7 + [1] * 10])}
+    window = {
+        "input_ids": rng.integers(0, cfg.vocab_size, (2, 17)),
+        "doc_ids": np.array([[0] * 17, [0] * 7 + [1] * 10]),
+    }
     input_ids = Tensor(window["input_ids"][:, :-1].astype(np.int32))
     doc_ids = window["doc_ids"][:, :-1].astype(np.int32)
     expected_stats = np_model_routing(model, cfg, input_ids, doc_ids)  # NumPy routing of captured inputs
@@ -382,12 +420,15 @@ def test_trainer_step_moves_each_bias_by_rate_times_sign_of_mean_minus_kept_load
 # ---- configuration ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (dict(num_experts=8, n_group=3), "n_group"),
-    (dict(num_experts=8, n_group=2, topk_group=3), "topk_group"),
-    (dict(expert_bias=False, bias_update_rate=1e-3), "bias_update_rate"),
-    (dict(isolation_mode="gradient"), "isolation_mode"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (dict(num_experts=8, n_group=3), "n_group"),
+        (dict(num_experts=8, n_group=2, topk_group=3), "topk_group"),
+        (dict(expert_bias=False, bias_update_rate=1e-3), "bias_update_rate"),
+        (dict(isolation_mode="gradient"), "isolation_mode"),
+    ],
+)
 def test_invalid_routing_settings_are_rejected_naming_the_key(overrides, key):
     with pytest.raises(ValueError, match=rf"^model\.{key}="):
         validate_model_config(ModelConfig(**overrides))
@@ -396,5 +437,14 @@ def test_invalid_routing_settings_are_rejected_naming_the_key(overrides, key):
 
 
 def test_valid_routing_settings_are_accepted():
-    validate_model_config(ModelConfig(num_experts=8, n_group=4, topk_group=2, expert_bias=True,
-                                      bias_update_rate=1e-3, expert_lock=True, isolation_mode="token_grad"))
+    validate_model_config(
+        ModelConfig(
+            num_experts=8,
+            n_group=4,
+            topk_group=2,
+            expert_bias=True,
+            bias_update_rate=1e-3,
+            expert_lock=True,
+            isolation_mode="token_grad",
+        )
+    )

@@ -9,6 +9,7 @@ locking and ``expert_update`` isolation on; then
   HF model, and ``PeftModel.from_pretrained`` loads it (values checked);
 - PEFT's logits equal those of mindmoe's merged model (``merge_adapters`` on a fresh import) to 1e-4.
 """
+
 import json
 
 import mindspore as ms
@@ -20,10 +21,10 @@ from peft import PeftModel, get_peft_model
 from safetensors.numpy import load_file
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
-from model.hf import load_hf_pretrained
-from model.lora import LoraConfig, apply_lora, lora_parameters
-from model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, merge_adapters, save_adapter
-from tests.test_hf_interop import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
+from mindmoe.model.hf import load_hf_pretrained
+from mindmoe.model.lora import LoraConfig, apply_lora, lora_parameters
+from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, merge_adapters, save_adapter
+from tests.unit.test_hf_interop import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STEPS = 3
@@ -31,26 +32,32 @@ STEPS = 3
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from train.config import TrainConfig
-    from train.optim import build_optimizer
-    from train.routing import RouterStepUpdates
-    from train.step import Trainer
+    from mindmoe.train.config import TrainConfig
+    from mindmoe.train.optim import build_optimizer
+    from mindmoe.train.routing import RouterStepUpdates
+    from mindmoe.train.step import Trainer
 
-    hf_dir = save_hf(randomize_hf(Glm4MoeForCausalLM(glm4_config(n_routed_experts=4, num_hidden_layers=2)), seed=11),
-                     tmp_path_factory.mktemp("hf"))
-    cfg, model, _ = load_hf_pretrained(hf_dir, {"expert_lock": True, "lock_run_length": 2, "lock_span": 4,
-                                                "isolation_mode": "expert_update"})
+    hf_dir = save_hf(
+        randomize_hf(Glm4MoeForCausalLM(glm4_config(n_routed_experts=4, num_hidden_layers=2)), seed=11),
+        tmp_path_factory.mktemp("hf"),
+    )
+    cfg, model, _ = load_hf_pretrained(
+        hf_dir, {"expert_lock": True, "lock_run_length": 2, "lock_span": 4, "isolation_mode": "expert_update"}
+    )
     base = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
     lora = LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.1, target_modules=TARGETS)
     report = apply_lora(model, lora, seed=0)
-    optimizer = build_optimizer(model.trainable_params(),
-                                TrainConfig(lr=2e-2, warmup_ratio=0.0, max_steps=STEPS, weight_decay=0.0))
+    optimizer = build_optimizer(
+        model.trainable_params(), TrainConfig(lr=2e-2, warmup_ratio=0.0, max_steps=STEPS, weight_decay=0.0)
+    )
     trainer = Trainer(model, optimizer, 1.0, 1, RouterStepUpdates(model, cfg))
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(STEPS):
-        window = {"input_ids": rng.integers(0, cfg.vocab_size, size=(2, 13)).astype(np.int32),
-                  "doc_ids": np.zeros((2, 13), np.int32)}
+        window = {
+            "input_ids": rng.integers(0, cfg.vocab_size, size=(2, 13)).astype(np.int32),
+            "doc_ids": np.zeros((2, 13), np.int32),
+        }
         stats = trainer.step([window])
         losses.append((stats.lm_loss, float(stats.layer_stats[:, 1].mean())))
     adapter_dir = save_adapter(model, tmp_path_factory.mktemp("adapter"), lora, "glm4_moe", str(hf_dir))
@@ -77,8 +84,7 @@ def test_adapter_files_hold_what_peft_creates_for_the_same_targets(trained):
     ours = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     hf = Glm4MoeForCausalLM.from_pretrained(hf_dir)
     peft = get_peft_model(hf, PeftLoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, task_type="CAUSAL_LM"))
-    expected = {name.replace(".default", ""): tuple(p.shape) for name, p in peft.named_parameters()
-                if "lora_" in name}
+    expected = {name.replace(".default", ""): tuple(p.shape) for name, p in peft.named_parameters() if "lora_" in name}
     assert {name: tuple(t.shape) for name, t in ours.items()} == expected
     assert any(".mlp.experts.3.down_proj.lora_B" in name for name in ours)
     assert any(".mlp.shared_experts.gate_proj.lora_A" in name for name in ours)
@@ -92,8 +98,9 @@ def test_peft_loads_the_adapters_and_matches_the_merged_model(trained):
     hf_dir, _, _, _, adapter_dir, _ = trained
     stored = load_file(str(adapter_dir / ADAPTER_WEIGHTS))
     peft = PeftModel.from_pretrained(Glm4MoeForCausalLM.from_pretrained(hf_dir), str(adapter_dir)).eval()
-    loaded = {name.replace(".default", ""): p.detach().numpy() for name, p in peft.named_parameters()
-              if "lora_" in name}
+    loaded = {
+        name.replace(".default", ""): p.detach().numpy() for name, p in peft.named_parameters() if "lora_" in name
+    }
     assert set(loaded) == set(stored)
     for name, value in stored.items():
         np.testing.assert_array_equal(loaded[name], value, err_msg=name)
@@ -117,7 +124,8 @@ def test_adapters_for_another_model_are_rejected(trained, tmp_path):
     hf_dir, _, _, _, adapter_dir, _ = trained
     _, model, _ = load_hf_pretrained(hf_dir)
     apply_lora(model, LoraConfig(enabled=True, r=4, alpha=8.0, target_modules=["q_proj"]))
-    from model.peft_adapter import load_adapter
+    from mindmoe.model.peft_adapter import load_adapter
+
     with pytest.raises(AdapterError, match=r"unexpected base_model\.model\.model\.layers\.0\.mlp"):
         load_adapter(model, adapter_dir)
 
@@ -125,8 +133,14 @@ def test_adapters_for_another_model_are_rejected(trained, tmp_path):
 def test_modules_to_save_round_trip_through_peft(trained, tmp_path):
     hf_dir = trained[0]
     _, model, _ = load_hf_pretrained(hf_dir)
-    lora = LoraConfig(enabled=True, r=2, alpha=4.0, rslora=True, target_modules=r".*\.self_attn\.(q|v)_proj",
-                      modules_to_save=["lm_head"])
+    lora = LoraConfig(
+        enabled=True,
+        r=2,
+        alpha=4.0,
+        rslora=True,
+        target_modules=r".*\.self_attn\.(q|v)_proj",
+        modules_to_save=["lm_head"],
+    )
     apply_lora(model, lora, seed=1)
     rng = np.random.default_rng(8)
     for param in model.trainable_params():  # stand-ins for trained values
@@ -142,5 +156,6 @@ def test_modules_to_save_round_trip_through_peft(trained, tmp_path):
         return merged(input_ids, doc_ids)[0]
 
     ids = token_ids(9, seed=5)
-    np.testing.assert_allclose(forward(Tensor(ids), Tensor(np.zeros_like(ids))).asnumpy(), hf_logits(peft, ids),
-                               atol=1e-4, rtol=0)
+    np.testing.assert_allclose(
+        forward(Tensor(ids), Tensor(np.zeros_like(ids))).asnumpy(), hf_logits(peft, ids), atol=1e-4, rtol=0
+    )

@@ -5,6 +5,7 @@ q/k/v bias, partial RoPE, a dense first layer, a shared expert, expert locking w
 exported once through the command line; the graphs are loaded back with ``mindspore.load`` +
 ``nn.GraphCell`` and compared with the training model (``MoETransformer``, dropless dispatch).
 """
+
 import dataclasses
 import json
 import os
@@ -17,28 +18,45 @@ import numpy as np
 import pytest
 from mindspore import Tensor, nn
 
-from data.prepare import file_sha256
-from data.tokenizer import train_sentencepiece
-from model.config import ModelConfig
-from model.export.runner import ExportedModel, sample_next
-from model.moe import lock_routing
-from model.transformer import MoETransformer
-from train.checkpoint import MODEL_FILE, load_model_weights, save_checkpoint
+from mindmoe.data.prepare import file_sha256
+from mindmoe.data.tokenizer import train_sentencepiece
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.export.runner import ExportedModel, sample_next
+from mindmoe.model.moe import lock_routing
+from mindmoe.model.transformer import MoETransformer
+from mindmoe.train.checkpoint import MODEL_FILE, load_model_weights, save_checkpoint
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "data" / "samples" / "corpus_train.jsonl"
 VOCAB = 400
-CONFIG = ModelConfig(vocab_size=VOCAB, hidden_size=32, num_layers=3, num_heads=4, num_kv_heads=2,
-                     intermediate_size=64, first_k_dense=1, num_experts=4, top_k=2, moe_intermediate_size=16,
-                     num_shared_experts=1, score_func="sigmoid", expert_bias=True, routed_scaling_factor=2.5,
-                     dispatch="capacity", expert_lock=True, lock_run_length=2, lock_span=3,
-                     max_position_embeddings=256)
+CONFIG = ModelConfig(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=4,
+    num_kv_heads=2,
+    intermediate_size=64,
+    first_k_dense=1,
+    num_experts=4,
+    top_k=2,
+    moe_intermediate_size=16,
+    num_shared_experts=1,
+    score_func="sigmoid",
+    expert_bias=True,
+    routed_scaling_factor=2.5,
+    dispatch="capacity",
+    expert_lock=True,
+    lock_run_length=2,
+    lock_span=3,
+    max_position_embeddings=256,
+)
 
 
 def run_cli(module: str, *args: str):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    return subprocess.run([sys.executable, "-m", module, *args], capture_output=True, text=True, env=env, cwd=REPO,
-                          timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, env=env, cwd=REPO, timeout=600
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,8 +64,9 @@ def checkpoint(tmp_path_factory):
     """A training checkpoint (capacity dispatch, as trained) with its sentencepiece tokenizer."""
     work = tmp_path_factory.mktemp("export_source")
     texts = [json.loads(line)["text"] for line in SAMPLES.read_text(encoding="utf-8").splitlines()[:300]]
-    tokenizer = train_sentencepiece(["".join(c for c in text if c.isascii()) for text in texts], VOCAB,
-                                    work / "tokenizer")
+    tokenizer = train_sentencepiece(
+        ["".join(c for c in text if c.isascii()) for text in texts], VOCAB, work / "tokenizer"
+    )
     model = MoETransformer(CONFIG, seed=3)
     for layer in model.layers:  # not a slice: slicing a CellList renames the parameters
         if not layer.is_moe:
@@ -61,8 +80,13 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def export_dir(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("exported") / "serving"
-    result = run_cli("train.export_cli", f"checkpoint={checkpoint}", f"export.out={out}",
-                     "export.ascend_prompt_lengths=[16,64]", f"hydra.run.dir={out.parent / 'hydra'}")
+    result = run_cli(
+        "mindmoe.train.export_cli",
+        f"checkpoint={checkpoint}",
+        f"export.out={out}",
+        "export.ascend_prompt_lengths=[16,64]",
+        f"hydra.run.dir={out.parent / 'hydra'}",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -82,6 +106,7 @@ def training_model(checkpoint):
     def logits(ids_BS):
         ids_BS = np.asarray(ids_BS, np.int32)
         return model(Tensor(ids_BS), Tensor(np.zeros_like(ids_BS)))[0].asnumpy()
+
     return logits
 
 
@@ -105,15 +130,20 @@ def test_greedy_32_tokens_from_mindir_equal_greedy_with_training_model(exported,
     for _ in range(32):  # full recompute of the whole sequence at every step
         next_token = training_model(sequence)[:, -1].argmax(-1).astype(np.int32)
         sequence = np.concatenate([sequence, next_token[:, None]], 1)
-    np.testing.assert_array_equal(generated, sequence[:, prompt.shape[1]:])
+    np.testing.assert_array_equal(generated, sequence[:, prompt.shape[1] :])
 
 
 def test_decoding_step_by_step_locks_like_full_sequence_lock_routing(exported, training_model):
     """Teacher-forced decode: each step's logits equal the full sequence's, and every MoE layer's locked
     mask equals ``lock_routing`` over the natural top-k decisions the graphs reported."""
     rng = np.random.default_rng(2)
-    pieces = [rng.integers(0, VOCAB, 3), np.full(6, 17), rng.integers(0, VOCAB, 4), np.full(5, 230),
-              rng.integers(0, VOCAB, 6)]
+    pieces = [
+        rng.integers(0, VOCAB, 3),
+        np.full(6, 17),
+        rng.integers(0, VOCAB, 4),
+        np.full(5, 230),
+        rng.integers(0, VOCAB, 6),
+    ]
     tokens = np.stack([np.concatenate(pieces), np.concatenate(pieces[::-1])]).astype(np.int32)
     batch, length = tokens.shape
     top_k = CONFIG.top_k
@@ -124,16 +154,21 @@ def test_decoding_step_by_step_locks_like_full_sequence_lock_routing(exported, t
     naturals, locked = [state.asnumpy()[:, :, :top_k]], [state.asnumpy()[:, :, -1]]
     np.testing.assert_allclose(logits.asnumpy(), expected_logits[:, 0], rtol=0, atol=1e-5)
     for position in range(1, length):
-        logits, kv_cache, state = exported.decode(Tensor(tokens[:, position:position + 1]), kv_cache,
-                                                  Tensor(np.full(batch, position, np.int32)), state)
+        logits, kv_cache, state = exported.decode(
+            Tensor(tokens[:, position : position + 1]), kv_cache, Tensor(np.full(batch, position, np.int32)), state
+        )
         np.testing.assert_allclose(logits.asnumpy(), expected_logits[:, position], rtol=0, atol=1e-5)
         naturals.append(state.asnumpy()[:, :, :top_k])
         locked.append(state.asnumpy()[:, :, -1])
     natural_MBSK = np.stack(naturals, 2)
     locked_MBS = np.stack(locked, 2).astype(bool)
     for layer in range(CONFIG.num_moe_layers):
-        reference, _ = lock_routing(Tensor(natural_MBSK[layer]), Tensor(np.zeros((batch, length), np.int32)),
-                                    CONFIG.lock_run_length, CONFIG.lock_span)
+        reference, _ = lock_routing(
+            Tensor(natural_MBSK[layer]),
+            Tensor(np.zeros((batch, length), np.int32)),
+            CONFIG.lock_run_length,
+            CONFIG.lock_span,
+        )
         np.testing.assert_array_equal(locked_MBS[layer], reference.asnumpy())
     assert locked_MBS.any() and not locked_MBS.all()  # the sequence exercises both cases
 
@@ -160,8 +195,22 @@ def test_manifest_describes_graphs_source_and_tokenizer(export_dir, checkpoint):
 
 
 def test_generate_command_prints_the_prompt_and_its_continuation(export_dir):
-    result = run_cli("train.generate_cli", str(export_dir), "--prompt", "The river", "--max-new-tokens", "8",
-                     "--temperature", "0.8", "--top-k", "20", "--top-p", "0.9", "--seed", "3")
+    result = run_cli(
+        "mindmoe.train.generate_cli",
+        str(export_dir),
+        "--prompt",
+        "The river",
+        "--max-new-tokens",
+        "8",
+        "--temperature",
+        "0.8",
+        "--top-k",
+        "20",
+        "--top-p",
+        "0.9",
+        "--seed",
+        "3",
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.splitlines()[-1].startswith("The river")
 
@@ -180,8 +229,13 @@ def test_sampling_filters_follow_top_k_then_top_p():
 @pytest.fixture(scope="module")
 def hf_dir(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_export") / "hf"
-    result = run_cli("train.export_cli", f"checkpoint={checkpoint}", "export.format=hf", f"export.out={out}",
-                     f"hydra.run.dir={out.parent / 'hydra'}")
+    result = run_cli(
+        "mindmoe.train.export_cli",
+        f"checkpoint={checkpoint}",
+        "export.format=hf",
+        f"export.out={out}",
+        f"hydra.run.dir={out.parent / 'hydra'}",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out
 
@@ -205,9 +259,16 @@ def test_export_format_hf_from_checkpoint_loads_in_transformers(hf_dir, checkpoi
 def test_pretrained_hf_directory_exports_with_routing_overrides(hf_dir, tmp_path, training_model):
     """``model.pretrained`` instead of ``checkpoint``; expert locking switched on from the command line."""
     out = tmp_path / "serving"
-    result = run_cli("train.export_cli", f"model.pretrained={hf_dir}", "model.expert_lock=true",
-                     "model.lock_run_length=2", "model.lock_span=3", f"export.out={out}",
-                     "export.ascend_prompt_lengths=[16]", f"hydra.run.dir={tmp_path / 'hydra'}")
+    result = run_cli(
+        "mindmoe.train.export_cli",
+        f"model.pretrained={hf_dir}",
+        "model.expert_lock=true",
+        "model.lock_run_length=2",
+        "model.lock_span=3",
+        f"export.out={out}",
+        "export.ascend_prompt_lengths=[16]",
+        f"hydra.run.dir={tmp_path / 'hydra'}",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     exported = ExportedModel(out)
     assert exported.manifest["source"]["kind"] == "pretrained" and exported.carries_lock_state
@@ -217,40 +278,48 @@ def test_pretrained_hf_directory_exports_with_routing_overrides(hf_dir, tmp_path
     sequence = prompt
     for _ in range(16):
         sequence = np.concatenate([sequence, training_model(sequence)[:, -1:].argmax(-1).astype(np.int32)], 1)
-    np.testing.assert_array_equal(generated, sequence[:, prompt.shape[1]:])
+    np.testing.assert_array_equal(generated, sequence[:, prompt.shape[1] :])
 
 
 def compose_config(args):
     from hydra import compose, initialize_config_module
 
-    from conf.schema import register_configs
+    from mindmoe.conf.schema import register_configs
 
     register_configs()
     with initialize_config_module(config_module="conf", version_base="1.3"):
         return compose("config", overrides=args)
 
 
-@pytest.mark.parametrize("args, expected", [
-    ([], "nothing to export: pass checkpoint="),
-    (["checkpoint=/nonexistent/step_000001"], "checkpoint=/nonexistent/step_000001"),
-    (["checkpoint=/nonexistent/step_000001", "model.pretrained=/nonexistent/hf"],
-     "checkpoint=/nonexistent/step_000001 and model.pretrained=/nonexistent/hf are both set"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        ([], "nothing to export: pass checkpoint="),
+        (["checkpoint=/nonexistent/step_000001"], "checkpoint=/nonexistent/step_000001"),
+        (
+            ["checkpoint=/nonexistent/step_000001", "model.pretrained=/nonexistent/hf"],
+            "checkpoint=/nonexistent/step_000001 and model.pretrained=/nonexistent/hf are both set",
+        ),
+    ],
+)
 def test_export_errors_name_the_key(args, expected, tmp_path):
-    from train.export import run_export
+    from mindmoe.train.export import run_export
 
     with pytest.raises((ValueError, FileNotFoundError)) as error:
         run_export(compose_config(args), tmp_path, args)
     assert expected in str(error.value)
 
 
-@pytest.mark.parametrize("arg, expected", [
-    ("model.dispatch=capacity", "model.dispatch='capacity': exported graphs always use dropless"),
-    ("model.hidden_size=64", "model.hidden_size=64 conflicts with"),
-    ("export.dtype=fp8", "export.dtype='fp8': must be one of"),
-])
+@pytest.mark.parametrize(
+    "arg, expected",
+    [
+        ("model.dispatch=capacity", "model.dispatch='capacity': exported graphs always use dropless"),
+        ("model.hidden_size=64", "model.hidden_size=64 conflicts with"),
+        ("export.dtype=fp8", "export.dtype='fp8': must be one of"),
+    ],
+)
 def test_export_refuses_settings_it_cannot_honour(arg, expected, checkpoint, tmp_path):
-    from train.export import run_export
+    from mindmoe.train.export import run_export
 
     args = [f"checkpoint={checkpoint}", arg]
     with pytest.raises(ValueError) as error:
@@ -259,7 +328,7 @@ def test_export_refuses_settings_it_cannot_honour(arg, expected, checkpoint, tmp
 
 
 def test_export_command_exits_2_with_the_message(tmp_path):
-    result = run_cli("train.export_cli", f"hydra.run.dir={tmp_path}")
+    result = run_cli("mindmoe.train.export_cli", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
     assert "nothing to export: pass checkpoint=" in result.stderr
 
@@ -269,7 +338,7 @@ def test_fp16_graphs_with_weights_beside_them_run_on_cpu(monkeypatch, tmp_path, 
     reach that path with a tiny model); the manifest lists them and the fp16 graphs load and run."""
     from mindspore.train import serialization
 
-    from model.export.mindir import export_mindir
+    from mindmoe.model.export.mindir import export_mindir
 
     monkeypatch.setattr(serialization, "TOTAL_SAVE", 1)  # KiB
     model = MoETransformer(dataclasses.replace(CONFIG, dispatch="dropless", expert_lock=False))
@@ -283,4 +352,6 @@ def test_fp16_graphs_with_weights_beside_them_run_on_cpu(monkeypatch, tmp_path, 
     ids = np.random.default_rng(5).integers(0, VOCAB, (2, 2)).astype(np.int32)  # too short to lock
     logits, kv_cache = prefill(Tensor(ids))
     assert kv_cache.dtype == ms.float16
-    np.testing.assert_allclose(logits.asnumpy(), training_model(ids)[:, -1], rtol=0, atol=2e-3)  # logits have std ~0.1; fp16 rounding gives ~2e-4
+    np.testing.assert_allclose(
+        logits.asnumpy(), training_model(ids)[:, -1], rtol=0, atol=2e-3
+    )  # logits have std ~0.1; fp16 rounding gives ~2e-4

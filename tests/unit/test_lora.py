@@ -4,6 +4,7 @@ dropout placement and gradient isolation of expert adapters.
 PEFT's reference layers: ``peft.inject_adapter_in_model`` on a torch ``nn.Linear`` and on HF
 ``Glm4MoeMLP`` experts (the modules PEFT adapts per expert on a transformers 4.57 glm4_moe).
 """
+
 import math
 
 import mindspore as ms
@@ -16,12 +17,20 @@ from peft import inject_adapter_in_model
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMLP
 
-from model.config import ModelConfig
-from model.linear import Linear
-from model.lora import (LoraConfig, LoraLinear, LoraRoutedExperts, adaptable_projections, apply_lora,
-                        lora_parameters, merge_and_unload, target_matches)
-from model.moe.experts import RoutedExperts
-from model.transformer import MoETransformer
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.linear import Linear
+from mindmoe.model.lora import (
+    LoraConfig,
+    LoraLinear,
+    LoraRoutedExperts,
+    adaptable_projections,
+    apply_lora,
+    lora_parameters,
+    merge_and_unload,
+    target_matches,
+)
+from mindmoe.model.moe.experts import RoutedExperts
+from mindmoe.model.transformer import MoETransformer
 
 HIDDEN, WIDTH, EXPERTS, ROWS, RANK = 12, 10, 3, 5, 4
 
@@ -33,8 +42,12 @@ def peft_linear(weight, bias, lora_A, lora_B, alpha, rslora, dropout=0.0):
         holder.proj.weight.copy_(torch.from_numpy(weight))
         if bias is not None:
             holder.proj.bias.copy_(torch.from_numpy(bias))
-    inject_adapter_in_model(PeftLoraConfig(r=lora_A.shape[0], lora_alpha=alpha, use_rslora=rslora,
-                                           lora_dropout=dropout, target_modules=["proj"]), holder)
+    inject_adapter_in_model(
+        PeftLoraConfig(
+            r=lora_A.shape[0], lora_alpha=alpha, use_rslora=rslora, lora_dropout=dropout, target_modules=["proj"]
+        ),
+        holder,
+    )
     with torch.no_grad():
         holder.proj.lora_A["default"].weight.copy_(torch.from_numpy(lora_A))
         holder.proj.lora_B["default"].weight.copy_(torch.from_numpy(lora_B))
@@ -45,6 +58,7 @@ def run_cell(cell, *arrays):
     @ms.jit
     def forward(*inputs):
         return cell(*inputs)
+
     return forward(*[Tensor(a) for a in arrays]).asnumpy()
 
 
@@ -59,8 +73,14 @@ def test_lora_linear_forward_equals_peft(rslora, bias):
     layer = LoraLinear(base, RANK, scaling, 0.0, rng)
     layer.lora_B.set_data(Tensor(rng.normal(size=(WIDTH, RANK)).astype(np.float32)))
     x = rng.normal(size=(2, 7, HIDDEN)).astype(np.float32)
-    reference = peft_linear(base.weight.asnumpy(), base.bias.asnumpy() if bias else None, layer.lora_A.asnumpy(),
-                            layer.lora_B.asnumpy(), alpha, rslora)
+    reference = peft_linear(
+        base.weight.asnumpy(),
+        base.bias.asnumpy() if bias else None,
+        layer.lora_A.asnumpy(),
+        layer.lora_B.asnumpy(),
+        alpha,
+        rslora,
+    )
     with torch.no_grad():
         expected = reference.proj(torch.from_numpy(x)).numpy()
         base_only = torch.nn.functional.linear(torch.from_numpy(x), reference.proj.base_layer.weight).numpy()
@@ -70,10 +90,17 @@ def test_lora_linear_forward_equals_peft(rslora, bias):
 
 def test_init_follows_peft_a_uniform_in_one_over_sqrt_in_b_zero():
     in_features = 400
-    layer = LoraLinear(Linear(in_features, 64, False, 0.02, np.random.default_rng(0)), 16, 2.0, 0.0,
-                       np.random.default_rng(1))
-    holder = peft_linear(np.zeros((64, in_features), np.float32), None, np.zeros((16, in_features), np.float32),
-                         np.zeros((64, 16), np.float32), 16, False)
+    layer = LoraLinear(
+        Linear(in_features, 64, False, 0.02, np.random.default_rng(0)), 16, 2.0, 0.0, np.random.default_rng(1)
+    )
+    holder = peft_linear(
+        np.zeros((64, in_features), np.float32),
+        None,
+        np.zeros((16, in_features), np.float32),
+        np.zeros((64, 16), np.float32),
+        16,
+        False,
+    )
     # PEFT's own initialisation, which the copies above overwrote.
     holder.proj.reset_lora_parameters("default", True)
     peft_A = holder.proj.lora_A["default"].weight.detach().numpy()
@@ -158,14 +185,17 @@ def test_expert_adapter_gradients_follow_token_grad_isolation():
     x_t = torch.from_numpy(x).requires_grad_(True)
     outputs = torch.stack([reference.experts[e](x_t[e]) for e in range(EXPERTS)])
     per_row = (outputs * torch.from_numpy(probe)).sum(-1)
-    factors = {(proj, kind): [getattr(getattr(reference.experts[e], proj), kind)["default"].weight for e in range(EXPERTS)]
-               for proj in adapters for kind in ("lora_A", "lora_B")}
+    factors = {
+        (proj, kind): [getattr(getattr(reference.experts[e], proj), kind)["default"].weight for e in range(EXPERTS)]
+        for proj in adapters
+        for kind in ("lora_A", "lora_B")
+    }
     flat = [w for ws in factors.values() for w in ws]
     isolated = torch.autograd.grad((per_row * torch.from_numpy(scale)).sum(), flat, retain_graph=True)
     (plain_dx,) = torch.autograd.grad(per_row.sum(), [x_t])
     expected = {}
     for i, key in enumerate(factors):
-        expected[f"{key[0]}_{key[1]}"] = np.stack([g.numpy() for g in isolated[i * EXPERTS:(i + 1) * EXPERTS]])
+        expected[f"{key[0]}_{key[1]}"] = np.stack([g.numpy() for g in isolated[i * EXPERTS : (i + 1) * EXPERTS]])
     for param, grad in zip(params, dparams):
         np.testing.assert_allclose(grad.asnumpy(), expected[param.name], rtol=1e-4, atol=1e-5, err_msg=param.name)
     np.testing.assert_allclose(dx.asnumpy(), plain_dx.numpy(), rtol=1e-4, atol=1e-5)
@@ -200,10 +230,24 @@ def test_dropout_acts_on_the_lora_branch_only_and_only_in_training():
 
 # --------------------------------------------------------------------------- whole-model behaviour
 
+
 def tiny_config(**overrides):
-    fields = dict(vocab_size=48, hidden_size=16, num_layers=2, first_k_dense=1, num_heads=2, num_kv_heads=1,
-                  intermediate_size=24, num_experts=4, top_k=2, moe_intermediate_size=8, num_shared_experts=1,
-                  dispatch="dropless", max_position_embeddings=32, initializer_range=0.3)
+    fields = dict(
+        vocab_size=48,
+        hidden_size=16,
+        num_layers=2,
+        first_k_dense=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=24,
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=8,
+        num_shared_experts=1,
+        dispatch="dropless",
+        max_position_embeddings=32,
+        initializer_range=0.3,
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
@@ -218,6 +262,7 @@ def logits(model, ids):
     @ms.jit
     def forward(input_ids, doc_ids):
         return model(input_ids, doc_ids)[0]
+
     return forward(Tensor(ids), Tensor(np.zeros_like(ids))).asnumpy()
 
 
@@ -249,9 +294,12 @@ def test_apply_lora_freezes_the_base_and_counts_trainable_parameters():
     trainable = {p.name: p.shape for p in model.trainable_params()}
     h, heads, d = cfg.hidden_size, cfg.num_heads, cfg.hidden_size // cfg.num_heads
     expected = {
-        "layers.0.self_attn.q_proj.lora_A": (2, h), "layers.0.self_attn.q_proj.lora_B": (heads * d, 2),
-        "layers.1.self_attn.q_proj.lora_A": (2, h), "layers.1.self_attn.q_proj.lora_B": (heads * d, 2),
-        "layers.0.mlp.down_proj.lora_A": (2, cfg.intermediate_size), "layers.0.mlp.down_proj.lora_B": (h, 2),
+        "layers.0.self_attn.q_proj.lora_A": (2, h),
+        "layers.0.self_attn.q_proj.lora_B": (heads * d, 2),
+        "layers.1.self_attn.q_proj.lora_A": (2, h),
+        "layers.1.self_attn.q_proj.lora_B": (heads * d, 2),
+        "layers.0.mlp.down_proj.lora_A": (2, cfg.intermediate_size),
+        "layers.0.mlp.down_proj.lora_B": (h, 2),
         "layers.1.mlp.experts.down_proj.lora_A": (cfg.num_experts, 2, cfg.moe_intermediate_size),
         "layers.1.mlp.experts.down_proj.lora_B": (cfg.num_experts, h, 2),
         "layers.1.mlp.shared_experts.down_proj.lora_A": (2, cfg.moe_intermediate_size),
@@ -275,11 +323,14 @@ def test_targets_follow_peft_name_rules():
     assert report.adapted == [f"layers.1.mlp.shared_experts.{p}.weight" for p in ("down_proj", "gate_proj", "up_proj")]
 
 
-@pytest.mark.parametrize("targets,message", [
-    (["nonexistent"], "matches no projection"),
-    (r".*\.experts\.0\.gate_proj", "only some experts"),
-    ("(", "not a valid regular expression"),
-])
+@pytest.mark.parametrize(
+    "targets,message",
+    [
+        (["nonexistent"], "matches no projection"),
+        (r".*\.experts\.0\.gate_proj", "only some experts"),
+        ("(", "not a valid regular expression"),
+    ],
+)
 def test_bad_targets_are_errors_naming_the_key(targets, message):
     model = MoETransformer(tiny_config(), seed=0)
     with pytest.raises(ValueError, match=message) as raised:
@@ -291,19 +342,31 @@ def test_modules_to_save_are_trained_in_full():
     model = MoETransformer(tiny_config(), seed=0)
     apply_lora(model, LoraConfig(enabled=True, target_modules=["v_proj"], modules_to_save=["lm_head"]))
     assert {p.name for p in model.trainable_params()} == {
-        "lm_head.weight", "layers.0.self_attn.v_proj.lora_A", "layers.0.self_attn.v_proj.lora_B",
-        "layers.1.self_attn.v_proj.lora_A", "layers.1.self_attn.v_proj.lora_B"}
+        "lm_head.weight",
+        "layers.0.self_attn.v_proj.lora_A",
+        "layers.0.self_attn.v_proj.lora_B",
+        "layers.1.self_attn.v_proj.lora_A",
+        "layers.1.self_attn.v_proj.lora_B",
+    }
     with pytest.raises(ValueError, match="match no module"):
-        apply_lora(MoETransformer(tiny_config(), seed=0),
-                   LoraConfig(enabled=True, target_modules=["v_proj"], modules_to_save=["nothing_here"]))
+        apply_lora(
+            MoETransformer(tiny_config(), seed=0),
+            LoraConfig(enabled=True, target_modules=["v_proj"], modules_to_save=["nothing_here"]),
+        )
 
 
 def test_expert_update_isolation_scales_expert_adapters_not_the_frozen_weights():
-    from train.routing import RouterStepUpdates
+    from mindmoe.train.routing import RouterStepUpdates
+
     cfg = tiny_config(expert_lock=True, isolation_mode="expert_update")
     model = MoETransformer(cfg, seed=0)
     apply_lora(model, LoraConfig(enabled=True, target_modules=["gate_proj", "down_proj"]))
     updates = RouterStepUpdates(model, cfg)
-    assert [[p.name for p in layer] for layer in updates.expert_params] == [[
-        "layers.1.mlp.experts.gate_proj.lora_A", "layers.1.mlp.experts.gate_proj.lora_B",
-        "layers.1.mlp.experts.down_proj.lora_A", "layers.1.mlp.experts.down_proj.lora_B"]]
+    assert [[p.name for p in layer] for layer in updates.expert_params] == [
+        [
+            "layers.1.mlp.experts.gate_proj.lora_A",
+            "layers.1.mlp.experts.gate_proj.lora_B",
+            "layers.1.mlp.experts.down_proj.lora_A",
+            "layers.1.mlp.experts.down_proj.lora_B",
+        ]
+    ]

@@ -4,6 +4,7 @@ References: the float64 test vectors of REFERENCES.md §1.9 (computed from the p
 formula) and HF transformers 4.57.1 (``ROPE_INIT_FUNCTIONS["default"]``,
 ``Glm4MoeRotaryEmbedding``, ``glm4_moe.apply_rotary_pos_emb``).
 """
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -13,7 +14,7 @@ from transformers import Glm4MoeConfig
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbedding, apply_rotary_pos_emb
 
-from model.rope import apply_rope, default_inv_freq, rope_tables
+from mindmoe.model.rope import apply_rope, default_inv_freq, rope_tables
 
 # REFERENCES.md §1.9, V1 (base 10000).
 V1_INV_FREQ = {
@@ -24,19 +25,41 @@ V1_INV_FREQ = {
 X_1_TO_8 = np.arange(1, 9, dtype=np.float32)
 ROTATED_AT_3 = {
     # (rotary_dim, interleaved): expected
-    (8, False): [-1.6955925369, 0.1375517383, 2.7886815998, 3.975982036,
-                 -4.8088424749, 6.3230593481, 7.0868367369, 8.011963982],
-    (8, True): [-1.2722325127, -1.8388649851, 1.6839286407, 4.7079065765,
-                4.8177771675, 6.1472777035, 6.975968536, 8.0209639685],
+    (8, False): [
+        -1.6955925369,
+        0.1375517383,
+        2.7886815998,
+        3.975982036,
+        -4.8088424749,
+        6.3230593481,
+        7.0868367369,
+        8.011963982,
+    ],
+    (8, True): [
+        -1.2722325127,
+        -1.8388649851,
+        1.6839286407,
+        4.7079065765,
+        4.8177771675,
+        6.1472777035,
+        6.975968536,
+        8.0209639685,
+    ],
     (4, False): [-1.4133525208, 1.8791180667, -2.8288574817, 4.0581911354, 5, 6, 7, 8],
     (4, True): [-1.2722325127, -1.8388649851, 2.8786681004, 4.0881866356, 5, 6, 7, 8],
 }
 
 
 def hf_config(head_dim=8, partial_rotary_factor=0.5, rope_theta=10000.0, max_positions=64):
-    return Glm4MoeConfig(hidden_size=head_dim * 4, num_attention_heads=4, num_key_value_heads=2,
-                         head_dim=head_dim, partial_rotary_factor=partial_rotary_factor,
-                         rope_theta=rope_theta, max_position_embeddings=max_positions)
+    return Glm4MoeConfig(
+        hidden_size=head_dim * 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=head_dim,
+        partial_rotary_factor=partial_rotary_factor,
+        rope_theta=rope_theta,
+        max_position_embeddings=max_positions,
+    )
 
 
 def rotate(x_np, rotary_dim, positions, interleaved, base=10000.0):
@@ -52,11 +75,9 @@ def test_default_inv_freq_matches_published_test_vectors(dim):
     np.testing.assert_allclose(default_inv_freq(dim, 10000.0), V1_INV_FREQ[dim], rtol=1e-9)
 
 
-@pytest.mark.parametrize("head_dim,partial,theta", [(8, 1.0, 10000.0), (16, 0.5, 10000.0),
-                                                    (128, 0.5, 1e6)])
+@pytest.mark.parametrize("head_dim,partial,theta", [(8, 1.0, 10000.0), (16, 0.5, 10000.0), (128, 0.5, 1e6)])
 def test_default_inv_freq_matches_hf_rope_init_default(head_dim, partial, theta):
-    hf_inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["default"](
-        hf_config(head_dim, partial, theta), None)
+    hf_inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["default"](hf_config(head_dim, partial, theta), None)
     ours = default_inv_freq(int(head_dim * partial), theta)
     assert attention_factor == 1.0
     np.testing.assert_allclose(ours, hf_inv_freq.double().numpy(), rtol=1e-6)
@@ -129,6 +150,5 @@ def test_query_key_dot_product_depends_only_on_position_difference(interleaved):
     k = rng.normal(size=(1, 16)).astype(np.float32)
     # (query position, key position) pairs sharing the offset 5, then sharing the offset -3.
     for pairs in ([(5, 0), (12, 7), (40, 35)], [(0, 3), (20, 23), (57, 60)]):
-        dots = [float(rotate(q, 8, [p], interleaved)[0] @ rotate(k, 8, [s], interleaved)[0])
-                for p, s in pairs]
+        dots = [float(rotate(q, 8, [p], interleaved)[0] @ rotate(k, 8, [s], interleaved)[0]) for p, s in pairs]
         np.testing.assert_allclose(dots, [dots[0]] * len(dots), rtol=1e-5, atol=1e-5)

@@ -9,6 +9,7 @@ those of the unisolated layer.
 the change without isolation, with ``f_e`` = locked share of e's kept assignments computed from a
 NumPy re-routing of the captured MoE inputs (natural top-k, brute-force locking, capacity dropping).
 """
+
 import dataclasses
 
 import mindspore as ms
@@ -17,13 +18,21 @@ import pytest
 import torch
 from mindspore import Tensor, ops
 
-from model.attention import document_causal_mask
-from model.config import ModelConfig
-from model.moe import MoELayer
-from model.transformer import MoETransformer
-from tests.test_locking import (BATCH, SEQ, copy_parameters_by_name, lock_layer_config, naive_locked_moe,
-                                np_capacity_kept, np_lock_routing, runs_input)
-from tests.test_moe_dispatch import EXPERTS, TOP_K, build_layer, layer_weights
+from mindmoe.model.attention import document_causal_mask
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe import MoELayer
+from mindmoe.model.transformer import MoETransformer
+from tests.unit.test_locking import (
+    BATCH,
+    SEQ,
+    copy_parameters_by_name,
+    lock_layer_config,
+    naive_locked_moe,
+    np_capacity_kept,
+    np_lock_routing,
+    runs_input,
+)
+from tests.unit.test_moe_dispatch import EXPERTS, TOP_K, build_layer, layer_weights
 
 DECAY = 0.3
 
@@ -39,8 +48,11 @@ def torch_reference_grads(x, doc_ids, probe, weights, cfg, capacity):
     ``scale_t = lambda`` for locked tokens. Also returns the expert gradients with every scale 1.
     """
     _, _, routed, locked, kept, _ = naive_locked_moe(x, doc_ids, weights, cfg, capacity)
-    t = {name: torch.tensor(value, dtype=torch.float64, requires_grad=True) for name, value in weights.items()
-         if name != "router.e_score_correction_bias"}
+    t = {
+        name: torch.tensor(value, dtype=torch.float64, requires_grad=True)
+        for name, value in weights.items()
+        if name != "router.e_score_correction_bias"
+    }
     x_TH = torch.tensor(x.reshape(-1, x.shape[-1]), dtype=torch.float64, requires_grad=True)
     probe_TH = torch.tensor(probe.reshape(x_TH.shape), dtype=torch.float64)
     routed_TK = torch.from_numpy(routed)
@@ -54,16 +66,21 @@ def torch_reference_grads(x, doc_ids, probe, weights, cfg, capacity):
         for token in range(inputs.shape[0]):
             for k in range(cfg.top_k):
                 e = int(routed_TK[token, k])
-                expert_out = swiglu(inputs[token], t["experts.gate_proj"][e], t["experts.up_proj"][e],
-                                    t["experts.down_proj"][e])
+                expert_out = swiglu(
+                    inputs[token], t["experts.gate_proj"][e], t["experts.up_proj"][e], t["experts.down_proj"][e]
+                )
                 out[token] += scale_T[token] * kept_TK[token, k] * combine_TK[token, k] * expert_out
         return out
 
     scores = torch.sigmoid(x_TH @ t["router.weight"].T)
     combine = torch.gather(scores, 1, routed_TK)
     combine = combine / combine.sum(-1, keepdim=True) * cfg.routed_scaling_factor
-    shared = swiglu(x_TH, t["shared_experts.gate_proj.weight"], t["shared_experts.up_proj.weight"],
-                    t["shared_experts.down_proj.weight"])
+    shared = swiglu(
+        x_TH,
+        t["shared_experts.gate_proj.weight"],
+        t["shared_experts.up_proj.weight"],
+        t["shared_experts.down_proj.weight"],
+    )
     ones = torch.ones(x_TH.shape[0], dtype=torch.float64)
     loss = ((routed_output(x_TH, combine, ones) + shared) * probe_TH).sum()
     names = list(t)
@@ -100,14 +117,16 @@ def layer_grads(layer, x, doc_ids, probe):
 
 @pytest.mark.parametrize("dispatch,capacity_factor", [("dropless", 1.0), ("capacity", 0.75)])
 def test_token_grad_scales_locked_tokens_expert_gradients_and_leaves_input_and_router_gradients(
-        dispatch, capacity_factor):
+    dispatch, capacity_factor
+):
     cfg = lock_layer_config(dispatch, capacity_factor, isolation_mode="token_grad", isolation_decay=DECAY)
     layer = build_layer(cfg, seed=5)
     x, doc_ids = runs_input()
     probe = np.random.default_rng(29).normal(size=x.shape).astype(np.float32)
     capacity = None if dispatch == "dropless" else int(np.ceil(capacity_factor * BATCH * SEQ * TOP_K / EXPERTS))
-    ref, ref_dx, ref_unscaled, locked, kept = torch_reference_grads(x, doc_ids, probe, layer_weights(layer),
-                                                                    cfg, capacity)
+    ref, ref_dx, ref_unscaled, locked, kept = torch_reference_grads(
+        x, doc_ids, probe, layer_weights(layer), cfg, capacity
+    )
     assert 0.2 < locked.mean() < 0.8
     if capacity is not None:
         assert (~kept).any(), "the capacity case must drop some assignments"
@@ -133,8 +152,7 @@ def test_token_grad_scales_locked_tokens_expert_gradients_and_leaves_input_and_r
             if name.startswith("experts."):
                 np.testing.assert_allclose(plain_dparams[name], ref_unscaled[name], rtol=1e-4, atol=1e-5)
             else:
-                np.testing.assert_allclose(dparams[name], plain_dparams[name], rtol=1e-6, atol=1e-7,
-                                           err_msg=name)
+                np.testing.assert_allclose(dparams[name], plain_dparams[name], rtol=1e-6, atol=1e-7, err_msg=name)
 
 
 # ---- expert_update: one AdamW step of a tiny transformer ------------------------------------------
@@ -143,19 +161,41 @@ VOCAB, STEP_BATCH, STEP_SEQ = 32, 2, 16
 
 
 def transformer_config(**overrides):
-    fields = dict(vocab_size=VOCAB, hidden_size=16, num_layers=2, first_k_dense=0, num_heads=2, num_kv_heads=1,
-                  intermediate_size=32, num_experts=4, top_k=2, moe_intermediate_size=8, num_shared_experts=1,
-                  score_func="sigmoid", dispatch="capacity", capacity_factor=0.75, max_position_embeddings=64,
-                  expert_lock=True, lock_run_length=2, lock_span=4, isolation_mode="expert_update",
-                  isolation_decay=DECAY, aux_loss="switch", aux_loss_coeff=1e-2, z_loss_coeff=1e-3)
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        num_layers=2,
+        first_k_dense=0,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=32,
+        num_experts=4,
+        top_k=2,
+        moe_intermediate_size=8,
+        num_shared_experts=1,
+        score_func="sigmoid",
+        dispatch="capacity",
+        capacity_factor=0.75,
+        max_position_embeddings=64,
+        expert_lock=True,
+        lock_run_length=2,
+        lock_span=4,
+        isolation_mode="expert_update",
+        isolation_decay=DECAY,
+        aux_loss="switch",
+        aux_loss_coeff=1e-2,
+        z_loss_coeff=1e-3,
+    )
     fields.update(overrides)
     return ModelConfig(**fields)
 
 
 def repeated_token_window():
     """Packed ``seq_len + 1`` windows with runs of repeated tokens, so routing repeats and locks."""
-    rows = [[5, 5, 5, 5, 9, 3, 12, 7, 7, 7, 7, 1, 20, 20, 20, 4, 8],
-            [2, 2, 2, 30, 30, 30, 30, 11, 6, 6, 6, 6, 6, 17, 0, 0, 0]]
+    rows = [
+        [5, 5, 5, 5, 9, 3, 12, 7, 7, 7, 7, 1, 20, 20, 20, 4, 8],
+        [2, 2, 2, 30, 30, 30, 30, 11, 6, 6, 6, 6, 6, 17, 0, 0, 0],
+    ]
     doc_ids = [[0] * 17, [0] * 9 + [1] * 8]
     return {"input_ids": np.array(rows, np.int64), "doc_ids": np.array(doc_ids, np.int64)}
 
@@ -190,11 +230,12 @@ def np_step_routing(moe_input_BSH, router_weight, bias, doc_ids_BS, cfg):
     order = np.argsort(-choice, -1, kind="stable")
     ranked = np.take_along_axis(choice, order, -1)
     margin = (ranked[:, cfg.top_k - 1] - ranked[:, cfg.top_k]).min()
-    routed = order[:, :cfg.top_k]
+    routed = order[:, : cfg.top_k]
     locked = np.zeros(routed.shape, bool)
     if cfg.expert_lock:
-        locked, routed = np_lock_routing(routed.reshape(batch, seq_len, -1), doc_ids_BS, cfg.lock_run_length,
-                                         cfg.lock_span)
+        locked, routed = np_lock_routing(
+            routed.reshape(batch, seq_len, -1), doc_ids_BS, cfg.lock_run_length, cfg.lock_span
+        )
         routed = routed.reshape(-1, cfg.top_k)
         locked = np.broadcast_to(locked.reshape(-1, 1), routed.shape)
     capacity = None
@@ -215,8 +256,7 @@ def np_model_routing(model, cfg, input_ids, doc_ids):
     for layer, moe_input in zip(model.layers, captured_moe_inputs(model, input_ids, Tensor(doc_ids))):
         router = layer.mlp.router
         bias = router.e_score_correction_bias.asnumpy().astype(np.float64) if cfg.expert_bias else 0.0
-        layer_stats, margin = np_step_routing(moe_input, router.weight.asnumpy().astype(np.float64), bias,
-                                              doc_ids, cfg)
+        layer_stats, margin = np_step_routing(moe_input, router.weight.asnumpy().astype(np.float64), bias, doc_ids, cfg)
         assert margin > 1e-6, "top-k boundary too close to a tie for a float32/float64 comparison"
         stats.append(layer_stats)
     return np.stack(stats)
@@ -229,6 +269,7 @@ def parameter_values(params):
 def restore(params, values):
     """Write saved values back through a compiled assign: ``Parameter.set_data`` after a graph has
     updated the parameter is not seen by graphs compiled before it (MindSpore 2.9, CPU)."""
+
     @ms.jit
     def assign_all(*new_values):
         for param, value in zip(params, new_values):
@@ -242,15 +283,16 @@ def restore(params, values):
 
 
 def test_expert_update_scales_each_experts_adamw_update_by_one_minus_decay_times_locked_share():
-    from train.config import TrainConfig
-    from train.optim import build_optimizer
-    from train.routing import RouterStepUpdates
-    from train.step import Trainer
+    from mindmoe.train.config import TrainConfig
+    from mindmoe.train.optim import build_optimizer
+    from mindmoe.train.routing import RouterStepUpdates
+    from mindmoe.train.step import Trainer
 
     cfg = transformer_config()
     model = MoETransformer(cfg, seed=0)
-    optimizer = build_optimizer(model.trainable_params(),
-                                TrainConfig(lr=1e-2, warmup_ratio=0.0, max_steps=10, grad_clip=0.0))
+    optimizer = build_optimizer(
+        model.trainable_params(), TrainConfig(lr=1e-2, warmup_ratio=0.0, max_steps=10, grad_clip=0.0)
+    )
     trainer = Trainer(model, optimizer, 0.0, 1, RouterStepUpdates(model, cfg))
     window = repeated_token_window()
     input_ids = Tensor(window["input_ids"][:, :-1].astype(np.int32))
@@ -264,8 +306,9 @@ def test_expert_update_scales_each_experts_adamw_update_by_one_minus_decay_times
     assert (expected_stats[:, 0] > expected_stats[:, 1]).any(), "some assignments must be dropped"
 
     # Run 1 with expert_update isolation; run 2 from the identical state with lambda = 1.
-    state = list(model.get_parameters()) + list(optimizer.exp_avg) + list(optimizer.exp_avg_sq) + \
-        [optimizer.global_step]
+    state = (
+        list(model.get_parameters()) + list(optimizer.exp_avg) + list(optimizer.exp_avg_sq) + [optimizer.global_step]
+    )
     before = parameter_values(state)
     isolated_stats = trainer.step([window])
     isolated = parameter_values(model.get_parameters())
