@@ -1,7 +1,14 @@
-"""Shared test setup: every MindSpore test runs in GRAPH_MODE on CPU (the production mode)."""
+"""Shared test setup: every MindSpore test runs in GRAPH_MODE on CPU (the production mode).
+
+Shared tiny configs and builders live in ``tests/helpers/`` (plain functions that take arguments); the
+fixtures below are the ones a test asks for by name.
+"""
 
 import mindspore as ms
 import pytest
+
+from tests.helpers.processes import kill_tree
+from tests.helpers.tiny_run import TINY_RUN
 
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
@@ -11,3 +18,18 @@ ms.set_device("CPU")
 def data_cache(tmp_path_factory):
     """One tokenizer/MindRecord cache for the whole session, never the user's."""
     return str(tmp_path_factory.mktemp("mindmoe_cache"))
+
+
+@pytest.fixture
+def tiny_run():
+    """Overrides of a run that compiles in seconds (2 layers, 4 experts, 64-token windows, no evaluation)."""
+    return list(TINY_RUN)
+
+
+@pytest.fixture
+def processes():
+    """``Popen`` objects a test appends; on teardown each one and all its descendants are killed by pid."""
+    started = []
+    yield started
+    for process in started:
+        kill_tree(process)

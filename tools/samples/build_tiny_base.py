@@ -1,19 +1,19 @@
 """Rebuild ``data/samples/tiny_base/``: the small pretrained base that ``recipe=lora_business`` fine-tunes.
 
-    python data/samples/build_tiny_base.py              # ~400 steps of pretraining on CPU, then export
-    python data/samples/build_tiny_base.py --out DIR --steps 400
+    python -m tools.samples.build_tiny_base             # ~400 steps of pretraining on CPU, then export
+    python -m tools.samples.build_tiny_base --out DIR --steps 400
 
 It pretrains a small GLM-4.5-style MoE (hidden 128, 4 layers with the first dense, 4 routed experts
 + 1 shared, sigmoid router with aux-loss-free bias balancing, dropless dispatch, tied embeddings,
 4k sentencepiece vocabulary trained on the bundled corpus) with
 ``recipe=pretrain_tiny`` on ``corpus_train.jsonl``, exports the last checkpoint as a HF ``glm4_moe``
-directory (``model.hf.export_hf``) with the sentencepiece model as ``tokenizer.model``, and stores
+directory (``mindmoe.model.hf.export_hf``) with the sentencepiece model as ``tokenizer.model``, and stores
 the weights as float16 to keep the sample small (mindmoe converts them to float32 when loading).
+Needs mindmoe installed (``pip install -e .``).
 """
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -45,7 +45,7 @@ MODEL_OVERRIDES = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "tiny_base")
+    parser.add_argument("--out", type=Path, default=REPO / "data" / "samples" / "tiny_base")
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--run-dir", type=Path, default=None, help="keep the pretraining run here")
     args = parser.parse_args()
@@ -61,13 +61,12 @@ def main() -> None:
         "train.progress_bar=false",
         f"hydra.run.dir={run_dir}",
     ] + MODEL_OVERRIDES
-    subprocess.run(command, check=True, cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)))
+    subprocess.run(command, check=True, cwd=REPO)
     export(run_dir / "checkpoints" / f"step_{args.steps:06d}", args.out)
     print(f"tiny base written to {args.out}")
 
 
 def export(checkpoint: Path, out: Path) -> None:
-    sys.path.insert(0, str(REPO))
     from mindmoe.data.tokenizer import load_tokenizer
     from mindmoe.model.hf import export_hf
     from mindmoe.train.checkpoint import read_state
