@@ -12,8 +12,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from mindmoe.data.config import DataConfig
-from mindmoe.launch.config import LaunchConfig, ParallelConfig
-from mindmoe.launch.plan import PlanConfig
+from mindmoe.launch.config import LaunchConfig, ParallelConfig, PlanConfig
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lora import LoraConfig
 from mindmoe.train.config import TrainConfig

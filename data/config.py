@@ -3,6 +3,10 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+DATA_FORMATS = ("text", "sft")
+#: ``data.sft_overlong`` values.
+OVERLONG_POLICIES = ("error", "truncate")
+
 # "${samples:}" is an OmegaConf resolver (registered in conf.schema) giving the
 # installed data/samples directory, so the defaults work after a non-editable install.
 
@@ -42,3 +46,40 @@ class DataConfig:
     #: SFT conversations longer than ``seq_len + 1`` tokens: ``error``, or ``truncate`` (cut and counted;
     #: dropped when no assistant token is left).
     sft_overlong: str = "error"
+
+
+def validate_data_config(cfg: DataConfig) -> None:
+    """Raise ValueError naming the ``data.*`` key whose value cannot work (files are checked when read)."""
+    if not cfg.train_files:
+        raise ValueError("data.train_files is empty; list at least one training file")
+    if cfg.weights is not None:
+        if len(cfg.weights) != len(cfg.train_files):
+            raise ValueError(
+                f"data.weights has {len(cfg.weights)} entries but data.train_files has "
+                f"{len(cfg.train_files)}; give one weight per training file"
+            )
+        if any(w < 0 for w in cfg.weights) or sum(cfg.weights) <= 0:
+            raise ValueError(f"data.weights={list(cfg.weights)} must be non-negative with a positive sum")
+    for name in ("seq_len", "vocab_size", "shard_windows", "num_proc"):
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"data.{name}={getattr(cfg, name)} must be at least 1")
+    if cfg.format not in DATA_FORMATS:
+        raise ValueError(f"data.format={cfg.format!r} must be one of {DATA_FORMATS}")
+    if cfg.sft_overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"data.sft_overlong={cfg.sft_overlong!r} must be one of {OVERLONG_POLICIES}")
+    if cfg.format == "sft" and cfg.weights is not None:
+        raise ValueError("data.weights: mixture weights apply to data.format=text; SFT files are used whole")
+    if cfg.format == "sft" and not cfg.tokenizer:
+        raise ValueError(
+            "data.format=sft needs a tokenizer: set model.pretrained (its tokenizer is used) or data.tokenizer"
+        )
+
+
+def validate_batch_sizes(data: DataConfig) -> None:
+    """``data.global_batch_size`` must split into micro-batches; how they split over data-parallel
+    ranks is :func:`conf.checks.resolve_layout`."""
+    if data.micro_batch_size < 1 or data.global_batch_size % data.micro_batch_size:
+        raise ValueError(
+            f"data.global_batch_size={data.global_batch_size} must be a positive multiple of "
+            f"data.micro_batch_size={data.micro_batch_size}"
+        )

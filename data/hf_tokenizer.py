@@ -5,6 +5,7 @@ with only a sentencepiece ``tokenizer.model`` falls back to :func:`data.tokenize
 Special tokens and the chat template come from ``tokenizer_config.json`` (or
 ``chat_template.jinja``, where newer transformers save it). The template is a Jinja program
 shipped with the checkpoint, so it is rendered in Jinja's immutable sandbox, as transformers does.
+Opening either kind of tokenizer by path, and copying one, is :mod:`data.tokenizer_files`.
 """
 
 import json
@@ -113,23 +114,6 @@ def load_hf_tokenizer(path: Union[str, Path], config_key: str = "model.pretraine
         template = _chat_template(directory, _tokenizer_config(directory))
         return HFSentencePieceTokenizer(tokenizer.path, template)
     raise FileNotFoundError(f"{config_key}: {directory} has neither {TOKENIZER_JSON} nor {SENTENCEPIECE_FILE}")
-
-
-def open_tokenizer(path: Union[str, Path], config_key: str = "data.tokenizer"):
-    """A sentencepiece ``.model`` file, or a HF checkpoint directory's tokenizer."""
-    if Path(path).expanduser().is_dir():
-        return load_hf_tokenizer(path, config_key)
-    return load_tokenizer(path, config_key)
-
-
-def tokenizer_files(path: Union[str, Path]) -> List[Path]:
-    """The files that define a tokenizer (what a cache key must hash): the ``.model`` file itself, or a
-    directory's tokenizer, special-token config and chat template files."""
-    path = Path(path).expanduser()
-    if not path.is_dir():
-        return [path]
-    names = (TOKENIZER_JSON, SENTENCEPIECE_FILE, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE, "config.json")
-    return [path / name for name in names if (path / name).is_file()]
 
 
 def render_chat_template(

@@ -21,25 +21,25 @@ import os
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
 import numpy as np
 from filelock import FileLock
 
-from mindmoe.data.config import DataConfig
-from mindmoe.data.hf_tokenizer import open_tokenizer, tokenizer_files
+from mindmoe.data.config import DataConfig, validate_data_config
 from mindmoe.data.mindrecord import write_shards
 from mindmoe.data.packing import PackedWindows, mix_sources, mixture_counts, pack_documents, unigram_loss
 from mindmoe.data.reader import DataInputError, Source, checked_file, concatenate, read_source, tokenize_documents
-from mindmoe.data.sft import OVERLONG_POLICIES, build_sft_windows
+from mindmoe.data.sft import build_sft_windows
 from mindmoe.data.tokenizer import Tokenizer, train_sentencepiece
+from mindmoe.data.tokenizer_files import open_tokenizer, tokenizer_files
 
 logger = logging.getLogger(__name__)
 
 # Bump when the content or layout of a cache entry changes, so old entries are not reused.
 FORMAT_VERSION = 1
-DATA_FORMATS = ("text", "sft")
 # The mixture belongs to the prepared data, not to a run: it must not change with train.seed.
 MIXTURE_SEED = 1234
 
@@ -74,32 +74,6 @@ def file_sha256(path: Path) -> str:
 
 def _key(fields: Dict) -> str:
     return hashlib.sha256(json.dumps(fields, sort_keys=True).encode("utf-8")).hexdigest()[:20]
-
-
-def _check_config(cfg: DataConfig) -> None:
-    if not cfg.train_files:
-        raise ValueError("data.train_files is empty; list at least one training file")
-    if cfg.weights is not None:
-        if len(cfg.weights) != len(cfg.train_files):
-            raise ValueError(
-                f"data.weights has {len(cfg.weights)} entries but data.train_files has "
-                f"{len(cfg.train_files)}; give one weight per training file"
-            )
-        if any(w < 0 for w in cfg.weights) or sum(cfg.weights) <= 0:
-            raise ValueError(f"data.weights={list(cfg.weights)} must be non-negative with a positive sum")
-    for name in ("seq_len", "vocab_size", "shard_windows", "num_proc"):
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"data.{name}={getattr(cfg, name)} must be at least 1")
-    if cfg.format not in DATA_FORMATS:
-        raise ValueError(f"data.format={cfg.format!r} must be one of {DATA_FORMATS}")
-    if cfg.sft_overlong not in OVERLONG_POLICIES:
-        raise ValueError(f"data.sft_overlong={cfg.sft_overlong!r} must be one of {OVERLONG_POLICIES}")
-    if cfg.format == "sft" and cfg.weights is not None:
-        raise ValueError("data.weights: mixture weights apply to data.format=text; SFT files are used whole")
-    if cfg.format == "sft" and not cfg.tokenizer:
-        raise ValueError(
-            "data.format=sft needs a tokenizer: set model.pretrained (its tokenizer is used) or data.tokenizer"
-        )
 
 
 def _weights(cfg: DataConfig) -> Optional[List[float]]:
@@ -167,7 +141,7 @@ def with_pretrained_tokenizer(cfg: DataConfig, pretrained: Optional[str]) -> Dat
 
 def prepare_data(cfg: DataConfig) -> PreparedData:
     """Tokenizer and packed shards for ``cfg``, from the cache when it has them."""
-    _check_config(cfg)
+    validate_data_config(cfg)
     train = {f"data.train_files[{i}]": checked_file(p, f"data.train_files[{i}]") for i, p in enumerate(cfg.train_files)}
     valid = {f"data.valid_files[{i}]": checked_file(p, f"data.valid_files[{i}]") for i, p in enumerate(cfg.valid_files)}
     hashes = {key: file_sha256(path) for key, path in {**train, **valid}.items()}
@@ -180,29 +154,32 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
             tokenizer_path = str(Path(cfg.tokenizer).expanduser().resolve())
         else:
             tokenizer_path = _cached_tokenizer(root, cfg, train, hashes, corpus)
+        fields = {
+            "format": FORMAT_VERSION,
+            "train": [hashes[k] for k in train],
+            "valid": [hashes[k] for k in valid],
+            "seq_len": cfg.seq_len,
+            "shard_windows": cfg.shard_windows,
+            "tokenizer": [file_sha256(path) for path in tokenizer_files(tokenizer_path)],
+        }
         if cfg.format == "sft":
-            return _prepare_sft(root, cfg, train, valid, hashes, tokenizer_path)
-        key = _key(
-            {
-                "format": FORMAT_VERSION,
-                "mixture_seed": MIXTURE_SEED,
-                "train": [hashes[k] for k in train],
-                "valid": [hashes[k] for k in valid],
-                "text_field": cfg.text_field,
-                "seq_len": cfg.seq_len,
-                "weights": _weights(cfg),
-                "shard_windows": cfg.shard_windows,
-                "tokenizer": [file_sha256(path) for path in tokenizer_files(tokenizer_path)],
-            }
-        )
+            fields.update(data_format="sft", overlong=cfg.sft_overlong)
+            build = partial(_build_sft_shards, cfg=cfg, train=train, valid=valid, tokenizer_path=tokenizer_path)
+        else:
+            fields.update(mixture_seed=MIXTURE_SEED, text_field=cfg.text_field, weights=_weights(cfg))
+            build = partial(
+                _build_shards, cfg=cfg, train=train, valid=valid, tokenizer_path=tokenizer_path, corpus=corpus
+            )
+        key = _key(fields)
         entry = root / "data" / key
-        meta = build_once(entry, lambda staging: _build_shards(staging, cfg, train, valid, tokenizer_path, corpus))
+        meta = build_once(entry, build)
     logger.info(
-        "data ready: %d train windows, %d valid windows, vocab %d, unigram val loss %s",
+        "%s ready: %d train windows, %d valid windows, vocab %d%s",
+        "SFT data" if cfg.format == "sft" else "data",
         meta["num_train_windows"],
         meta["num_valid_windows"],
         meta["vocab_size"],
-        meta["unigram_val_loss"],
+        "" if cfg.format == "sft" else f", unigram val loss {meta['unigram_val_loss']}",
     )
     return PreparedData(
         tokenizer_path=tokenizer_path,
@@ -308,64 +285,26 @@ def _valid_windows(cfg: DataConfig, valid: Dict[str, Path], tokenizer: Tokenizer
     return windows
 
 
-def _prepare_sft(
-    root: Path,
-    cfg: DataConfig,
-    train: Dict[str, Path],
-    valid: Dict[str, Path],
-    hashes: Dict[str, str],
-    tokenizer_path: str,
-) -> PreparedData:
-    """Conversations (``data.format=sft``) packed with their assistant-token loss mask, cached."""
-    key = _key(
-        {
-            "format": FORMAT_VERSION,
-            "data_format": "sft",
-            "train": [hashes[k] for k in train],
-            "valid": [hashes[k] for k in valid],
-            "seq_len": cfg.seq_len,
-            "overlong": cfg.sft_overlong,
-            "shard_windows": cfg.shard_windows,
-            "tokenizer": [file_sha256(path) for path in tokenizer_files(tokenizer_path)],
-        }
+def _build_sft_shards(
+    staging: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path], tokenizer_path: str
+) -> Dict:
+    """Conversations (``data.format=sft``) packed with their assistant-token loss mask."""
+    tokenizer = open_tokenizer(tokenizer_path)
+    train_windows, train_stats = build_sft_windows(train, tokenizer, cfg.seq_len, cfg.sft_overlong)
+    valid_windows, valid_stats = (
+        build_sft_windows(valid, tokenizer, cfg.seq_len, cfg.sft_overlong) if valid else (None, [])
     )
-    entry = root / "data" / key
-
-    def build(staging: Path) -> Dict:
-        tokenizer = open_tokenizer(tokenizer_path)
-        train_windows, train_stats = build_sft_windows(train, tokenizer, cfg.seq_len, cfg.sft_overlong)
-        valid_windows, valid_stats = (
-            build_sft_windows(valid, tokenizer, cfg.seq_len, cfg.sft_overlong) if valid else (None, [])
-        )
-        return {
-            "format": FORMAT_VERSION,
-            "vocab_size": tokenizer.vocab_size,
-            "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
-            "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows) if valid else [],
-            "num_train_windows": len(train_windows),
-            "num_valid_windows": len(valid_windows) if valid else 0,
-            "unigram_val_loss": unigram_loss(train_windows, valid_windows, tokenizer.vocab_size) if valid else None,
-            "sources": train_stats,
-            "valid_sources": valid_stats,
-            "tokenizer": tokenizer_path,
-            "seq_len": cfg.seq_len,
-            "data_format": "sft",
-        }
-
-    meta = build_once(entry, build)
-    logger.info(
-        "SFT data ready: %d train windows, %d valid windows, vocab %d",
-        meta["num_train_windows"],
-        meta["num_valid_windows"],
-        meta["vocab_size"],
-    )
-    return PreparedData(
-        tokenizer_path=tokenizer_path,
-        vocab_size=meta["vocab_size"],
-        train_shards=[str(entry / name) for name in meta["train_shards"]],
-        valid_shards=[str(entry / name) for name in meta["valid_shards"]],
-        num_train_windows=meta["num_train_windows"],
-        num_valid_windows=meta["num_valid_windows"],
-        unigram_val_loss=meta["unigram_val_loss"],
-        cache_key=key,
-    )
+    return {
+        "format": FORMAT_VERSION,
+        "vocab_size": tokenizer.vocab_size,
+        "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
+        "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows) if valid else [],
+        "num_train_windows": len(train_windows),
+        "num_valid_windows": len(valid_windows) if valid else 0,
+        "unigram_val_loss": unigram_loss(train_windows, valid_windows, tokenizer.vocab_size) if valid else None,
+        "sources": train_stats,
+        "valid_sources": valid_stats,
+        "tokenizer": tokenizer_path,
+        "seq_len": cfg.seq_len,
+        "data_format": "sft",
+    }

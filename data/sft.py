@@ -36,7 +36,6 @@ from mindmoe.data.reader import DataInputError
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "user", "assistant")
-OVERLONG_POLICIES = ("error", "truncate")
 DEFAULT_TEMPLATE_DOC = (
     "<bos> then per message '<|system|>\\n{content}\\n', '<|user|>\\n{content}\\n', "
     "'<|assistant|>\\n' + {content} + <eos>; the assistant content and <eos> are scored"

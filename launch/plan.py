@@ -56,50 +56,18 @@ from dataclasses import dataclass
 from math import gcd, prod
 from typing import Dict, List, Optional
 
+from mindmoe.launch.config import (
+    GRAD_BYTES,
+    PlanConfig,
+    validate_plan_config,  # noqa: F401 (launch/plan_cli.py imports it from here)
+)
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.param_count import layer_index, parameter_category, parameter_shapes
 
 GIB = 2**30
 MIB = 2**20
-GRAD_BYTES = {"fp32": 4, "bf16": 2}
 #: Bytes per parameter: bf16 weights; fp32 master weights + Adam m and v.
 WEIGHT_BYTES, OPTIMIZER_BYTES, ACT_BYTES = 2, 12, 2
-
-
-@dataclass
-class PlanConfig:
-    """``plan.*`` keys of ``mindmoe-plan`` (planner only: the trainer has no tp/pp yet).
-
-    The layout planned is ``parallel.dp`` x ``plan.tp`` x ``plan.pp`` with ``parallel.ep``; the
-    micro-batch, sequence length and global batch are ``data.micro_batch_size``,
-    ``data.seq_len`` and ``data.global_batch_size``.
-    """
-
-    #: Devices the layout search fills; 0 = those of the planned layout (dp * tp * pp).
-    devices: int = 0
-    #: Memory of one device in GiB (Ascend 910B: 64).
-    device_memory_gb: float = 64.0
-    #: GiB kept free for the runtime (framework workspace, HCCL, fragmentation).
-    reserved_gb: float = 4.0
-    #: Tensor-parallel degree, with sequence parallelism (must divide the query and key/value heads).
-    tp: int = 1
-    #: Pipeline stages, 1F1B schedule.
-    pp: int = 1
-    #: 0: optimizer replicated; 1: ZeRO-1, master weights and Adam states sharded over the
-    #: data-parallel group (edp for experts); 2: gradients sharded too.
-    zero: int = 1
-    #: Full activation recomputation of every layer.
-    recompute: bool = False
-    #: Fused attention that never stores the seq x seq scores (Ascend FlashAttentionScore).
-    flash_attention: bool = True
-    #: Gradient dtype: fp32 (Megatron's choice for bf16 training) or bf16.
-    grad_dtype: str = "fp32"
-    #: MiB of one gradient-reduction bucket (two are live while reducing).
-    grad_bucket_mb: float = 256.0
-    #: Largest tensor-parallel degree the search tries (8 = the devices of one 910B server).
-    max_tp: int = 8
-    #: Layouts the search prints.
-    show_layouts: int = 5
 
 
 @dataclass(frozen=True)
@@ -167,26 +135,6 @@ class Plan:
         """Idle share of a 1F1B step, ``(pp - 1) / (m + pp - 1)``."""
         pp = self.layout.pp
         return (pp - 1) / (self.micro_batches + pp - 1)
-
-
-def validate_plan_config(plan: PlanConfig) -> None:
-    """Raise ValueError naming the ``plan.*`` key whose value cannot work."""
-
-    def fail(key: str, why: str):
-        raise ValueError(f"plan.{key}={getattr(plan, key)!r}: {why}")
-
-    for key in ("devices", "reserved_gb", "grad_bucket_mb", "show_layouts"):
-        if getattr(plan, key) < 0:
-            fail(key, "must be >= 0")
-    for key in ("tp", "pp", "max_tp"):
-        if getattr(plan, key) < 1:
-            fail(key, "must be >= 1")
-    if plan.device_memory_gb <= plan.reserved_gb:
-        fail("device_memory_gb", f"must exceed plan.reserved_gb={plan.reserved_gb}")
-    if plan.zero not in (0, 1, 2):
-        fail("zero", "must be 0 (no sharding), 1 (optimizer states) or 2 (optimizer states and gradients)")
-    if plan.grad_dtype not in GRAD_BYTES:
-        fail("grad_dtype", f"must be one of {tuple(GRAD_BYTES)}")
 
 
 def layout_errors(cfg: ModelConfig, layout: Layout, batch: Batch) -> List[str]:

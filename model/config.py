@@ -5,6 +5,7 @@ config maps one to one. Every field is read by the model; :func:`validate_model_
 rejects values the model cannot honour before anything is built.
 """
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -95,7 +96,7 @@ class ModelConfig:
     #: Expert capacity = ceil(capacity_factor * tokens * top_k / num_experts) per micro-batch.
     capacity_factor: float = 1.25
     #: Expert locking: after ``lock_run_length`` consecutive tokens of a document with the same natural
-    #: top-k set, the next ``lock_span`` tokens are routed to that set (DESIGN §4).
+    #: top-k set, the next ``lock_span`` tokens are routed to that set.
     expert_lock: bool = False
     #: Identical consecutive routing decisions that start a lock.
     lock_run_length: int = 5
@@ -116,6 +117,17 @@ class ModelConfig:
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = rope_scaling_config(self.rope_scaling)
 
+    @classmethod
+    def from_dict(cls, values: dict, source: str) -> "ModelConfig":
+        """The config ``dataclasses.asdict`` wrote (a checkpoint's ``state.json``, an export manifest);
+        ValueError naming ``source`` for a key this version does not have."""
+        if not isinstance(values, dict):
+            raise ValueError(f"{source}: must be an object of model.* keys, got {type(values).__name__}")
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"{source}: unknown model keys {', '.join(unknown)} (written by another mindmoe version?)")
+        return cls(**values)
+
     @property
     def resolved_head_dim(self) -> int:
         return self.head_dim or self.hidden_size // self.num_heads
@@ -129,26 +141,46 @@ class ModelConfig:
         return self.num_layers - self.first_k_dense
 
 
+#: Sizes that must be >= 1; vocab_size may also be 0 (= the tokenizer's).
+SIZE_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "num_experts",
+    "top_k",
+    "max_position_embeddings",
+)
+NON_NEGATIVE_KEYS = ("aux_loss_coeff", "z_loss_coeff", "rms_norm_eps", "initializer_range", "rope_theta")
+CHOICES = {
+    "score_func": SCORE_FUNCS,
+    "aux_loss": AUX_LOSS_TYPES,
+    "dispatch": DISPATCH_MODES,
+    "isolation_mode": ISOLATION_MODES,
+}
+
+
 def validate_model_config(cfg: ModelConfig) -> None:
     """Raise ValueError naming the ``model.*`` key whose value cannot work."""
 
     def fail(key: str, why: str):
         raise ValueError(f"model.{key}={getattr(cfg, key)!r}: {why}")
 
-    for key in (
-        "vocab_size",
-        "hidden_size",
-        "num_layers",
-        "num_heads",
-        "num_kv_heads",
-        "intermediate_size",
-        "moe_intermediate_size",
-        "num_experts",
-        "top_k",
-        "max_position_embeddings",
-    ):
+    for key in SIZE_KEYS:
         if getattr(cfg, key) < (0 if key == "vocab_size" else 1):
             fail(key, "must be positive")
+    _check_attention(cfg, fail)
+    _check_routing(cfg, fail)
+    for key in NON_NEGATIVE_KEYS:
+        if getattr(cfg, key) < 0:
+            fail(key, "must be >= 0")
+    validate_rope_scaling(cfg.rope_scaling, cfg.max_position_embeddings, cfg.rotary_dim)
+
+
+def _check_attention(cfg: ModelConfig, fail) -> None:
     if cfg.num_heads % cfg.num_kv_heads:
         fail("num_kv_heads", f"must divide model.num_heads={cfg.num_heads}")
     if not cfg.head_dim and cfg.hidden_size % cfg.num_heads:
@@ -163,24 +195,21 @@ def validate_model_config(cfg: ModelConfig) -> None:
         fail("partial_rotary_factor", f"gives an odd rotary dim {cfg.rotary_dim}; it must be even")
     if not 0 <= cfg.first_k_dense <= cfg.num_layers:
         fail("first_k_dense", f"must be between 0 and model.num_layers={cfg.num_layers}")
+
+
+def _check_routing(cfg: ModelConfig, fail) -> None:
     if cfg.top_k > cfg.num_experts:
         fail("top_k", f"cannot exceed model.num_experts={cfg.num_experts}")
     if cfg.num_shared_experts < 0:
         fail("num_shared_experts", "must be >= 0")
-    if cfg.score_func not in SCORE_FUNCS:
-        fail("score_func", f"must be one of {SCORE_FUNCS}")
-    if cfg.aux_loss not in AUX_LOSS_TYPES:
-        fail("aux_loss", f"must be one of {AUX_LOSS_TYPES}")
-    if cfg.dispatch not in DISPATCH_MODES:
-        fail("dispatch", f"must be one of {DISPATCH_MODES}")
-    if cfg.isolation_mode not in ISOLATION_MODES:
-        fail("isolation_mode", f"must be one of {ISOLATION_MODES}")
+    for key, choices in CHOICES.items():
+        if getattr(cfg, key) not in choices:
+            fail(key, f"must be one of {choices}")
     if not 0.0 <= cfg.isolation_decay <= 1.0:
         fail("isolation_decay", "must be in [0, 1]")
-    if cfg.lock_run_length < 1:
-        fail("lock_run_length", "must be >= 1")
-    if cfg.lock_span < 1:
-        fail("lock_span", "must be >= 1")
+    for key in ("lock_run_length", "lock_span"):
+        if getattr(cfg, key) < 1:
+            fail(key, "must be >= 1")
     if cfg.n_group < 1 or cfg.num_experts % cfg.n_group:
         fail("n_group", f"must divide model.num_experts={cfg.num_experts}")
     if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
@@ -195,7 +224,3 @@ def validate_model_config(cfg: ModelConfig) -> None:
         fail("bias_update_rate", "needs model.expert_bias=true (there is no bias to update)")
     if cfg.capacity_factor <= 0:
         fail("capacity_factor", "must be > 0")
-    for key in ("aux_loss_coeff", "z_loss_coeff", "rms_norm_eps", "initializer_range", "rope_theta"):
-        if getattr(cfg, key) < 0:
-            fail(key, "must be >= 0")
-    validate_rope_scaling(cfg.rope_scaling, cfg.max_position_embeddings, cfg.rotary_dim)

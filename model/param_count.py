@@ -1,8 +1,9 @@
 """Parameter names, shapes and counts of a :class:`~model.config.ModelConfig`, without building the model.
 
 :func:`parameter_shapes` lists exactly the parameters ``MoETransformer`` creates, in the same order
-and under the same names; ``tests/test_plan.py`` asserts this against an instantiated model, so
-the planner's counts cannot drift from the network. Pure Python: nothing is allocated.
+and under the same names; ``tests/unit/test_plan.py`` asserts this against an instantiated model, so
+the planner's counts, the HF import's checks (:mod:`model.hf.load`) and the HF export cannot drift
+from the network. Pure Python: nothing is allocated.
 
 Conventions (the README "Planning a run" section repeats them):
 

@@ -22,10 +22,11 @@ from safetensors.numpy import load_file, save_file
 
 from mindmoe.data.prepare import file_sha256
 
+# The file names and readers are shared with model/hf, whose HF export reads checkpoint directories.
+from mindmoe.model.checkpoint_files import MODEL_FILE, STATE_FILE, checkpoint_model_config, read_state  # noqa: F401
+
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
-MODEL_FILE = "model.safetensors"
 OPTIMIZER_FILE = "optimizer.safetensors"
-STATE_FILE = "state.json"
 
 
 def parameters_to_numpy(params) -> dict:
@@ -139,11 +140,6 @@ def resolve_checkpoint(path: str) -> Path:
             f"such as <run dir>/checkpoints/step_000300)"
         )
     return candidate
-
-
-def read_state(checkpoint_dir: Path) -> dict:
-    with open(checkpoint_dir / STATE_FILE, encoding="utf-8") as handle:
-        return json.load(handle)
 
 
 def load_model_weights(model_params, checkpoint_dir: Path) -> None:

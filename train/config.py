@@ -1,7 +1,12 @@
 """Training section of the run config (``train.*`` keys)."""
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List
+
+#: ``train.dtype`` values; :mod:`train.precision` maps each to its MindSpore dtype.
+COMPUTE_DTYPE_NAMES = ("fp32", "bf16", "fp16")
+ON_CORRUPT_CHECKPOINT = ("error", "previous")
 
 
 @dataclass
@@ -60,3 +65,19 @@ class TrainConfig:
     #: ``lazy_inline`` cell reuse), so compile time stops growing with depth. Ascend only: the CPU
     #: backend of MindSpore 2.9 cannot run the reused-cell graph.
     cell_reuse: bool = False
+
+
+def validate_train_config(train: TrainConfig) -> None:
+    """Raise ValueError naming the ``train.*`` key whose value cannot work; ``train.dtype`` and the
+    loss scale are checked against the device by :func:`conf.checks.validate_precision`."""
+    for key in ("max_steps", "log_every", "save_every"):
+        if getattr(train, key) < 1:
+            raise ValueError(f"train.{key}={getattr(train, key)} must be >= 1")
+    if not 0 <= train.warmup_ratio < 1:
+        raise ValueError(f"train.warmup_ratio={train.warmup_ratio} must be in [0, 1)")
+    if train.max_bad_steps < 1:
+        raise ValueError(f"train.max_bad_steps={train.max_bad_steps} must be >= 1")
+    if train.on_corrupt_checkpoint not in ON_CORRUPT_CHECKPOINT:
+        raise ValueError(f"train.on_corrupt_checkpoint={train.on_corrupt_checkpoint!r} must be 'error' or 'previous'")
+    if train.resume not in ("auto", "none") and not Path(train.resume).expanduser().exists():
+        raise ValueError(f"train.resume={train.resume!r}: not 'auto', 'none' or an existing checkpoint directory")

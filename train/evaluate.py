@@ -40,7 +40,13 @@ from mindmoe.data.prepare import prepare_data
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.checkpoint import load_model_weights, read_state, resolve_checkpoint, verify_checkpoint
+from mindmoe.train.checkpoint import (
+    checkpoint_model_config,
+    load_model_weights,
+    read_state,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from mindmoe.train.eval_config import EvalConfig, validate_eval_config
 from mindmoe.train.step import masked_cross_entropy, split_window
 
@@ -151,10 +157,12 @@ def load_checkpoint_config(checkpoint: str):
     checkpoint_dir = resolve_checkpoint(checkpoint)
     verify_checkpoint(checkpoint_dir)
     state = read_state(checkpoint_dir)
-    for key in ("model_config", "tokenizer"):
-        if key not in state:
-            raise ValueError(f"checkpoint {checkpoint_dir}: state.json has no {key!r}")
-    model_cfg = ModelConfig(**state["model_config"])
+    if "tokenizer" not in state:
+        raise ValueError(f"checkpoint {checkpoint_dir}: state.json has no 'tokenizer'")
+    try:
+        model_cfg = checkpoint_model_config(checkpoint_dir)
+    except ValueError as err:
+        raise ValueError(f"checkpoint {checkpoint_dir}: {err}") from None
     if model_cfg.rope_scaling.type != "none":
         raise ValueError(
             f"checkpoint {checkpoint_dir} was trained with model.rope_scaling.type="
@@ -194,33 +202,8 @@ def evaluate_checkpoint(cfg) -> dict:
             }
         )
         for scaling_type in eval_cfg.scaling_types:
-            started = time.perf_counter()
             scaled = scaled_model_config(model_cfg, scaling_type, factor, trained_length, length, eval_cfg.dispatch)
-            model = MoETransformer(scaled, seed=0)
-            load_model_weights(list(model.get_parameters()), checkpoint_dir)
-            cell = evaluate_model(model, batches, trained_length, eval_cfg.cross_document)
-            del model
-            gc.collect()
-            # A compiled graph keeps its activation memory until recycled (about 2.5 GB for the tiny
-            # model at L=1024, batch 4), so without this 15 pairs grew to 20 GB. It frees every graph.
-            ms.ms_memory_recycle()
-            cell.update(
-                scaling=scaling_type,
-                length=length,
-                factor=1.0 if scaling_type == "none" else factor,
-                seconds=round(time.perf_counter() - started, 1),
-            )
-            rows.append(cell)
-            log.info(
-                "L=%d %s (factor %g): loss %.4f, ppl %.2f, %d scored tokens, %.0f s (incl. compile)",
-                length,
-                scaling_type,
-                cell["factor"],
-                cell["loss"],
-                cell["ppl"],
-                cell["scored_tokens"],
-                cell["seconds"],
-            )
+            rows.append(evaluate_cell(scaled, length, checkpoint_dir, batches, trained_length, eval_cfg.cross_document))
     return {
         "checkpoint": str(checkpoint_dir),
         "step": state.get("step"),
@@ -232,3 +215,37 @@ def evaluate_checkpoint(cfg) -> dict:
         "columns": columns,
         "rows": rows,
     }
+
+
+def evaluate_cell(
+    scaled: ModelConfig, length: int, checkpoint_dir: Path, batches, trained_length: int, cross_document: bool
+) -> dict:
+    """One table cell: the checkpoint's weights under the RoPE scaling of ``scaled``, on ``batches`` of
+    windows of ``length`` tokens."""
+    started = time.perf_counter()
+    model = MoETransformer(scaled, seed=0)
+    load_model_weights(list(model.get_parameters()), checkpoint_dir)
+    cell = evaluate_model(model, batches, trained_length, cross_document)
+    del model
+    gc.collect()
+    # A compiled graph keeps its activation memory until recycled (about 2.5 GB for the tiny
+    # model at L=1024, batch 4), so without this 15 pairs grew to 20 GB. It frees every graph.
+    ms.ms_memory_recycle()
+    scaling_type = scaled.rope_scaling.type
+    cell.update(
+        scaling=scaling_type,
+        length=length,
+        factor=scaled.rope_scaling.factor,
+        seconds=round(time.perf_counter() - started, 1),
+    )
+    log.info(
+        "L=%d %s (factor %g): loss %.4f, ppl %.2f, %d scored tokens, %.0f s (incl. compile)",
+        length,
+        scaling_type,
+        cell["factor"],
+        cell["loss"],
+        cell["ppl"],
+        cell["scored_tokens"],
+        cell["seconds"],
+    )
+    return cell

@@ -14,7 +14,6 @@ import dataclasses
 import importlib.metadata
 import json
 import logging
-import shutil
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
@@ -23,12 +22,19 @@ import mindspore as ms
 from omegaconf import OmegaConf
 
 from mindmoe.data.prepare import file_sha256
+from mindmoe.data.tokenizer_files import copy_tokenizer, open_tokenizer, special_token_ids
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.export.runner import MANIFEST_FILE
 from mindmoe.model.hf import ImportedConfig, apply_overrides, export_hf, read_pretrained_config
-from mindmoe.model.hf.export import TOKENIZER_FILES
 from mindmoe.model.hf.load import weight_files
-from mindmoe.train.checkpoint import MODEL_FILE, read_state, resolve_checkpoint, verify_checkpoint
+from mindmoe.train.checkpoint import (
+    MODEL_FILE,
+    STATE_FILE,
+    checkpoint_model_config,
+    read_state,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
 from mindmoe.train.export_config import ExportConfig, validate_export_config
 from mindmoe.train.init_model import explicit_model_keys, model_overrides
 
@@ -92,13 +98,14 @@ def resolve_source(cfg, model_overrides: dict) -> ExportSource:
             f"model.pretrained=<base> (or checkpoint=<base checkpoint>) and "
             f"export.adapter={checkpoint_dir / 'adapter'}"
         )
-    if "model_config" not in state:
-        raise ValueError(f"checkpoint={checkpoint}: {checkpoint_dir}/state.json has no 'model_config'")
-    model_cfg = ModelConfig(**state["model_config"])
+    try:
+        model_cfg = checkpoint_model_config(checkpoint_dir)
+    except ValueError as err:
+        raise ValueError(f"checkpoint={checkpoint}: {err}") from None
     if model_overrides:
         # The same rule as for HF imports: routing/runtime keys may change, the architecture may not.
         model_cfg = apply_overrides(
-            ImportedConfig("mindmoe checkpoint", model_cfg), model_overrides, str(checkpoint_dir / "state.json")
+            ImportedConfig("mindmoe checkpoint", model_cfg), model_overrides, str(checkpoint_dir / STATE_FILE)
         )
     # data.tokenizer replaces the recorded path, e.g. for a checkpoint copied from another machine.
     tokenizer = cfg.data.tokenizer or state.get("tokenizer")
@@ -164,19 +171,19 @@ def build_serving_model(source: ExportSource, model_overrides: dict):
     return model
 
 
-def copy_tokenizer(tokenizer: Optional[Path], out: Path) -> list:
-    """Copy a sentencepiece ``.model`` (as ``tokenizer.model``) or a HF directory's tokenizer files into ``out``."""
-    if tokenizer is None:
-        return []
-    if tokenizer.is_file():
-        shutil.copyfile(tokenizer, out / "tokenizer.model")
-        return ["tokenizer.model"]
-    copied = [name for name in TOKENIZER_FILES if (tokenizer / name).is_file()]
-    if not copied:
-        raise FileNotFoundError(f"tokenizer {tokenizer}: no tokenizer files ({', '.join(TOKENIZER_FILES[:5])})")
-    for name in copied:
-        shutil.copyfile(tokenizer / name, out / name)
-    return copied
+def export_hf_with_tokenizer(source, out_dir, model_config: ModelConfig = None, tokenizer_dir=None) -> list:
+    """:func:`model.hf.export_hf` plus the tokenizer (a HF directory or a sentencepiece ``.model``): its
+    files copied beside the weights and its bos/eos/pad ids in ``config.json``. Returns the notes."""
+    tokenizer = None if tokenizer_dir is None else Path(tokenizer_dir).expanduser()
+    ids = {} if tokenizer is None else special_token_ids(open_tokenizer(tokenizer, "tokenizer"))
+    notes = export_hf(source, model_config, out_dir, special_token_ids=ids)
+    copy_tokenizer(tokenizer, Path(out_dir).expanduser())
+    if tokenizer is not None and tokenizer.is_file():
+        notes.append(
+            "the sentencepiece model is copied as tokenizer.model; HF needs a tokenizer class to load it "
+            "(e.g. LlamaTokenizer), which mindmoe does not choose for you"
+        )
+    return notes
 
 
 def _version(package: str) -> str:
@@ -230,10 +237,10 @@ def run_export(cfg, run_dir: Path, override_args=None) -> Path:
     adapter, model_type = _adapter_of(cfg, source)
     if export_cfg.format == "hf":
         if source.kind == "checkpoint" and adapter is None:
-            notes = export_hf(source.path, source.model_config, out, tokenizer_dir=source.tokenizer)
+            notes = export_hf_with_tokenizer(source.path, out, source.model_config, source.tokenizer)
         else:
             model = merge_adapters(build_serving_model(source, model_overrides), adapter, model_type)
-            notes = export_hf(model, out_dir=out, tokenizer_dir=source.tokenizer)
+            notes = export_hf_with_tokenizer(model, out, tokenizer_dir=source.tokenizer)
         for note in notes:
             log.info("note: %s", note)
         return out

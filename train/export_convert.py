@@ -68,6 +68,15 @@ def conversion_guide(manifest: dict, batch_sizes: list, lengths: list, cache_len
         "Nothing below was run on this machine (it has no Ascend device): the commands follow the documentation "
         "listed at the end.",
         "",
+    ]
+    lines += _lite_section(prefill, decode, batch_sizes, lengths, cache_len)
+    lines += _atc_section(batch_sizes, lengths)
+    lines += ["## Documentation checked", ""] + [f"- {entry}" for entry in DOCS_CHECKED]
+    return "\n".join(lines) + "\n"
+
+
+def _lite_section(prefill: str, decode: str, batch_sizes: list, lengths: list, cache_len: int) -> list:
+    return [
         "## 1. MindSpore Lite converter (MindIR for Ascend)",
         "",
         "On an Ascend host with CANN and the MindSpore Lite cloud-side inference package of the same MindSpore "
@@ -93,6 +102,11 @@ def conversion_guide(manifest: dict, batch_sizes: list, lengths: list, cache_len
         "`kv_cache` on its length axis to cache_len, then call decode once per token with `position` = tokens "
         "already cached, feeding back `kv_cache` (and `lock_state`).",
         "",
+    ]
+
+
+def _atc_section(batch_sizes: list, lengths: list) -> list:
+    return [
         "## 2. OM files via ATC",
         "",
         "ATC does not read MindIR. It reads AIR (`--framework=1`), which MindSpore writes only on an Ascend host "
@@ -101,7 +115,7 @@ def conversion_guide(manifest: dict, batch_sizes: list, lengths: list, cache_len
         "```python",
         "import mindspore as ms",
         "from mindspore import Tensor",
-        "from model.export.serving import PrefillGraph",
+        "from mindmoe.model.export.serving import PrefillGraph",
         "# model: the MoETransformer with the checkpoint's weights and model.dispatch=dropless",
         "ms.export(PrefillGraph(model), Tensor(shape=[None, None], dtype=ms.int32), file_name='prefill', "
         "file_format='AIR')",
@@ -117,10 +131,7 @@ def conversion_guide(manifest: dict, batch_sizes: list, lengths: list, cache_len
         "are int32), and ND dynamic dimensions cover at most 4 axes, while the decode graph's `kv_cache` has 6; "
         "for decode, fix every shape (one OM per batch size) if ATC rejects the dynamic form.",
         "",
-        "## Documentation checked",
-        "",
-    ] + [f"- {entry}" for entry in DOCS_CHECKED]
-    return "\n".join(lines) + "\n"
+    ]
 
 
 def write_conversion_files(out: Path, manifest: dict, export_cfg: ExportConfig) -> None:

@@ -25,7 +25,7 @@ from mindmoe.model.hf.load import (
     read_pretrained_config,
     weight_files,
 )
-from mindmoe.model.hf.weights import NameMap, expected_parameter_shapes
+from mindmoe.model.hf.weights import NameMap
 
 __all__ = [
     "HFCheckpointError",
@@ -34,7 +34,6 @@ __all__ = [
     "OVERRIDABLE_FIELDS",
     "SUPPORTED_MODEL_TYPES",
     "apply_overrides",
-    "expected_parameter_shapes",
     "export_hf",
     "hf_config_from_model",
     "hf_named_tensors",

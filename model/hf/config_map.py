@@ -28,94 +28,11 @@ import math
 from dataclasses import dataclass, field
 
 from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.hf.hf_defaults import HF_DEFAULTS
 from mindmoe.model.rope_scaling import RopeScalingConfig
 
 SUPPORTED_MODEL_TYPES = ("glm4_moe", "qwen3_moe", "mixtral")
 ARCHITECTURES = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
-
-# transformers 4.57.1 config-class defaults of the keys read here (``from_pretrained`` fills
-# missing keys with them, so must we).
-HF_DEFAULTS = {
-    "glm4_moe": dict(
-        vocab_size=151552,
-        hidden_size=4096,
-        intermediate_size=10944,
-        num_hidden_layers=46,
-        num_attention_heads=96,
-        partial_rotary_factor=0.5,
-        num_key_value_heads=8,
-        hidden_act="silu",
-        max_position_embeddings=131072,
-        initializer_range=0.02,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        attention_bias=False,
-        attention_dropout=0.0,
-        moe_intermediate_size=1408,
-        num_experts_per_tok=8,
-        n_shared_experts=1,
-        n_routed_experts=128,
-        routed_scaling_factor=1.0,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        norm_topk_prob=True,
-        use_qk_norm=False,
-        head_dim=None,
-        num_nextn_predict_layers=0,
-    ),
-    "qwen3_moe": dict(
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_hidden_layers=24,
-        num_attention_heads=32,
-        num_key_value_heads=4,
-        hidden_act="silu",
-        max_position_embeddings=32768,
-        initializer_range=0.02,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        rope_theta=10000.0,
-        rope_scaling=None,
-        attention_bias=False,
-        use_sliding_window=False,
-        sliding_window=4096,
-        attention_dropout=0.0,
-        decoder_sparse_step=1,
-        moe_intermediate_size=768,
-        num_experts_per_tok=8,
-        num_experts=128,
-        norm_topk_prob=False,
-        mlp_only_layers=None,
-        head_dim=None,
-        partial_rotary_factor=1.0,
-    ),
-    "mixtral": dict(
-        vocab_size=32000,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=None,
-        hidden_act="silu",
-        max_position_embeddings=131072,
-        initializer_range=0.02,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
-        rope_theta=1e6,
-        rope_scaling=None,
-        sliding_window=None,
-        attention_dropout=0.0,
-        num_experts_per_tok=2,
-        num_local_experts=8,
-        router_jitter_noise=0.0,
-        partial_rotary_factor=1.0,
-    ),
-}
 
 #: ModelConfig fields an import may change: they alter training or the context length, never the
 #: shape or meaning of a pretrained weight. Every other field comes from config.json.

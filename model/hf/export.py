@@ -2,54 +2,44 @@
 
 The directory holds ``config.json`` (``glm4_moe`` when the model is one, else ``qwen3_moe`` or
 ``mixtral`` if it fits; see :func:`hf_config_from_model`), fp32 safetensors
-with HF names (sharded with an index above ``max_shard_bytes``) and, if given, the tokenizer
-files, so that ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the same logits.
+with HF names (sharded with an index above ``max_shard_bytes``), so that
+``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the same logits. The tokenizer files are the
+caller's to copy (``train/export.py`` does, and passes its special token ids for ``config.json``).
 A ``glm4_moe`` router always has ``e_score_correction_bias``; a model trained without a
 correction bias gets zeros, which select exactly as no bias does.
 """
 
 import json
-import shutil
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
+from mindmoe.model.checkpoint_files import MODEL_FILE, checkpoint_model_config
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.config_map import ARCHITECTURES, SUPPORTED_MODEL_TYPES, HFCheckpointError
 from mindmoe.model.hf.safetensors_io import ShardedWriter, read_header, read_tensor
-from mindmoe.model.hf.weights import NameMap, expected_parameter_shapes, is_stacked_expert
+from mindmoe.model.hf.weights import NameMap, is_stacked_expert
+from mindmoe.model.param_count import parameter_shapes
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
-CHECKPOINT_MODEL_FILE = "model.safetensors"
-CHECKPOINT_STATE_FILE = "state.json"
-# Files of a HF tokenizer directory that are copied next to the weights.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "chat_template.jinja",
-    "tokenizer.model",
-    "vocab.json",
-    "merges.txt",
-    "added_tokens.json",
-    "generation_config.json",
-)
 
 
 def export_hf(
     source,
     model_config: ModelConfig = None,
     out_dir=None,
-    tokenizer_dir=None,
+    special_token_ids: Optional[dict] = None,
     model_type: str = "",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
 ) -> list:
     """Write ``source`` (a ``MoETransformer`` or a mindmoe checkpoint directory) to ``out_dir``.
 
     ``model_config`` defaults to the model's own, or the ``model_config`` in the checkpoint's
-    ``state.json``. ``tokenizer_dir`` is a HF tokenizer directory or a sentencepiece ``.model``.
-    Returns notes (what HF will do differently, e.g. expert locking). Tensors are written one shard
-    at a time, so memory holds the source plus one shard.
+    ``state.json``. ``special_token_ids``: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of
+    the tokenizer that ships with the model, written into ``config.json``. Returns notes (what HF will
+    do differently, e.g. expert locking). Tensors are written one shard at a time, so memory holds the
+    source plus one shard.
     """
     if out_dir is None:
         raise ValueError("export_hf: out_dir is required")
@@ -75,10 +65,8 @@ def export_hf(
         writer.abort()
         raise
     writer.close()
-    hf_config.update(_token_ids(tokenizer_dir))
+    hf_config.update(special_token_ids or {})
     (out / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n", encoding="utf-8")
-    if tokenizer_dir is not None:
-        notes += _copy_tokenizer(Path(tokenizer_dir).expanduser(), out)
     return notes
 
 
@@ -86,7 +74,7 @@ def hf_named_tensors(cfg: ModelConfig, model_type: str, named_arrays):
     """``(HF name, fp32 array)`` for every tensor of the HF checkpoint, from ``(our name, array)``
     pairs covering the model; stacked experts are split into rows (views, no copies)."""
     names = NameMap(model_type)
-    shapes = expected_parameter_shapes(cfg)
+    shapes = parameter_shapes(cfg, include_buffers=True)
     seen = set()
     for our_name, array in named_arrays:
         if our_name not in shapes:
@@ -262,20 +250,19 @@ def _source(source, model_config):
     """``(ModelConfig, iterator of (our name, numpy array))`` for a model or a checkpoint directory."""
     if isinstance(source, (str, Path)):
         directory = Path(source).expanduser()
-        if directory.is_file() and directory.name == CHECKPOINT_MODEL_FILE:
+        if directory.is_file() and directory.name == MODEL_FILE:
             directory = directory.parent
-        weights = directory / CHECKPOINT_MODEL_FILE
+        weights = directory / MODEL_FILE
         if not weights.is_file():
             raise HFCheckpointError(
-                f"{source}: no {CHECKPOINT_MODEL_FILE} (expected a mindmoe checkpoint "
+                f"{source}: no {MODEL_FILE} (expected a mindmoe checkpoint "
                 "directory such as <run dir>/checkpoints/step_000300)"
             )
         if model_config is None:
-            state_path = directory / CHECKPOINT_STATE_FILE
             try:
-                model_config = ModelConfig(**json.loads(state_path.read_text(encoding="utf-8"))["model_config"])
-            except (OSError, KeyError, TypeError, json.JSONDecodeError) as err:
-                raise HFCheckpointError(f"{state_path}: no usable model_config ({err!r}); pass model_config") from None
+                model_config = checkpoint_model_config(directory)
+            except ValueError as err:
+                raise HFCheckpointError(f"{err}; pass model_config") from None
         return model_config, _checkpoint_tensors(weights)
     cfg = model_config or source.config
     return cfg, ((param.name, param.asnumpy()) for param in source.get_parameters())
@@ -285,34 +272,3 @@ def _checkpoint_tensors(path: Path):
     with open(path, "rb") as handle:
         for entry in read_header(path):
             yield entry.name, read_tensor(handle, entry)
-
-
-def _token_ids(tokenizer_dir) -> dict:
-    """bos/eos/pad ids for config.json, from the tokenizer that ships with the model."""
-    if tokenizer_dir is None:
-        return {}
-    from mindmoe.data.hf_tokenizer import load_hf_tokenizer
-    from mindmoe.data.tokenizer import load_tokenizer
-
-    # A mindmoe checkpoint records its sentencepiece .model file, a HF directory its tokenizer files.
-    is_model_file = Path(tokenizer_dir).expanduser().is_file()
-    tokenizer = load_tokenizer(tokenizer_dir) if is_model_file else load_hf_tokenizer(tokenizer_dir)
-    ids = {"bos_token_id": tokenizer.bos_id, "eos_token_id": tokenizer.eos_id, "pad_token_id": tokenizer.pad_id}
-    return {key: value for key, value in ids.items() if value is not None and value >= 0}
-
-
-def _copy_tokenizer(tokenizer: Path, out: Path) -> list:
-    if tokenizer.is_file() and tokenizer.suffix == ".model":
-        shutil.copyfile(tokenizer, out / "tokenizer.model")
-        return [
-            "the sentencepiece model is copied as tokenizer.model; HF needs a tokenizer class to load it "
-            "(e.g. LlamaTokenizer), which mindmoe does not choose for you"
-        ]
-    if not tokenizer.is_dir():
-        raise HFCheckpointError(f"{tokenizer}: not a tokenizer directory or a sentencepiece .model")
-    copied = [name for name in TOKENIZER_FILES if (tokenizer / name).is_file()]
-    if not copied:
-        raise HFCheckpointError(f"{tokenizer}: no tokenizer files ({', '.join(TOKENIZER_FILES[:5])})")
-    for name in copied:
-        shutil.copyfile(tokenizer / name, out / name)
-    return []

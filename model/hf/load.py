@@ -19,11 +19,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
-from mindspore import Tensor
 
 from mindmoe.model.hf.config_map import HFCheckpointError, ImportedConfig, apply_overrides, read_hf_config
 from mindmoe.model.hf.safetensors_io import INDEX_FILE, READABLE_DTYPES, SINGLE_FILE, read_header, read_tensor
-from mindmoe.model.hf.weights import NameMap, expected_parameter_shapes, hf_layer_index, is_stacked_expert
+from mindmoe.model.hf.weights import NameMap, hf_layer_index, is_stacked_expert
+from mindmoe.model.lora import is_adapter
+from mindmoe.model.param_count import parameter_shapes
 
 CONFIG_FILE = "config.json"
 # Listing every one of 10,000 missing expert rows helps nobody; each kind of problem is cut here.
@@ -53,18 +54,32 @@ def read_pretrained_config(path, overrides: dict = None, max_seq_len: int = 0) -
     return imported
 
 
-def load_hf_pretrained(path, overrides: dict = None, max_seq_len: int = 0, cell_reuse: bool = False):
+def load_hf_pretrained(
+    path,
+    overrides: dict = None,
+    max_seq_len: int = 0,
+    cell_reuse: bool = False,
+    lora=None,
+    lora_seed: int = 0,
+    expert_dispatcher=None,
+):
     """``(ModelConfig, MoETransformer with the HF weights, notes)`` from a local HF directory.
 
     ``overrides``: ``model.*`` settings the user gave (see :func:`model.hf.config_map.apply_overrides`);
     ``max_seq_len``: the longest sequence that will be run (checked against sliding windows);
-    ``cell_reuse``: see :class:`model.transformer.MoETransformer`.
+    ``cell_reuse``: see :class:`model.transformer.MoETransformer`; ``lora``: a :class:`model.lora.LoraConfig`
+    whose adapters the model is built with (targets matched on this architecture's HF names, every
+    ``lora_A`` drawn from ``lora_seed``); the HF weights fill the frozen base.
     """
+    from mindmoe.model.lora_plan import plan_adapters
     from mindmoe.model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
 
     imported = read_pretrained_config(path, overrides, max_seq_len)
     plan = plan_hf_weights(path, imported)
-    model = MoETransformer(imported.model_config, cell_reuse=cell_reuse)
+    adapters = None if lora is None else plan_adapters(imported.model_config, lora, lora_seed, imported.model_type)
+    model = MoETransformer(
+        imported.model_config, cell_reuse=cell_reuse, lora=adapters, expert_dispatcher=expert_dispatcher
+    )
     notes = imported.notes + load_hf_weights(model, plan)
     return imported.model_config, model, notes
 
@@ -110,85 +125,105 @@ def weight_files(path) -> list:
     raise HFCheckpointError(f"{directory}: {why}")
 
 
+class _Planner:
+    """The state of one :func:`plan_hf_weights` pass: what was seen, assigned, skipped and wrong."""
+
+    def __init__(self, imported: ImportedConfig):
+        self.imported = imported
+        self.cfg = imported.model_config
+        self.shapes = parameter_shapes(self.cfg, include_buffers=True)
+        self.names = NameMap(imported.model_type)
+        self.problems = defaultdict(list)
+        self.assignments, self.filled = [], defaultdict(set)
+        self.seen, self.skipped_mtp, self.skipped_rope = {}, [], []
+        self.converted, self.notes = defaultdict(int), []
+
+    def add(self, entry, file: Path) -> None:
+        """Assign one tensor of ``file`` to its parameter (or row), or record why it cannot be."""
+        where = f"{entry.name} ({file.name})"
+        if entry.name in self.seen:
+            self.problems["duplicate"].append(f"{where}: also in {self.seen[entry.name]}")
+            return
+        self.seen[entry.name] = file.name
+        if self._skipped(entry.name):
+            return
+        target = self.names.to_ours(entry.name)
+        if target is None or target[0] not in self.shapes:
+            why = "no mindmoe parameter" if target is None else f"would be {target[0]}, which this config does not have"
+            self.problems["unexpected"].append(f"{where}: {entry.dtype}{list(entry.shape)}, {why}")
+            return
+        our_name, row = target
+        shape = self.shapes[our_name]
+        expected = shape if row is None else shape[1:]
+        if row is not None and row >= shape[0]:
+            self.problems["unexpected"].append(f"{where}: expert {row}, but the config has {shape[0]} experts")
+        elif entry.dtype not in READABLE_DTYPES:
+            self.problems["dtype"].append(f"{where}: dtype {entry.dtype}; readable: {', '.join(READABLE_DTYPES)}")
+        elif tuple(entry.shape) != tuple(expected):
+            self.problems["shape"].append(
+                f"{where}: checkpoint {list(entry.shape)} vs {list(expected)} expected from config.json"
+            )
+        else:
+            if entry.dtype != "F32":
+                self.converted[entry.dtype] += 1
+            self.filled[our_name].add(row)
+            self.assignments.append((entry, our_name, row))
+
+    def _skipped(self, name: str) -> bool:
+        """Tensors a HF checkpoint may hold that mindmoe does not load (MTP layers, RoPE caches, a tied head)."""
+        layer = hf_layer_index(name)
+        if layer is not None and self.cfg.num_layers <= layer < self.cfg.num_layers + self.imported.mtp_layers:
+            self.skipped_mtp.append(name)
+            return True
+        if name.endswith(".rotary_emb.inv_freq"):
+            self.skipped_rope.append(name)  # a cache some old checkpoints saved; derived from config.json
+            return True
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            self.notes.append("lm_head.weight ignored: tie_word_embeddings=true uses embed_tokens")
+            return True
+        return False
+
+    def skip_notes(self) -> list:
+        notes = []
+        if self.skipped_mtp:
+            notes.append(
+                f"skipped {len(self.skipped_mtp)} multi-token-prediction tensors of layer(s) "
+                f"{sorted({hf_layer_index(n) for n in self.skipped_mtp})} (model.layers.{self.cfg.num_layers}.*): "
+                "mindmoe does not train the MTP head"
+            )
+        if self.skipped_rope:
+            notes.append(
+                f"skipped {len(self.skipped_rope)} saved rotary_emb.inv_freq caches (recomputed from config.json)"
+            )
+        for dtype, count in sorted(self.converted.items()):
+            notes.append(f"{count} {dtype} tensors converted to float32")
+        return notes
+
+
 def plan_hf_weights(path, imported: ImportedConfig) -> WeightPlan:
     """Check every tensor of the directory against the config; raise one error listing all problems."""
-    cfg = imported.model_config
     files = weight_files(path)
     index_names = _index_names(path)
-    shapes = expected_parameter_shapes(cfg)
-    names = NameMap(imported.model_type)
-    problems = defaultdict(list)
-    assignments, filled = [], defaultdict(set)
-    seen, skipped_mtp, skipped_rope, converted, notes = {}, [], [], defaultdict(int), []
+    planner = _Planner(imported)
     for file in files:
         try:
             entries = read_header(file)
         except ValueError as err:
             raise HFCheckpointError(str(err)) from None
         for entry in entries:
-            where = f"{entry.name} ({file.name})"
-            if entry.name in seen:
-                problems["duplicate"].append(f"{where}: also in {seen[entry.name]}")
-                continue
-            seen[entry.name] = file.name
-            layer = hf_layer_index(entry.name)
-            if layer is not None and cfg.num_layers <= layer < cfg.num_layers + imported.mtp_layers:
-                skipped_mtp.append(entry.name)
-                continue
-            if entry.name.endswith(".rotary_emb.inv_freq"):
-                skipped_rope.append(entry.name)  # a cache some old checkpoints saved; derived from config.json
-                continue
-            if entry.name == "lm_head.weight" and cfg.tie_word_embeddings:
-                notes.append("lm_head.weight ignored: tie_word_embeddings=true uses embed_tokens")
-                continue
-            target = names.to_ours(entry.name)
-            if target is None or target[0] not in shapes:
-                why = (
-                    "no mindmoe parameter"
-                    if target is None
-                    else f"would be {target[0]}, which this config does not have"
-                )
-                problems["unexpected"].append(f"{where}: {entry.dtype}{list(entry.shape)}, {why}")
-                continue
-            our_name, row = target
-            expected = shapes[our_name] if row is None else shapes[our_name][1:]
-            if row is not None and row >= shapes[our_name][0]:
-                problems["unexpected"].append(
-                    f"{where}: expert {row}, but the config has {shapes[our_name][0]} experts"
-                )
-                continue
-            if entry.dtype not in READABLE_DTYPES:
-                problems["dtype"].append(f"{where}: dtype {entry.dtype}; readable: {', '.join(READABLE_DTYPES)}")
-                continue
-            if tuple(entry.shape) != tuple(expected):
-                problems["shape"].append(
-                    f"{where}: checkpoint {list(entry.shape)} vs {list(expected)} expected from config.json"
-                )
-                continue
-            if entry.dtype != "F32":
-                converted[entry.dtype] += 1
-            filled[our_name].add(row)
-            assignments.append((entry, our_name, row))
-    _check_index(index_names, seen, problems)
-    _check_coverage(shapes, filled, names, problems)
-    if problems:
-        raise HFCheckpointError(_problem_report(path, imported.model_type, problems))
-    if skipped_mtp:
-        notes.append(
-            f"skipped {len(skipped_mtp)} multi-token-prediction tensors of layer(s) "
-            f"{sorted({hf_layer_index(n) for n in skipped_mtp})} (model.layers.{cfg.num_layers}.*): "
-            "mindmoe does not train the MTP head"
-        )
-    if skipped_rope:
-        notes.append(f"skipped {len(skipped_rope)} saved rotary_emb.inv_freq caches (recomputed from config.json)")
-    for dtype, count in sorted(converted.items()):
-        notes.append(f"{count} {dtype} tensors converted to float32")
-    return WeightPlan(imported, shapes, assignments, notes)
+            planner.add(entry, file)
+    _check_index(index_names, planner.seen, planner.problems)
+    _check_coverage(planner.shapes, planner.filled, planner.names, planner.problems)
+    if planner.problems:
+        raise HFCheckpointError(_problem_report(path, imported.model_type, planner.problems))
+    return WeightPlan(imported, planner.shapes, planner.assignments, planner.notes + planner.skip_notes())
 
 
 def load_hf_weights(model, plan: WeightPlan) -> list:
     """Stream the planned tensors into ``model``'s parameters; returns notes."""
-    params = {param.name: param for param in model.get_parameters()}
+    from mindspore import Tensor  # reading configs and planning need no MindSpore; only this copy does
+
+    params = {param.name: param for param in model.get_parameters() if not is_adapter(param.name)}
     model_shapes = {name: tuple(param.shape) for name, param in params.items()}
     if model_shapes != {name: tuple(shape) for name, shape in plan.shapes.items()}:
         raise HFCheckpointError(
@@ -210,7 +245,7 @@ def load_hf_weights(model, plan: WeightPlan) -> list:
                     raise HFCheckpointError(str(err)) from None
                 param = params[our_name]
                 if row is None:
-                    _set(param, array)
+                    param.set_data(Tensor(np.ascontiguousarray(array), dtype=param.dtype))
                     continue
                 if our_name not in buffers:
                     buffers[our_name] = [np.empty(plan.shapes[our_name], np.float32), 0]
@@ -219,13 +254,8 @@ def load_hf_weights(model, plan: WeightPlan) -> list:
                 buffer[1] += 1
                 del array
                 if buffer[1] == rows_wanted[our_name]:
-                    _set(param, buffers.pop(our_name)[0])
+                    param.set_data(Tensor(np.ascontiguousarray(buffers.pop(our_name)[0]), dtype=param.dtype))
     return list(plan.notes)
-
-
-def _set(param, array: np.ndarray):
-    target = param.dtype
-    param.set_data(Tensor(np.ascontiguousarray(array), dtype=target))
 
 
 def _check_index(index_names: dict, seen: dict, problems: dict):

@@ -1,18 +1,13 @@
-"""Parameter names HF <-> mindmoe per architecture, and the parameter shapes a config implies.
+"""Parameter names HF <-> mindmoe per architecture (the shapes a config implies: :mod:`model.param_count`).
 
 A rule pairs a HF name template with ours. ``{layer}`` and ``{expert}`` are indices, any other
 ``{slot}`` is a closed set of words: a tuple (same word on both sides) or a dict (HF word -> ours,
 e.g. Mixtral's ``w1`` -> ``gate_proj``). A HF name with ``{expert}`` is row ``expert`` of our
 stacked ``[E, out, in]`` expert parameter, whose name has no ``{expert}``.
-
-Shapes: V vocab, H hidden, N query heads, G kv heads, D head_dim, I dense FFN width, E experts,
-I_e expert width, S = n_shared * I_e.
 """
 
 import re
 from dataclasses import dataclass
-
-from mindmoe.model.config import ModelConfig
 
 SWIGLU = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_EXPERT = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
@@ -135,50 +130,6 @@ def hf_layer_index(hf_name: str):
     """Decoder-layer index of a HF tensor name, or None."""
     match = HF_LAYER.match(hf_name)
     return int(match.group(1)) if match else None
-
-
-def expected_parameter_shapes(cfg: ModelConfig) -> dict:
-    """Name -> shape of every parameter ``MoETransformer(cfg)`` has (checked against the model in
-    the tests), so a checkpoint can be validated before the model is built."""
-    hidden, head_dim = cfg.hidden_size, cfg.resolved_head_dim
-    q_out, kv_out = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
-    shapes = {"embed_tokens.weight": (cfg.vocab_size, hidden)}
-    for layer in range(cfg.num_layers):
-        prefix = f"layers.{layer}."
-        shapes[prefix + "input_layernorm.weight"] = (hidden,)
-        for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-            shapes[f"{prefix}self_attn.{proj}.weight"] = (out, hidden)
-            if cfg.qkv_bias:
-                shapes[f"{prefix}self_attn.{proj}.bias"] = (out,)
-        shapes[prefix + "self_attn.o_proj.weight"] = (hidden, q_out)
-        if cfg.qk_norm:
-            shapes[prefix + "self_attn.q_norm.weight"] = (head_dim,)
-            shapes[prefix + "self_attn.k_norm.weight"] = (head_dim,)
-        shapes[prefix + "post_attention_layernorm.weight"] = (hidden,)
-        if layer < cfg.first_k_dense:
-            shapes.update(_swiglu_shapes(prefix + "mlp.", hidden, cfg.intermediate_size))
-            continue
-        experts, width = cfg.num_experts, cfg.moe_intermediate_size
-        shapes[prefix + "mlp.router.weight"] = (experts, hidden)
-        if cfg.expert_bias:
-            shapes[prefix + "mlp.router.e_score_correction_bias"] = (experts,)
-        shapes[prefix + "mlp.experts.gate_proj"] = (experts, width, hidden)
-        shapes[prefix + "mlp.experts.up_proj"] = (experts, width, hidden)
-        shapes[prefix + "mlp.experts.down_proj"] = (experts, hidden, width)
-        if cfg.num_shared_experts > 0:
-            shapes.update(_swiglu_shapes(prefix + "mlp.shared_experts.", hidden, width * cfg.num_shared_experts))
-    shapes["norm.weight"] = (hidden,)
-    if not cfg.tie_word_embeddings:
-        shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
-    return shapes
-
-
-def _swiglu_shapes(prefix: str, hidden: int, width: int) -> dict:
-    return {
-        prefix + "gate_proj.weight": (width, hidden),
-        prefix + "up_proj.weight": (width, hidden),
-        prefix + "down_proj.weight": (hidden, width),
-    }
 
 
 def is_stacked_expert(our_name: str) -> bool:

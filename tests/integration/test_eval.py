@@ -86,7 +86,7 @@ def tiny_run(tmp_path_factory, data_cache, english_valid):
 
 def compose_config(overrides):
     register_configs()
-    with initialize_config_module(config_module="conf", version_base="1.3"):
+    with initialize_config_module(config_module="mindmoe.conf", version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
 

@@ -287,7 +287,7 @@ def compose_config(args):
     from mindmoe.conf.schema import register_configs
 
     register_configs()
-    with initialize_config_module(config_module="conf", version_base="1.3"):
+    with initialize_config_module(config_module="mindmoe.conf", version_base="1.3"):
         return compose("config", overrides=args)
 
 

@@ -38,7 +38,7 @@ SAMPLES = Path(data.__file__).parent / "samples"
 
 
 def _generator_module():
-    spec = importlib.util.spec_from_file_location("generate", SAMPLES / "generate.py")
+    spec = importlib.util.find_spec("tools.samples.generate_corpus")  # the repository root is on the path
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module

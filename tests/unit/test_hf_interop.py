@@ -29,7 +29,6 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf import (
     HFCheckpointError,
     NameMap,
-    expected_parameter_shapes,
     export_hf,
     hf_config_from_model,
     load_hf_pretrained,
@@ -38,7 +37,9 @@ from mindmoe.model.hf import (
     read_hf_config,
     read_pretrained_config,
 )
+from mindmoe.model.param_count import parameter_shapes
 from mindmoe.model.transformer import MoETransformer
+from mindmoe.train.export import export_hf_with_tokenizer
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 3
 ATOL = 1e-4
@@ -497,7 +498,7 @@ def test_expected_parameter_shapes_are_the_models():
         ),
     ):
         model = MoETransformer(cfg)
-        assert expected_parameter_shapes(cfg) == {p.name: tuple(p.shape) for p in model.get_parameters()}
+        assert parameter_shapes(cfg, include_buffers=True) == {p.name: tuple(p.shape) for p in model.get_parameters()}
 
 
 # ------------------------------------------------------------------------------------- bf16 weights
@@ -774,7 +775,7 @@ def test_name_maps_cover_every_hf_tensor_both_ways():
         hf_names = set(model_cls(config).state_dict())
         imported = read_hf_config(config.to_dict())
         names = NameMap(imported.model_type)
-        shapes = expected_parameter_shapes(imported.model_config)
+        shapes = parameter_shapes(imported.model_config, include_buffers=True)
         back = {
             hf
             for ours, shape in shapes.items()
@@ -882,7 +883,7 @@ def test_chat_template_file_and_sentencepiece_fallback(hf_tokenizer_dir, tmp_pat
 
 def test_export_copies_the_tokenizer_and_records_its_special_ids(glm4_variant, hf_tokenizer_dir, tmp_path):
     _, _, _, ours, _, _ = glm4_variant("yarn_tied_two_shared")
-    export_hf(ours, out_dir=tmp_path, tokenizer_dir=hf_tokenizer_dir)
+    export_hf_with_tokenizer(ours, out_dir=tmp_path, tokenizer_dir=hf_tokenizer_dir)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["eos_token_id"] == config["pad_token_id"] == 0 and "bos_token_id" not in config
     assert (tmp_path / "tokenizer.json").read_bytes() == (hf_tokenizer_dir / "tokenizer.json").read_bytes()

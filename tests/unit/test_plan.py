@@ -13,17 +13,16 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from mindmoe.conf.schema import register_configs
+from mindmoe.launch.config import PlanConfig, validate_plan_config
 from mindmoe.launch.plan import (
     GIB,
     MIB,
     Batch,
     Layout,
-    PlanConfig,
     activation_bytes_per_token,
     layout_errors,
     plan_layout,
     search_layouts,
-    validate_plan_config,
 )
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.param_count import count_parameters, parameter_shapes
@@ -66,7 +65,7 @@ TINY_CONFIGS = {
 
 def model_config(name):
     register_configs()
-    with initialize_config_module(config_module="conf", version_base="1.3"):
+    with initialize_config_module(config_module="mindmoe.conf", version_base="1.3"):
         cfg = compose(config_name="config", overrides=[f"model={name}"])
     return OmegaConf.to_object(cfg.model)
 

@@ -192,7 +192,9 @@ def test_bundled_business_sample_is_reproducible_and_valid(tmp_path):
     from pathlib import Path
 
     samples = Path(__file__).resolve().parents[2] / "data" / "samples"
-    subprocess.run([sys.executable, str(samples / "generate_sft.py"), "--out-dir", str(tmp_path)], check=True)
+    subprocess.run(
+        [sys.executable, "-m", "tools.samples.generate_sft", "--out-dir", tmp_path], check=True, cwd=samples.parents[1]
+    )
     for name in ("business_sft_train.jsonl", "business_sft_valid.jsonl"):
         assert (tmp_path / name).read_bytes() == (samples / name).read_bytes(), name
     train = read_conversations(samples / "business_sft_train.jsonl", "train")

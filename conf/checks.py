@@ -1,0 +1,147 @@
+"""Checks across config sections, the ones a single dataclass cannot express; each error names the key.
+
+Per-section checks live beside their dataclass (``validate_model_config`` in ``model/config.py``,
+``validate_train_config`` in ``train/config.py``, ``validate_launch_config`` in ``launch/config.py``,
+...). This module combines them with the rules that read several sections or the device, and imports
+no MindSpore and nothing of the trainer, so ``mindmoe-launch`` checks a layout before any worker starts:
+
+- :func:`validate_run_config`: every ``mindmoe-train`` run, before anything is built;
+- :func:`resolve_layout`: how the processes divide into data and expert parallelism;
+- :func:`check_launch_config`: everything ``mindmoe-launch`` can check before it starts msrun.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from mindmoe.data.config import validate_batch_sizes
+from mindmoe.launch.config import validate_launch_config, world_size
+from mindmoe.model.config import validate_model_config
+from mindmoe.train.config import COMPUTE_DTYPE_NAMES, validate_train_config
+
+
+def validate_precision(train, device_target: Optional[str]) -> None:
+    """``train.dtype``, ``train.cell_reuse`` and the loss scale against the device MindSpore runs on
+    (``device_target`` None: only the device-independent part)."""
+    if train.dtype not in COMPUTE_DTYPE_NAMES:
+        raise ValueError(f"train.dtype={train.dtype!r} must be one of {', '.join(COMPUTE_DTYPE_NAMES)}")
+    if train.dtype != "fp32" and device_target == "CPU":
+        raise ValueError(
+            f"train.dtype={train.dtype}: the CPU backend has no {train.dtype} kernels for "
+            "MatMul/Softmax/TopK (or runs them slower than fp32); use train.dtype=fp32 on CPU "
+            "and bf16/fp16 on Ascend"
+        )
+    if train.cell_reuse and device_target == "CPU":
+        raise ValueError(
+            "train.cell_reuse=true: MindSpore's lazy_inline cell reuse needs the Ascend backend; the "
+            'CPU backend of MindSpore 2.9 fails on the reused-layer graph ("Input[0] must be a Primitive '
+            'ValueNode"). Use train.cell_reuse=false on CPU'
+        )
+    if train.loss_scale <= 0 or train.loss_scale_window < 1:
+        raise ValueError(
+            f"train.loss_scale={train.loss_scale} must be > 0 and train.loss_scale_window="
+            f"{train.loss_scale_window} >= 1"
+        )
+
+
+def validate_run_config(cfg, device_target: Optional[str]) -> None:
+    """The checks of a whole run config that need neither the data nor the model's vocabulary.
+
+    ``device_target``: MindSpore's ``device_target`` ("CPU", "Ascend"); None skips the checks that
+    depend on it (the workers repeat them once MindSpore runs).
+    """
+    validate_batch_sizes(cfg.data)
+    validate_train_config(cfg.train)
+    validate_precision(cfg.train, device_target)
+    if cfg.lora.enabled and cfg.parallel.ep > 1:
+        raise ValueError(
+            f"lora.enabled=true with parallel.ep={cfg.parallel.ep}: LoRA runs are data parallel only; set parallel.ep=1"
+        )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How ``world_size`` processes are used, and the gradient accumulation it implies."""
+
+    world_size: int
+    dp: int
+    ep: int
+    accumulation: int
+
+
+def resolve_layout(
+    world_size: int,
+    dp: int,
+    ep: int,
+    num_experts: int,
+    global_batch_size: int,
+    micro_batch_size: int,
+    has_moe_layers: bool = True,
+) -> Layout:
+    """Check that ``world_size`` processes divide as configured; errors name the keys to change.
+
+    ``dp = 0`` means ``world_size / ep``. Used by ``mindmoe-launch`` before any worker starts and
+    by every worker before it compiles.
+    """
+    if ep < 1:
+        raise ValueError(f"parallel.ep={ep} must be >= 1")
+    if dp < 0:
+        raise ValueError(f"parallel.dp={dp} must be >= 1, or 0 for (number of processes) / parallel.ep")
+    if ep > 1:
+        if not has_moe_layers:
+            raise ValueError(f"parallel.ep={ep}: the model has no MoE layer to split; use parallel.ep=1")
+        if num_experts % ep:
+            raise ValueError(f"parallel.ep={ep} must divide model.num_experts={num_experts}")
+        if world_size % ep:
+            raise ValueError(
+                f"parallel.ep={ep} must divide the number of processes {world_size} "
+                "(launch.nodes x launch.procs_per_node)"
+            )
+    resolved_dp = dp or world_size // ep
+    if resolved_dp * ep != world_size:
+        raise ValueError(
+            f"parallel.dp={dp} x parallel.ep={ep} = {resolved_dp * ep} processes, but {world_size} "
+            f"{'are' if world_size > 1 else 'is'} started (launch.nodes x launch.procs_per_node); "
+            "set parallel.dp=0 to use them all"
+        )
+    if micro_batch_size < 1 or global_batch_size % (micro_batch_size * resolved_dp):
+        raise ValueError(
+            f"data.global_batch_size={global_batch_size} must be a positive multiple of "
+            f"data.micro_batch_size={micro_batch_size} x data-parallel size {resolved_dp} "
+            f"(= {micro_batch_size * resolved_dp})"
+        )
+    return Layout(
+        world_size=world_size, dp=resolved_dp, ep=ep, accumulation=global_batch_size // (micro_batch_size * resolved_dp)
+    )
+
+
+def check_launch_config(cfg, hydra_overrides, task_overrides=(), device_target: Optional[str] = None) -> Layout:
+    """Everything that can be wrong before a worker starts, naming the key to change; returns the layout.
+
+    ``hydra_overrides`` / ``task_overrides``: Hydra's ``overrides.hydra`` and ``overrides.task``;
+    ``device_target``: as in :func:`validate_run_config`.
+    """
+    # Reads config.json of model.pretrained as data; no MindSpore.
+    from mindmoe.train.init_model import explicit_model_keys, planned_model_config
+
+    launch = cfg.launch
+    validate_launch_config(launch)
+    if launch.nodes > 1 and not any(o.startswith("hydra.run.dir=") for o in hydra_overrides):
+        raise ValueError(
+            f"launch.nodes={launch.nodes}: give every node the same shared run dir with "
+            "hydra.run.dir=/shared/path (the default is a timestamp of each node's own clock)"
+        )
+    validate_run_config(cfg, device_target)
+    # With model.pretrained the architecture is the directory's config.json (read here, as data).
+    model = planned_model_config(cfg, explicit_model_keys(task_overrides))
+    # The real vocabulary comes from the tokenizer; any positive size checks the other keys.
+    validate_model_config(dataclasses.replace(model, vocab_size=model.vocab_size or cfg.data.vocab_size))
+    return resolve_layout(
+        world_size(launch),
+        cfg.parallel.dp,
+        cfg.parallel.ep,
+        model.num_experts,
+        cfg.data.global_batch_size,
+        cfg.data.micro_batch_size,
+        model.num_layers > model.first_k_dense,
+    )
