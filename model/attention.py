@@ -1,7 +1,7 @@
 """Grouped-query causal self-attention with document-aware masking.
 
-Shape legend: B batch, S sequence (queries), K keys attended (S in training, cached + new when decoding),
-H hidden, N query heads, G key/value heads, D head_dim.
+Shape legend (docs/architecture.md): B batch, S sequence (queries), P key positions (S in training,
+cached + new when decoding), Q queries of one block, H hidden, N query heads, G key/value heads, D head_dim.
 Packed sequences carry ``doc_ids [B, S]``; a token attends only to earlier tokens of the
 same document, so packing never leaks context across documents.
 """
@@ -12,8 +12,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
+from mindmoe.model import kernels
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.linear import Linear
+from mindmoe.model.lora_layers import NO_LORA, AdapterScope, projection
 from mindmoe.model.norm import RMSNorm
 from mindmoe.model.rope import apply_rope
 
@@ -41,19 +42,19 @@ def document_causal_mask(doc_ids_BS, num_heads: int = 1, chunks: int = 1):
     )
 
 
-def _document_causal_mask(query_doc_ids_BQ, key_doc_ids_BK, offset: int, num_heads: int):
-    """``[B, num_heads, Q, K]`` mask of queries at positions ``offset + i`` against keys at ``j``."""
+def _document_causal_mask(query_doc_ids_BQ, key_doc_ids_BP, offset: int, num_heads: int):
+    """``[B, num_heads, Q, P]`` mask of queries at positions ``offset + i`` against keys at ``j``."""
     query_pos_Q1 = (ops.arange(query_doc_ids_BQ.shape[1], dtype=ms.int32) + offset).expand_dims(1)
-    causal_QK = ops.arange(key_doc_ids_BK.shape[1], dtype=ms.int32).expand_dims(0) <= query_pos_Q1
-    same_doc_BQK = ops.equal(query_doc_ids_BQ.expand_dims(2), key_doc_ids_BK.expand_dims(1))
-    allowed_BQK = ops.logical_and(same_doc_BQK, causal_QK)
-    mask_BQK = ops.select(
-        allowed_BQK, ops.zeros_like(same_doc_BQK, dtype=ms.float32), ops.fill(ms.float32, allowed_BQK.shape, MASK_VALUE)
+    causal_QP = ops.arange(key_doc_ids_BP.shape[1], dtype=ms.int32).expand_dims(0) <= query_pos_Q1
+    same_doc_BQP = ops.equal(query_doc_ids_BQ.expand_dims(2), key_doc_ids_BP.expand_dims(1))
+    allowed_BQP = ops.logical_and(same_doc_BQP, causal_QP)
+    mask_BQP = ops.select(
+        allowed_BQP, ops.zeros_like(same_doc_BQP, dtype=ms.float32), ops.fill(ms.float32, allowed_BQP.shape, MASK_VALUE)
     )
-    mask_B1QK = ops.stop_gradient(mask_BQK).expand_dims(1)
+    mask_B1QP = ops.stop_gradient(mask_BQP).expand_dims(1)
     if num_heads == 1:
-        return mask_B1QK
-    return ops.tile(mask_B1QK, (1, num_heads, 1, 1))
+        return mask_B1QP
+    return ops.tile(mask_B1QP, (1, num_heads, 1, 1))
 
 
 def causal_chunks(seq_len: int) -> int:
@@ -68,63 +69,10 @@ def causal_chunks(seq_len: int) -> int:
     return 1
 
 
-class AttentionCore(nn.Cell):
-    """``softmax(q k^T * scale + mask) v`` for queries grouped by their key/value head, with a hand-written backward.
-
-    Shapes: q ``[B, G, R, D]`` where the R = group x S rows of a key/value head are its query
-    heads' positions (a contiguous reshape of ``[B, N, S, D]``), k/v ``[B, G, K, D]``, mask
-    ``[B, G, R, K]`` fp32. Returns ``(out [B, G, R, D], probs [B, G, R, K])``; the probabilities
-    are an output only so the backward can reuse them.
-
-    Grouping the queries instead of repeating k/v per query head makes the gradients of k and v
-    come out of the BatchMatMuls already summed over the group (the repeat's backward was a
-    reduction over a 5-D tensor). The backward uses FlashAttention's identity
-    ``sum_k p_rk dp_rk = dout_r . out_r`` (Dao et al. 2022): for fp32 the row term enters the
-    ``dout v^T`` BatchMatMul as an extra column (``[dout, -delta] [v, 1]^T = dp - delta``), so
-    the softmax backward costs one elementwise pass over the scores instead of four. Scores,
-    softmax and the score gradients are fp32 whatever the dtype of q/k/v.
-    """
-
-    def __init__(self, scale: float):
-        super().__init__()
-        self.scale = scale
-        self.bmm_nt = ops.BatchMatMul(transpose_b=True)
-        self.bmm_nn = ops.BatchMatMul()
-        self.bmm_tn = ops.BatchMatMul(transpose_a=True)
-        self.row_dot = ops.MatMul()
-
-    def construct(self, q_BGRD, k_BGKD, v_BGKD, mask_BGRK):
-        scores_BGRK = self.bmm_nt(q_BGRD * self.scale, k_BGKD).astype(ms.float32)
-        probs_BGRK = ops.softmax(scores_BGRK + mask_BGRK, -1)
-        out_BGRD = self.bmm_nn(probs_BGRK.astype(v_BGKD.dtype), v_BGKD)
-        return out_BGRD, probs_BGRK
-
-    def bprop(self, q_BGRD, k_BGKD, v_BGKD, mask_BGRK, out, dout):
-        out_BGRD, probs_BGRK = out
-        dout_BGRD = dout[0]
-        head_dim = q_BGRD.shape[-1]
-        rows_shape = out_BGRD.shape[:-1] + (1,)
-        ones_D1 = ops.ones((head_dim, 1), ms.float32)
-        products_XD = (dout_BGRD.astype(ms.float32) * out_BGRD.astype(ms.float32)).reshape(-1, head_dim)
-        delta_BGR1 = self.row_dot(products_XD, ones_D1).reshape(rows_shape)
-        if v_BGKD.dtype == ms.float32:
-            ones_BGK1 = ops.ones(k_BGKD.shape[:-1] + (1,), ms.float32)
-            dprobs_shifted_BGRK = self.bmm_nt(
-                ops.concat((dout_BGRD, -delta_BGR1), -1), ops.concat((v_BGKD, ones_BGK1), -1)
-            )
-        else:
-            dprobs_shifted_BGRK = self.bmm_nt(dout_BGRD, v_BGKD).astype(ms.float32) - delta_BGR1
-        dscores_BGRK = (probs_BGRK * dprobs_shifted_BGRK).astype(q_BGRD.dtype)
-        dq_BGRD = self.bmm_nn(dscores_BGRK, k_BGKD) * self.scale
-        dk_BGKD = self.bmm_tn(dscores_BGRK, q_BGRD) * self.scale
-        dv_BGKD = self.bmm_tn(probs_BGRK.astype(v_BGKD.dtype), dout_BGRD)
-        return dq_BGRD, dk_BGKD, dv_BGKD, ops.zeros_like(mask_BGRK)
-
-
 class Attention(nn.Cell):
     """q/k/v projections (optional bias) -> optional QK RMSNorm -> partial RoPE -> softmax(qk/sqrt(D)) v."""
 
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, lora: AdapterScope = NO_LORA):
         super().__init__()
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
@@ -132,15 +80,16 @@ class Attention(nn.Cell):
         self.interleaved = cfg.rope_interleaved
         self.scale = 1.0 / math.sqrt(self.head_dim)
         std = cfg.initializer_range
-        self.q_proj = Linear(cfg.hidden_size, cfg.num_heads * self.head_dim, cfg.qkv_bias, std, rng)
-        self.k_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, cfg.qkv_bias, std, rng)
-        self.v_proj = Linear(cfg.hidden_size, cfg.num_kv_heads * self.head_dim, cfg.qkv_bias, std, rng)
-        self.o_proj = Linear(cfg.num_heads * self.head_dim, cfg.hidden_size, False, std, rng)
+        q_out, kv_out = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
+        self.q_proj = projection(cfg.hidden_size, q_out, cfg.qkv_bias, std, rng, lora, "q_proj")
+        self.k_proj = projection(cfg.hidden_size, kv_out, cfg.qkv_bias, std, rng, lora, "k_proj")
+        self.v_proj = projection(cfg.hidden_size, kv_out, cfg.qkv_bias, std, rng, lora, "v_proj")
+        self.o_proj = projection(q_out, cfg.hidden_size, False, std, rng, lora, "o_proj")
         self.qk_norm = cfg.qk_norm
         if cfg.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.core = AttentionCore(self.scale)
+        self.core = kernels.attention_core(self.scale)
 
     def construct(self, x_BSH, cos, sin, mask):
         q_BNSD, k_BGSD, v_BGSD = self.project_qkv(x_BSH, cos, sin)
@@ -159,10 +108,10 @@ class Attention(nn.Cell):
         k_BGSD = apply_rope(k_BGSD, cos, sin, self.interleaved)
         return q_BNSD, k_BGSD, v_BGSD
 
-    def attend(self, q_BNSD, k_BGKD, v_BGKD, mask):
-        """``softmax(q k^T / sqrt(D) + mask) v`` projected back to ``[B, S, H]``; K keys (K = S in training,
-        cached + new ones when decoding). ``mask`` is ``[B, M, S, K]``, per query head (M = N) or shared
-        (M = 1), or the causal chunks of :func:`document_causal_mask` (training, K = S)."""
+    def attend(self, q_BNSD, k_BGPD, v_BGPD, mask):
+        """``softmax(q k^T / sqrt(D) + mask) v`` projected back to ``[B, S, H]``; P keys (P = S in training,
+        cached + new ones when decoding). ``mask`` is ``[B, N, S, P]``, per query head or shared (its
+        second axis 1), or the causal chunks of :func:`document_causal_mask` (training, P = S)."""
         batch, _, seq_len, head_dim = q_BNSD.shape
         if isinstance(mask, tuple):
             chunks = len(mask)
@@ -172,29 +121,29 @@ class Attention(nn.Cell):
                 keys = (c + 1) * size
                 # The last chunk sees every key: MindSpore 2.9's CPU StridedSlice ran a full-range
                 # slice ~50x slower than a partial one, so it is not sliced at all.
-                k_c = k_BGKD if c == chunks - 1 else k_BGKD[:, :, :keys]
-                v_c = v_BGKD if c == chunks - 1 else v_BGKD[:, :, :keys]
+                k_c = k_BGPD if c == chunks - 1 else k_BGPD[:, :, :keys]
+                v_c = v_BGPD if c == chunks - 1 else v_BGPD[:, :, :keys]
                 outs.append(self._attend_heads(q_BNSD[:, :, c * size : keys], k_c, v_c, mask_c))
             out_BNSD = ops.concat(outs, 2)
         else:
-            out_BNSD = self._attend_heads(q_BNSD, k_BGKD, v_BGKD, mask)
+            out_BNSD = self._attend_heads(q_BNSD, k_BGPD, v_BGPD, mask)
         out_BSH = out_BNSD.transpose(0, 2, 1, 3).reshape(batch, seq_len, self.num_heads * head_dim)
         return self.o_proj(out_BSH)
 
-    def _attend_heads(self, q_BNSD, k_BGKD, v_BGKD, mask_BMSK):
-        """``[B, N, S, D]`` attention output of every query head."""
+    def _attend_heads(self, q_BNSD, k_BGPD, v_BGPD, mask_BNSP):
+        """``[B, N, S, D]`` attention output of every query head (``mask_BNSP`` may have one head)."""
         batch, _, seq_len, head_dim = q_BNSD.shape
-        num_keys = k_BGKD.shape[2]
+        num_keys = k_BGPD.shape[2]
         group = self.num_heads // self.num_kv_heads
-        if mask_BMSK.shape[1] != self.num_heads:
-            mask_BMSK = ops.tile(mask_BMSK, (1, self.num_heads, 1, 1))
+        if mask_BNSP.shape[1] != self.num_heads:
+            mask_BNSP = ops.tile(mask_BNSP, (1, self.num_heads, 1, 1))
         # Query head n uses key/value head n // group (HF repeat_kv order), so [B, N, S, D] is
         # [B, G, group * S, D] without moving data.
         rows = group * seq_len
-        out_BGRD, _ = self.core(
+        out_BGQD, _ = self.core(
             q_BNSD.reshape(batch, self.num_kv_heads, rows, head_dim),
-            k_BGKD,
-            v_BGKD,
-            mask_BMSK.reshape(batch, self.num_kv_heads, rows, num_keys),
+            k_BGPD,
+            v_BGPD,
+            mask_BNSP.reshape(batch, self.num_kv_heads, rows, num_keys),
         )
-        return out_BGRD.reshape(batch, self.num_heads, seq_len, head_dim)
+        return out_BGQD.reshape(batch, self.num_heads, seq_len, head_dim)

@@ -10,7 +10,7 @@ A stacked expert adapter ``A [E, r, I]`` is written as one ``experts.{e}.<proj>`
 the modules PEFT adapts on a HF ``glm4_moe`` (transformers 4.57). HF names come from
 :class:`model.hf.weights.NameMap` of the base model's architecture.
 
-    merge_adapters(model, adapter_dir)   # base model + adapters -> plain model with merged weights
+    merge_adapters(model, adapter_dir)   # a plain base model gets W + scaling * B A, in place
 """
 
 import json
@@ -21,12 +21,13 @@ from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
 
 from mindmoe.model.hf.weights import NameMap, is_stacked_expert
-from mindmoe.model.lora import LoraConfig, apply_lora, merge_and_unload
+from mindmoe.model.lora import ADAPTER_SUFFIXES, LoraConfig
+from mindmoe.model.lora_plan import merged_weights, plan_adapters
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
 PEFT_PREFIX = "base_model.model."
-LORA_SUFFIXES = (".lora_A", ".lora_B")
+LORA_SUFFIXES = ADAPTER_SUFFIXES
 
 
 class AdapterError(ValueError):
@@ -90,7 +91,7 @@ def save_adapter(model, out_dir, cfg: LoraConfig, model_type: str = "glm4_moe", 
         for key, row in peft_tensor_names(param.name, param.shape, names):
             tensors[key] = np.ascontiguousarray(array if row is None else array[row])
     if not any(key.endswith((".lora_A.weight", ".lora_B.weight")) for key in tensors):
-        raise AdapterError("save_adapter: the model has no LoRA adapters (apply_lora first)")
+        raise AdapterError("save_adapter: the model has no LoRA adapters (build it with lora=plan_adapters(...))")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
@@ -140,45 +141,59 @@ def read_adapter_config(adapter_dir) -> LoraConfig:
 
 
 def load_adapter(model, adapter_dir, model_type: str = "glm4_moe") -> None:
-    """Copy an adapter file into a model that :func:`apply_lora` prepared with the same config.
+    """Copy an adapter file into a model built with the adapter plan of the same config.
 
     Every tensor must be used and every adapter filled; call before the model's graph compiles.
     """
+    params = adapter_parameters(model)
+    arrays = read_adapter_tensors(adapter_dir, {p.name: tuple(p.shape) for p in params}, model_type)
+    for param in params:
+        param.set_data(Tensor(arrays[param.name], dtype=param.dtype))
+
+
+def read_adapter_tensors(adapter_dir, shapes: dict, model_type: str = "glm4_moe") -> dict:
+    """Our adapter name -> array for every entry of ``shapes`` (our name -> shape), stacked expert
+    factors assembled from their per-expert PEFT tensors; one AdapterError lists every mismatch."""
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     if not path.is_file():
         raise AdapterError(f"{adapter_dir}: no {ADAPTER_WEIGHTS}")
     stored = load_file(str(path))
     names = NameMap(model_type)
-    used, problems, updates = set(), [], []
-    for param in adapter_parameters(model):
-        array = np.empty(param.shape, np.float32)
-        for key, row in peft_tensor_names(param.name, param.shape, names):
-            expected = tuple(param.shape if row is None else param.shape[1:])
+    used, problems, arrays = set(), [], {}
+    for name, shape in shapes.items():
+        array = np.empty(shape, np.float32)
+        for key, row in peft_tensor_names(name, shape, names):
+            expected = tuple(shape if row is None else shape[1:])
             if key not in stored:
-                problems.append(f"missing {key} (for {param.name})")
+                problems.append(f"missing {key} (for {name})")
             elif tuple(stored[key].shape) != expected:
                 problems.append(f"{key}: shape {list(stored[key].shape)}, the model needs {list(expected)}")
             else:
                 array[() if row is None else row] = stored[key]
                 used.add(key)
-        updates.append((param, array))
+        arrays[name] = array
     problems += [
         f"unexpected {key} (no such adapter in the model: other target_modules or base model?)"
         for key in sorted(set(stored) - used)
     ]
     if problems:
         raise AdapterError(f"{path} does not fit the model:\n  " + "\n  ".join(problems[:20]))
-    for param, array in updates:
-        param.set_data(Tensor(array, dtype=param.dtype))
+    return arrays
 
 
-def merge_adapters(model, adapter_dir, model_type: str = "glm4_moe", seed: int = 0):
-    """Base ``model`` + the PEFT adapter in ``adapter_dir`` -> the same model with merged weights
-    (plain layers, base parameter names, ready for export)."""
+def merge_adapters(model, adapter_dir, model_type: str = "glm4_moe"):
+    """Merge the PEFT adapter in ``adapter_dir`` into the plain ``model`` in place (``W + scaling * B A``
+    per target, its modules_to_save tensors replacing the base ones); returns ``model``, ready for export."""
     cfg = read_adapter_config(adapter_dir)
-    apply_lora(model, cfg, seed=seed, model_type=model_type)
-    load_adapter(model, adapter_dir, model_type)
-    return merge_and_unload(model)
+    plan = plan_adapters(model.config, cfg, 0, model_type)
+    params = {p.name: p for p in model.get_parameters()}
+    adapter = read_adapter_tensors(
+        adapter_dir, plan.adapter_shapes({n: p.shape for n, p in params.items()}), model_type
+    )
+    base = {name: params[name].asnumpy() for name in plan.adapted}
+    for name, array in merged_weights(plan, base, adapter).items():
+        params[name].set_data(Tensor(array, dtype=params[name].dtype))
+    return model
 
 
 __all__ = [
@@ -190,5 +205,6 @@ __all__ = [
     "peft_config_dict",
     "peft_tensor_names",
     "read_adapter_config",
+    "read_adapter_tensors",
     "save_adapter",
 ]

@@ -1,4 +1,6 @@
-"""Where a run's model comes from: a fresh initialisation, or a HF checkpoint (``model.pretrained``).
+"""Where a run's model comes from: a fresh initialisation, a HF checkpoint (``model.pretrained``), or
+with LoRA a mindmoe checkpoint (``lora.base_checkpoint``). The base is resolved into one model config
+first; then the model is built once, with the LoRA adapters in place when ``lora.enabled``.
 
 With ``model.pretrained`` the architecture is the directory's ``config.json``; the ``model.*`` keys
 the user typed (command-line overrides) may change training settings only, and the weights are
@@ -13,6 +15,7 @@ import logging
 from omegaconf import OmegaConf
 
 from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.train.lora_setup import check_base_vocab, checkpoint_base_config, load_checkpoint_base, run_lora_config
 
 log = logging.getLogger("mindmoe.train")
 
@@ -37,8 +40,12 @@ def model_overrides(model_cfg: ModelConfig, explicit_keys) -> dict:
 def planned_model_config(cfg, explicit_keys=()) -> ModelConfig:
     """The architecture the run will build, known before the data is prepared: ``model.pretrained``'s
     config.json with the command-line overrides (so a wrong directory or a conflicting key fails
-    first), else ``cfg.model``. ``vocab_size`` may still be 0 (= the tokenizer's)."""
+    first), or ``lora.base_checkpoint``'s state.json, else ``cfg.model``. ``vocab_size`` may still be
+    0 (= the tokenizer's)."""
     model_cfg = OmegaConf.to_object(cfg.model)
+    lora_cfg = run_lora_config(cfg)
+    if lora_cfg is not None and lora_cfg.base_checkpoint:
+        return checkpoint_base_config(lora_cfg.base_checkpoint)[1]
     if not model_cfg.pretrained:
         return model_cfg
     from mindmoe.model.hf import read_pretrained_config
@@ -48,42 +55,77 @@ def planned_model_config(cfg, explicit_keys=()) -> ModelConfig:
     ).model_config
 
 
-def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = True):
-    """``(ModelConfig, MoETransformer)`` for the run ``cfg``; ``vocab_size`` is the tokenizer's.
+def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = True, expert_dispatcher=None):
+    """``(ModelConfig, MoETransformer)`` for the run ``cfg``, built once, with its LoRA adapters in place
+    when ``lora.enabled``; ``vocab_size`` is the tokenizer's.
 
     ``explicit_keys``: the ``model.*`` fields the user set (see :func:`explicit_model_keys`); only
     read with ``model.pretrained``, where every other model field comes from ``config.json``.
+    ``expert_dispatcher``: see :class:`model.transformer.MoETransformer` (``Distributed.expert_dispatcher``).
     """
+    from mindmoe.model.lora_plan import plan_adapters
     from mindmoe.model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
 
     model_cfg = OmegaConf.to_object(cfg.model)
+    lora_cfg = run_lora_config(cfg)
     if model_cfg.pretrained:
-        return _pretrained(
-            model_cfg.pretrained,
-            vocab_size,
-            model_overrides(model_cfg, explicit_keys),
-            cfg.data.seq_len,
-            load_weights,
-            cfg.train.cell_reuse,
-        )
+        overrides = model_overrides(model_cfg, explicit_keys)
+        return _pretrained(cfg, vocab_size, overrides, load_weights, lora_cfg, expert_dispatcher)
+    if lora_cfg is not None and lora_cfg.base_checkpoint:
+        return _checkpoint_base(cfg, vocab_size, lora_cfg, expert_dispatcher)
     model_cfg = dataclasses.replace(model_cfg)
     if model_cfg.vocab_size == 0:
         model_cfg.vocab_size = vocab_size
     _check_vocab(model_cfg, vocab_size)
     validate_model_config(model_cfg)
-    return model_cfg, MoETransformer(model_cfg, seed=cfg.train.seed, cell_reuse=cfg.train.cell_reuse)
+    adapters = None if lora_cfg is None else plan_adapters(model_cfg, lora_cfg, cfg.train.seed)
+    return model_cfg, MoETransformer(
+        model_cfg,
+        seed=cfg.train.seed,
+        cell_reuse=cfg.train.cell_reuse,
+        expert_dispatcher=expert_dispatcher,
+        lora=adapters,
+    )
 
 
-def _pretrained(path: str, vocab_size: int, overrides: dict, seq_len: int, load_weights: bool, cell_reuse: bool):
+def _checkpoint_base(cfg, vocab_size: int, lora_cfg, expert_dispatcher):
+    from mindmoe.model.lora_plan import plan_adapters
+    from mindmoe.model.transformer import MoETransformer
+    from mindmoe.train.checkpoint import resolve_checkpoint, verify_checkpoint
+
+    path = lora_cfg.base_checkpoint
+    verify_checkpoint(resolve_checkpoint(path))
+    directory, model_cfg = checkpoint_base_config(path)
+    check_base_vocab(model_cfg, vocab_size, path)
+    adapters = plan_adapters(model_cfg, lora_cfg, cfg.train.seed)
+    model = MoETransformer(
+        model_cfg, cell_reuse=cfg.train.cell_reuse, expert_dispatcher=expert_dispatcher, lora=adapters
+    )
+    load_checkpoint_base(model, directory, path)
+    return model_cfg, model
+
+
+def _pretrained(cfg, vocab_size: int, overrides: dict, load_weights: bool, lora_cfg, expert_dispatcher):
     from mindmoe.model.hf import load_hf_pretrained, read_pretrained_config
+    from mindmoe.model.lora_plan import plan_adapters
     from mindmoe.model.transformer import MoETransformer
 
+    path, seq_len, cell_reuse = cfg.model.pretrained, cfg.data.seq_len, cfg.train.cell_reuse
     if load_weights:
-        model_cfg, model, notes = load_hf_pretrained(path, overrides, max_seq_len=seq_len, cell_reuse=cell_reuse)
+        model_cfg, model, notes = load_hf_pretrained(
+            path,
+            overrides,
+            max_seq_len=seq_len,
+            cell_reuse=cell_reuse,
+            lora=lora_cfg,
+            lora_seed=cfg.train.seed,
+            expert_dispatcher=expert_dispatcher,
+        )
     else:
         imported = read_pretrained_config(path, overrides, max_seq_len=seq_len)
         model_cfg, notes = imported.model_config, imported.notes
-        model = MoETransformer(model_cfg, cell_reuse=cell_reuse)
+        adapters = None if lora_cfg is None else plan_adapters(model_cfg, lora_cfg, cfg.train.seed, imported.model_type)
+        model = MoETransformer(model_cfg, cell_reuse=cell_reuse, expert_dispatcher=expert_dispatcher, lora=adapters)
     for note in notes:
         log.info("model.pretrained: %s", note)
     model_cfg = dataclasses.replace(model_cfg, pretrained=str(path))

@@ -1,21 +1,22 @@
 """LoRA fine-tuning runs (``lora.enabled=true``): the base, the adapters, and what checkpoints hold.
 
 The base is ``model.pretrained`` (a HF directory), or ``lora.base_checkpoint`` (a mindmoe checkpoint,
-whose ``state.json`` gives the architecture), or else a fresh initialisation. It is frozen; the optimizer
-sees only the adapters (and ``lora.modules_to_save``), so its state exists only for them. Checkpoints hold
-those tensors (``model.safetensors``, for an exact resume) and the same adapters in PEFT format under
-``adapter/``, never the base.
+whose ``state.json`` gives the architecture), or else a fresh initialisation. It is resolved into one
+model config before anything is built, and :func:`mindmoe.train.init_model.build_model` builds the
+model once, with the adapters in place (:mod:`mindmoe.model.lora_plan`). The base is frozen; the
+optimizer sees only the adapters (and ``lora.modules_to_save``), so its state exists only for them.
+Checkpoints hold those tensors (``model.safetensors``, for an exact resume) and the same adapters in
+PEFT format under ``adapter/``, never the base.
 """
 
-import dataclasses
 import logging
 from pathlib import Path
+from typing import Optional
 
 from omegaconf import OmegaConf
 
 from mindmoe.model.config import ModelConfig, validate_model_config
-from mindmoe.model.lora import LoraConfig, LoraReport, apply_lora
-from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
+from mindmoe.model.lora import LoraConfig, is_adapter  # no MindSpore: the launcher plans with this module
 
 log = logging.getLogger("mindmoe.train")
 
@@ -23,78 +24,95 @@ log = logging.getLogger("mindmoe.train")
 ADAPTER_DIR = "adapter"
 
 
+def run_lora_config(cfg) -> Optional[LoraConfig]:
+    """``cfg.lora`` as a :class:`LoraConfig` when ``lora.enabled``, else None; errors name the keys."""
+    lora_cfg = OmegaConf.to_object(cfg.lora)
+    if not lora_cfg.enabled:
+        if lora_cfg.base_checkpoint:
+            raise ValueError("lora.base_checkpoint is set but lora.enabled=false")
+        return None
+    if isinstance(lora_cfg.target_modules, (list, tuple)) or OmegaConf.is_list(lora_cfg.target_modules):
+        lora_cfg.target_modules = [str(t) for t in lora_cfg.target_modules]
+    lora_cfg.modules_to_save = [str(m) for m in lora_cfg.modules_to_save]
+    if lora_cfg.base_checkpoint and cfg.model.pretrained:
+        raise ValueError(
+            f"lora.base_checkpoint={lora_cfg.base_checkpoint!r} and model.pretrained="
+            f"{cfg.model.pretrained!r} both name a base model; keep one"
+        )
+    return lora_cfg
+
+
+def checkpoint_base_config(path: str):
+    """``(checkpoint directory, ModelConfig)`` of ``lora.base_checkpoint`` (its ``state.json``)."""
+    from mindmoe.model.checkpoint_files import checkpoint_model_config
+    from mindmoe.train.checkpoint import resolve_checkpoint
+
+    directory = resolve_checkpoint(path)
+    try:
+        model_cfg = checkpoint_model_config(directory)
+        validate_model_config(model_cfg)
+    except ValueError as err:
+        raise ValueError(f"lora.base_checkpoint={path!r}: {err}") from None
+    return directory, model_cfg
+
+
+def load_checkpoint_base(model, directory: Path, path: str) -> None:
+    """Copy the base weights of ``lora.base_checkpoint`` into the (LoRA) ``model`` before it compiles."""
+    from mindmoe.train.checkpoint import load_model_weights
+
+    try:
+        load_model_weights([p for p in model.get_parameters() if not is_adapter(p.name)], directory)
+    except ValueError as err:
+        raise ValueError(f"lora.base_checkpoint={path!r}: {err}") from None
+    log.info("lora.base_checkpoint: base weights from %s", directory)
+
+
+def check_base_vocab(model_cfg: ModelConfig, vocab_size: int, path: str) -> None:
+    if model_cfg.vocab_size < vocab_size:
+        raise ValueError(
+            f"lora.base_checkpoint={path!r}: vocab_size={model_cfg.vocab_size} is smaller than the "
+            f"tokenizer's {vocab_size}"
+        )
+
+
 class LoraRun:
     """The adapters of one run: what to checkpoint, and how to write them for PEFT."""
 
-    def __init__(self, lora_cfg: LoraConfig, report: LoraReport, model, model_type: str, base_name):
-        self.config = lora_cfg
-        self.report = report
+    def __init__(self, model, base_name):
+        from mindmoe.model.lora_plan import lora_report
+
+        self.config = model.adapter_plan.config
+        self.report = lora_report(model)
         self.model = model
-        self.model_type = model_type
+        self.model_type = model.adapter_plan.model_type
         self.base_name = base_name
         #: Parameters a checkpoint holds: the trained ones only.
         self.checkpoint_params = list(model.trainable_params())
 
     def write_adapter(self, directory: Path) -> list:
         """Write the PEFT adapter into ``directory/adapter``; returns the relative file names."""
+        from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
+
         save_adapter(self.model, Path(directory) / ADAPTER_DIR, self.config, self.model_type, self.base_name)
         return [f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}", f"{ADAPTER_DIR}/{ADAPTER_CONFIG}"]
 
 
-def setup_lora(cfg, model_cfg: ModelConfig, model, vocab_size: int):
-    """``(model_cfg, model, LoraRun or None)``: the run's model with adapters when ``lora.enabled``.
+def lora_run_for(cfg, model_cfg: ModelConfig, model) -> Optional[LoraRun]:
+    """The :class:`LoraRun` of a model :func:`~mindmoe.train.init_model.build_model` built, or None
+    without ``lora.enabled``; prints the trainable share."""
+    lora_cfg = run_lora_config(cfg)
+    if lora_cfg is None:
+        return None
+    run = LoraRun(model, str(lora_cfg.base_checkpoint) if lora_cfg.base_checkpoint else model_cfg.pretrained)
+    log.info("%s", run.report.summary())
+    print(run.report.summary())
+    return run
 
-    Call before anything compiles: base weights from ``lora.base_checkpoint`` are copied in here.
+
+def setup_lora(cfg, model_cfg: ModelConfig, model, vocab_size: int = 0):
+    """``(model_cfg, model, LoraRun or None)``; the model already has its adapters (``build_model``).
+
+    Kept for the call in ``train/loop.py``; ``vocab_size`` is not used (the base was resolved before
+    the build). New code calls :func:`lora_run_for`.
     """
-    lora_cfg = OmegaConf.to_object(cfg.lora)
-    if not lora_cfg.enabled:
-        if lora_cfg.base_checkpoint:
-            raise ValueError("lora.base_checkpoint is set but lora.enabled=false")
-        return model_cfg, model, None
-    if isinstance(lora_cfg.target_modules, (list, tuple)) or OmegaConf.is_list(lora_cfg.target_modules):
-        lora_cfg.target_modules = [str(t) for t in lora_cfg.target_modules]
-    lora_cfg.modules_to_save = [str(m) for m in lora_cfg.modules_to_save]
-    base_name = model_cfg.pretrained
-    model_type = "glm4_moe"
-    if model_cfg.pretrained:
-        from mindmoe.model.hf import read_pretrained_config
-
-        model_type = read_pretrained_config(model_cfg.pretrained).model_type
-        if lora_cfg.base_checkpoint:
-            raise ValueError(
-                f"lora.base_checkpoint={lora_cfg.base_checkpoint!r} and model.pretrained="
-                f"{model_cfg.pretrained!r} both name a base model; keep one"
-            )
-    elif lora_cfg.base_checkpoint:
-        model_cfg, model = _checkpoint_base(lora_cfg.base_checkpoint, vocab_size, cfg.train.cell_reuse)
-        base_name = str(lora_cfg.base_checkpoint)
-    report = apply_lora(model, lora_cfg, seed=cfg.train.seed, model_type=model_type)
-    log.info("%s", report.summary())
-    print(report.summary())
-    return model_cfg, model, LoraRun(lora_cfg, report, model, model_type, base_name)
-
-
-def _checkpoint_base(path: str, vocab_size: int, cell_reuse: bool):
-    from mindmoe.model.transformer import MoETransformer
-    from mindmoe.train.checkpoint import load_model_weights, read_state, resolve_checkpoint, verify_checkpoint
-
-    directory = resolve_checkpoint(path)
-    verify_checkpoint(directory)
-    state = read_state(directory)
-    if "model_config" not in state:
-        raise ValueError(f"lora.base_checkpoint={path!r}: {directory}/state.json has no model_config")
-    fields = {f.name for f in dataclasses.fields(ModelConfig)}
-    model_cfg = ModelConfig(**{k: v for k, v in state["model_config"].items() if k in fields})
-    validate_model_config(model_cfg)
-    if model_cfg.vocab_size < vocab_size:
-        raise ValueError(
-            f"lora.base_checkpoint={path!r}: vocab_size={model_cfg.vocab_size} is smaller than the "
-            f"tokenizer's {vocab_size}"
-        )
-    model = MoETransformer(model_cfg, cell_reuse=cell_reuse)
-    try:
-        load_model_weights(list(model.get_parameters()), directory)
-    except ValueError as err:
-        raise ValueError(f"lora.base_checkpoint={path!r}: {err}") from None
-    log.info("lora.base_checkpoint: base weights from %s", directory)
-    return model_cfg, model
+    return model_cfg, model, lora_run_for(cfg, model_cfg, model)

@@ -84,11 +84,15 @@ def test_resuming_reloads_the_base_and_continues_the_loss_curve(lora_run, data_c
     assert abs(after[STEPS + 1] - before[STEPS]) < 1.0
 
 
-def test_base_checkpoint_gives_the_architecture_and_weights_of_a_mindmoe_checkpoint(tmp_path):
+def test_base_checkpoint_gives_the_architecture_and_weights_of_a_mindmoe_checkpoint(tmp_path, monkeypatch):
+    """One model is built: the checkpoint's architecture with the adapters in place, its weights in the
+    base, parameter names those of the checkpoint plus ``<projection>.lora_A/B``."""
+    from mindmoe.model import transformer
     from mindmoe.model.config import ModelConfig
     from mindmoe.model.transformer import MoETransformer
     from mindmoe.train.checkpoint import save_checkpoint
-    from mindmoe.train.lora_setup import setup_lora
+    from mindmoe.train.init_model import build_model, planned_model_config
+    from mindmoe.train.lora_setup import lora_run_for
 
     base_cfg = ModelConfig(
         vocab_size=64,
@@ -105,14 +109,29 @@ def test_base_checkpoint_gives_the_architecture_and_weights_of_a_mindmoe_checkpo
     saved = save_checkpoint(
         tmp_path, 5, list(base.get_parameters()), [], {"model_config": dataclasses.asdict(base_cfg)}, keep_last=1
     )
-    cfg = compose_config([f"lora.base_checkpoint={saved}", "lora.enabled=true", "lora.r=2"])
-    unrelated = MoETransformer(dataclasses.replace(base_cfg, hidden_size=32), seed=0)  # what build_model made
-    model_cfg, model, lora_run = setup_lora(cfg, cfg.model, unrelated, vocab_size=64)
-    assert model_cfg.hidden_size == 16 and model is not unrelated
+    cfg = compose_config([f"lora.base_checkpoint={saved}", "lora.enabled=true", "lora.r=2", "model.hidden_size=32"])
+    assert planned_model_config(cfg) == base_cfg
+    built = []
+    plain_init = MoETransformer.__init__
+
+    def counted_init(self, *args, **kwargs):
+        built.append(self)
+        plain_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(transformer.MoETransformer, "__init__", counted_init)
+    model_cfg, model = build_model(cfg, vocab_size=64)
+    assert built == [model] and model_cfg.hidden_size == 16
     weights = {p.name: p.asnumpy() for p in model.get_parameters()}
+    adapters = {name for name in weights if name.endswith((".lora_A", ".lora_B"))}
+    assert set(weights) - adapters == {p.name for p in base.get_parameters()}
+    assert adapters and all(
+        name.rsplit(".", 1)[0] + ".weight" in weights or name.rsplit(".", 1)[0] in weights for name in adapters
+    )
     for param in base.get_parameters():
         np.testing.assert_array_equal(weights[param.name], param.asnumpy(), err_msg=param.name)
+    lora_run = lora_run_for(cfg, model_cfg, model)
     assert lora_run.report.trainable == sum(p.size for p in model.trainable_params()) > 0
+    assert {p.name for p in model.trainable_params()} == adapters
 
     with pytest.raises(ValueError, match="lora.base_checkpoint is set but lora.enabled=false"):
-        setup_lora(compose_config([f"lora.base_checkpoint={saved}"]), cfg.model, unrelated, 64)
+        build_model(compose_config([f"lora.base_checkpoint={saved}"]), 64)

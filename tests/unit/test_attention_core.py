@@ -1,4 +1,4 @@
-"""Attention's core (grouped queries, hand-written backward) against torch autograd of the plain formula."""
+"""The ``attention_core`` kernel (grouped queries, hand-written backward) against torch autograd of the formula."""
 
 import math
 
@@ -8,15 +8,16 @@ import pytest
 import torch
 from mindspore import Tensor
 
-from mindmoe.model.attention import MASK_VALUE, AttentionCore
+from mindmoe.model import kernels
+from mindmoe.model.attention import MASK_VALUE
 
 
-def reference(q_BNSD, k_BGKD, v_BGKD, mask_B1SK, upstream_BNSD):
+def reference(q_BNSD, k_BGPD, v_BGPD, mask_B1SP, upstream_BNSD):
     """``sum(upstream * softmax(q k^T / sqrt(D) + mask) v)`` with HF's repeat_kv, and its gradients."""
-    q, k, v = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (q_BNSD, k_BGKD, v_BGKD))
+    q, k, v = (torch.tensor(a, dtype=torch.float64, requires_grad=True) for a in (q_BNSD, k_BGPD, v_BGPD))
     group = q.shape[1] // k.shape[1]
     scores = q @ k.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(q.shape[-1])
-    probs = torch.softmax(scores + torch.tensor(mask_B1SK, dtype=torch.float64), -1)
+    probs = torch.softmax(scores + torch.tensor(mask_B1SP, dtype=torch.float64), -1)
     out = probs @ v.repeat_interleave(group, 1)
     (out * torch.tensor(upstream_BNSD, dtype=torch.float64)).sum().backward()
     return out.detach().numpy(), q.grad.numpy(), k.grad.numpy(), v.grad.numpy()
@@ -41,19 +42,19 @@ def test_attention_core_matches_torch_with_grouped_heads(heads, kv_heads, seq_le
     v = rng.normal(size=(batch, kv_heads, num_keys, head_dim)).astype(np.float32)
     upstream = rng.normal(size=q.shape).astype(np.float32)
     allowed, mask = document_mask(batch, seq_len, num_keys, boundary=num_keys - max(seq_len // 2, 1))
-    core = AttentionCore(1.0 / math.sqrt(head_dim))
+    core = kernels.attention_core(1.0 / math.sqrt(head_dim), "CPU")
     rows = group * seq_len
-    mask_BGRK = np.broadcast_to(mask, (batch, heads, seq_len, num_keys)).reshape(batch, kv_heads, rows, num_keys)
+    mask_BGQP = np.broadcast_to(mask, (batch, heads, seq_len, num_keys)).reshape(batch, kv_heads, rows, num_keys)
 
-    def weighted(q_BGRD, k_BGKD, v_BGKD, mask_in):
-        out_BGRD, _ = core(q_BGRD, k_BGKD, v_BGKD, mask_in)
-        return (out_BGRD * Tensor(upstream.reshape(batch, kv_heads, rows, head_dim))).sum(), out_BGRD
+    def weighted(q_BGQD, k_BGPD, v_BGPD, mask_in):
+        out_BGQD, _ = core(q_BGQD, k_BGPD, v_BGPD, mask_in)
+        return (out_BGQD * Tensor(upstream.reshape(batch, kv_heads, rows, head_dim))).sum(), out_BGQD
 
     (_, out), grads = ms.jit(ms.value_and_grad(weighted, (0, 1, 2, 3), has_aux=True))(
         Tensor(q.reshape(batch, kv_heads, rows, head_dim)),
         Tensor(k),
         Tensor(v),
-        Tensor(np.ascontiguousarray(mask_BGRK)),
+        Tensor(np.ascontiguousarray(mask_BGQP)),
     )
     out_ref, dq_ref, dk_ref, dv_ref = reference(q, k, v, mask, upstream)
     np.testing.assert_allclose(out.asnumpy().reshape(q.shape), out_ref, rtol=1e-4, atol=1e-5)

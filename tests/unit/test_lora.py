@@ -18,18 +18,18 @@ from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMLP
 
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.linear import Linear
-from mindmoe.model.lora import (
-    LoraConfig,
-    LoraLinear,
-    LoraRoutedExperts,
+from mindmoe.model.lora import LoraConfig, target_matches
+from mindmoe.model.lora_layers import AdapterSpec, LoraLinear
+from mindmoe.model.lora_plan import (
     adaptable_projections,
-    apply_lora,
     lora_parameters,
+    lora_report,
     merge_and_unload,
-    target_matches,
+    plan_adapters,
 )
 from mindmoe.model.moe.experts import RoutedExperts
+from mindmoe.model.moe.lora_experts import LoraRoutedExperts
+from mindmoe.model.param_count import parameter_shapes
 from mindmoe.model.transformer import MoETransformer
 
 HIDDEN, WIDTH, EXPERTS, ROWS, RANK = 12, 10, 3, 5, 4
@@ -65,12 +65,11 @@ def run_cell(cell, *arrays):
 @pytest.mark.parametrize("rslora,bias", [(False, True), (True, False)])
 def test_lora_linear_forward_equals_peft(rslora, bias):
     rng = np.random.default_rng(0)
-    base = Linear(HIDDEN, WIDTH, bias, 0.5, rng)
-    if bias:
-        base.bias.set_data(Tensor(rng.normal(size=WIDTH).astype(np.float32)))
     alpha = 8.0
     scaling = alpha / (math.sqrt(RANK) if rslora else RANK)
-    layer = LoraLinear(base, RANK, scaling, 0.0, rng)
+    layer = base = LoraLinear(HIDDEN, WIDTH, bias, 0.5, rng, AdapterSpec(RANK, scaling, 0.0, rng))
+    if bias:
+        base.bias.set_data(Tensor(rng.normal(size=WIDTH).astype(np.float32)))
     layer.lora_B.set_data(Tensor(rng.normal(size=(WIDTH, RANK)).astype(np.float32)))
     x = rng.normal(size=(2, 7, HIDDEN)).astype(np.float32)
     reference = peft_linear(
@@ -91,7 +90,7 @@ def test_lora_linear_forward_equals_peft(rslora, bias):
 def test_init_follows_peft_a_uniform_in_one_over_sqrt_in_b_zero():
     in_features = 400
     layer = LoraLinear(
-        Linear(in_features, 64, False, 0.02, np.random.default_rng(0)), 16, 2.0, 0.0, np.random.default_rng(1)
+        in_features, 64, False, 0.02, np.random.default_rng(0), AdapterSpec(16, 2.0, 0.0, np.random.default_rng(1))
     )
     holder = peft_linear(
         np.zeros((64, in_features), np.float32),
@@ -133,13 +132,12 @@ def peft_experts(experts: RoutedExperts, adapters: dict, alpha: float):
 
 def lora_experts(projections, seed=0):
     rng = np.random.default_rng(seed)
-    base = RoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.2, rng)
-    layer = LoraRoutedExperts(base, projections, RANK, 16.0 / RANK, 0.0, rng)
+    layer = LoraRoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.2, rng, projections, AdapterSpec(RANK, 16.0 / RANK, 0.0, rng))
     adapters = {}
     for proj in layer.projections:
-        lora_B = getattr(layer, f"{proj}_lora_B")
+        lora_A, lora_B = getattr(layer, f"{proj}_lora")
         lora_B.set_data(Tensor(rng.normal(0, 0.1, size=lora_B.shape).astype(np.float32)))
-        adapters[proj] = (getattr(layer, f"{proj}_lora_A").asnumpy(), lora_B.asnumpy())
+        adapters[proj] = (lora_A.asnumpy(), lora_B.asnumpy())
     return layer, adapters
 
 
@@ -195,7 +193,7 @@ def test_expert_adapter_gradients_follow_token_grad_isolation():
     (plain_dx,) = torch.autograd.grad(per_row.sum(), [x_t])
     expected = {}
     for i, key in enumerate(factors):
-        expected[f"{key[0]}_{key[1]}"] = np.stack([g.numpy() for g in isolated[i * EXPERTS : (i + 1) * EXPERTS]])
+        expected[f"{key[0]}.{key[1]}"] = np.stack([g.numpy() for g in isolated[i * EXPERTS : (i + 1) * EXPERTS]])
     for param, grad in zip(params, dparams):
         np.testing.assert_allclose(grad.asnumpy(), expected[param.name], rtol=1e-4, atol=1e-5, err_msg=param.name)
     np.testing.assert_allclose(dx.asnumpy(), plain_dx.numpy(), rtol=1e-4, atol=1e-5)
@@ -204,7 +202,7 @@ def test_expert_adapter_gradients_follow_token_grad_isolation():
 
 def test_dropout_acts_on_the_lora_branch_only_and_only_in_training():
     rng = np.random.default_rng(6)
-    layer = LoraLinear(Linear(HIDDEN, WIDTH, True, 0.5, rng), RANK, 2.0, 0.5, rng)
+    layer = LoraLinear(HIDDEN, WIDTH, True, 0.5, rng, AdapterSpec(RANK, 2.0, 0.5, rng))
     x = rng.normal(size=(4, 9, HIDDEN)).astype(np.float32)
     base = x @ layer.weight.asnumpy().T + layer.bias.asnumpy()
     layer.set_train(True)
@@ -270,15 +268,14 @@ def test_merged_model_equals_unmerged_and_has_the_base_parameter_names():
     cfg = tiny_config()
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 10)).astype(np.int32)
     lora = LoraConfig(enabled=True, r=4, alpha=8.0)
-    base_logits = logits(MoETransformer(cfg, seed=3), ids)
-    unmerged = MoETransformer(cfg, seed=3)
-    apply_lora(unmerged, lora, seed=1)
+    base = MoETransformer(cfg, seed=3)
+    base_logits = logits(base, ids)
+    unmerged = MoETransformer(cfg, seed=3, lora=plan_adapters(cfg, lora, seed=1))
     randomize_adapters(unmerged, 2)
-    merged = MoETransformer(cfg, seed=3)
-    base_names = [p.name for p in merged.get_parameters()]
-    apply_lora(merged, lora, seed=1)
-    randomize_adapters(merged, 2)
-    merge_and_unload(merged)
+    base_names = [p.name for p in base.get_parameters()]
+    adapted = MoETransformer(cfg, seed=3, lora=plan_adapters(cfg, lora, seed=1))
+    randomize_adapters(adapted, 2)
+    merged = merge_and_unload(adapted)
     assert [p.name for p in merged.get_parameters()] == base_names
     assert not any(isinstance(c, (LoraLinear, LoraRoutedExperts)) for _, c in merged.cells_and_names())
     unmerged_logits = logits(unmerged, ids)
@@ -286,11 +283,12 @@ def test_merged_model_equals_unmerged_and_has_the_base_parameter_names():
     np.testing.assert_allclose(logits(merged, ids), unmerged_logits, atol=1e-4, rtol=0)
 
 
-def test_apply_lora_freezes_the_base_and_counts_trainable_parameters():
+def test_a_lora_build_freezes_the_base_and_counts_trainable_parameters():
     cfg = tiny_config()
-    model = MoETransformer(cfg, seed=0)
-    total_base = sum(p.size for p in model.get_parameters())
-    report = apply_lora(model, LoraConfig(enabled=True, r=2, target_modules=["q_proj", "down_proj"]), seed=0)
+    total_base = sum(p.size for p in MoETransformer(cfg, seed=0).get_parameters())
+    lora = LoraConfig(enabled=True, r=2, target_modules=["q_proj", "down_proj"])
+    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora, seed=0))
+    report = lora_report(model)
     trainable = {p.name: p.shape for p in model.trainable_params()}
     h, heads, d = cfg.hidden_size, cfg.num_heads, cfg.hidden_size // cfg.num_heads
     expected = {
@@ -316,10 +314,11 @@ def test_targets_follow_peft_name_rules():
     assert not target_matches(["proj"], "model.layers.0.self_attn.q_proj")  # suffix means a whole name part
     assert target_matches(r".*\.experts\.\d+\.up_proj", "model.layers.1.mlp.experts.3.up_proj")
     assert not target_matches(r"up_proj", "model.layers.1.mlp.experts.3.up_proj")  # a regex matches in full
-    model = MoETransformer(tiny_config(), seed=0)
-    names = {hf for t in adaptable_projections(model) for hf, _ in t.hf_modules}
+    cfg = tiny_config()
+    names = {hf for t in adaptable_projections(cfg) for hf, _ in t.hf_modules}
     assert "model.layers.1.mlp.experts.3.gate_proj" in names and "model.layers.0.mlp.up_proj" in names
-    report = apply_lora(model, LoraConfig(enabled=True, target_modules=r"model\.layers\.1\.mlp\.shared_experts\..*"))
+    lora = LoraConfig(enabled=True, target_modules=r"model\.layers\.1\.mlp\.shared_experts\..*")
+    report = lora_report(MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora)))
     assert report.adapted == [f"layers.1.mlp.shared_experts.{p}.weight" for p in ("down_proj", "gate_proj", "up_proj")]
 
 
@@ -332,15 +331,14 @@ def test_targets_follow_peft_name_rules():
     ],
 )
 def test_bad_targets_are_errors_naming_the_key(targets, message):
-    model = MoETransformer(tiny_config(), seed=0)
     with pytest.raises(ValueError, match=message) as raised:
-        apply_lora(model, LoraConfig(enabled=True, target_modules=targets))
+        plan_adapters(tiny_config(), LoraConfig(enabled=True, target_modules=targets))
     assert "lora.target_modules" in str(raised.value)
 
 
 def test_modules_to_save_are_trained_in_full():
-    model = MoETransformer(tiny_config(), seed=0)
-    apply_lora(model, LoraConfig(enabled=True, target_modules=["v_proj"], modules_to_save=["lm_head"]))
+    lora = LoraConfig(enabled=True, target_modules=["v_proj"], modules_to_save=["lm_head"])
+    model = MoETransformer(tiny_config(), seed=0, lora=plan_adapters(tiny_config(), lora))
     assert {p.name for p in model.trainable_params()} == {
         "lm_head.weight",
         "layers.0.self_attn.v_proj.lora_A",
@@ -349,9 +347,8 @@ def test_modules_to_save_are_trained_in_full():
         "layers.1.self_attn.v_proj.lora_B",
     }
     with pytest.raises(ValueError, match="match no module"):
-        apply_lora(
-            MoETransformer(tiny_config(), seed=0),
-            LoraConfig(enabled=True, target_modules=["v_proj"], modules_to_save=["nothing_here"]),
+        plan_adapters(
+            tiny_config(), LoraConfig(enabled=True, target_modules=["v_proj"], modules_to_save=["nothing_here"])
         )
 
 
@@ -359,8 +356,8 @@ def test_expert_update_isolation_scales_expert_adapters_not_the_frozen_weights()
     from mindmoe.train.routing import RouterStepUpdates
 
     cfg = tiny_config(expert_lock=True, isolation_mode="expert_update")
-    model = MoETransformer(cfg, seed=0)
-    apply_lora(model, LoraConfig(enabled=True, target_modules=["gate_proj", "down_proj"]))
+    lora = LoraConfig(enabled=True, target_modules=["gate_proj", "down_proj"])
+    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora))
     updates = RouterStepUpdates(model, cfg)
     assert [[p.name for p in layer] for layer in updates.expert_params] == [
         [
@@ -370,3 +367,22 @@ def test_expert_update_isolation_scales_expert_adapters_not_the_frozen_weights()
             "layers.1.mlp.experts.down_proj.lora_B",
         ]
     ]
+
+
+def test_a_lora_model_is_built_with_its_adapters_named_from_the_config():
+    """Built once with the plan: every base parameter of ``parameter_shapes`` keeps its name and shape,
+    each adapted weight ``<p>.weight`` / stacked ``<p>`` gains ``<p>.lora_A [.., R, F]`` and
+    ``<p>.lora_B [.., O, R]`` (PEFT's layout), and nothing else trains."""
+    cfg = tiny_config(qkv_bias=True)
+    lora = LoraConfig(enabled=True, r=3, target_modules=["k_proj", "up_proj"])
+    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora))
+    expected = dict(parameter_shapes(cfg, include_buffers=True))
+    for name, shape in parameter_shapes(cfg).items():
+        if name.endswith(("k_proj.weight", "up_proj.weight", "experts.up_proj")):
+            prefix = name.removesuffix(".weight")
+            expected[prefix + ".lora_A"] = (*shape[:-2], 3, shape[-1])
+            expected[prefix + ".lora_B"] = (*shape[:-1], 3)
+    assert {p.name: tuple(p.shape) for p in model.get_parameters()} == expected
+    assert {p.name for p in model.trainable_params()} == {n for n in expected if ".lora_" in n}
+    experts = [c for _, c in model.cells_and_names() if isinstance(c, RoutedExperts)]
+    assert experts and all(isinstance(c, LoraRoutedExperts) for c in experts)

@@ -11,7 +11,7 @@ from peft import PeftModel
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
 from mindmoe.model.hf import load_hf_pretrained
-from mindmoe.model.lora import LoraConfig, apply_lora
+from mindmoe.model.lora import LoraConfig
 from mindmoe.model.peft_adapter import save_adapter
 from tests.integration.test_train import compose_config
 
@@ -21,9 +21,8 @@ BASE = Path(__file__).resolve().parents[2] / "data" / "samples" / "tiny_base"
 @pytest.fixture(scope="module")
 def adapter_dir(tmp_path_factory):
     """An adapter on every projection, routed experts included, with non-zero stand-in values."""
-    _, model, _ = load_hf_pretrained(BASE)
     lora = LoraConfig(enabled=True, r=4, alpha=8.0)
-    apply_lora(model, lora, seed=0)
+    _, model, _ = load_hf_pretrained(BASE, lora=lora, lora_seed=0)
     rng = np.random.default_rng(1)
     for param in model.trainable_params():
         param.set_data(Tensor(rng.normal(0, 0.05, size=param.shape).astype(np.float32)))
@@ -74,8 +73,7 @@ def test_mindir_export_with_adapter_equals_the_unmerged_model_with_adapters(adap
     out = tmp_path / "mindir"
     overrides = [f"model.pretrained={BASE}", f"export.out={out}", f"export.adapter={adapter_dir}"]
     run_export(compose_config(overrides), tmp_path, overrides)
-    _, unmerged, _ = load_hf_pretrained(BASE, {"dispatch": "dropless"})
-    apply_lora(unmerged, read_adapter_config(adapter_dir), seed=0)
+    _, unmerged, _ = load_hf_pretrained(BASE, {"dispatch": "dropless"}, lora=read_adapter_config(adapter_dir))
     load_adapter(unmerged, adapter_dir)
     unmerged.set_train(False)
     _, base, _ = load_hf_pretrained(BASE, {"dispatch": "dropless"})

@@ -22,7 +22,8 @@ from safetensors.numpy import load_file
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
 from mindmoe.model.hf import load_hf_pretrained
-from mindmoe.model.lora import LoraConfig, apply_lora, lora_parameters
+from mindmoe.model.lora import LoraConfig, is_adapter
+from mindmoe.model.lora_plan import lora_parameters, lora_report
 from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, merge_adapters, save_adapter
 from tests.unit.test_hf_interop import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
 
@@ -41,12 +42,14 @@ def trained(tmp_path_factory):
         randomize_hf(Glm4MoeForCausalLM(glm4_config(n_routed_experts=4, num_hidden_layers=2)), seed=11),
         tmp_path_factory.mktemp("hf"),
     )
-    cfg, model, _ = load_hf_pretrained(
-        hf_dir, {"expert_lock": True, "lock_run_length": 2, "lock_span": 4, "isolation_mode": "expert_update"}
-    )
-    base = {p.name: p.asnumpy().copy() for p in model.get_parameters()}
     lora = LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.1, target_modules=TARGETS)
-    report = apply_lora(model, lora, seed=0)
+    cfg, model, _ = load_hf_pretrained(
+        hf_dir,
+        {"expert_lock": True, "lock_run_length": 2, "lock_span": 4, "isolation_mode": "expert_update"},
+        lora=lora,
+    )
+    base = {p.name: p.asnumpy().copy() for p in model.get_parameters() if not is_adapter(p.name)}
+    report = lora_report(model)
     optimizer = build_optimizer(
         model.trainable_params(), TrainConfig(lr=2e-2, warmup_ratio=0.0, max_steps=STEPS, weight_decay=0.0)
     )
@@ -122,8 +125,7 @@ def test_peft_loads_the_adapters_and_matches_the_merged_model(trained):
 
 def test_adapters_for_another_model_are_rejected(trained, tmp_path):
     hf_dir, _, _, _, adapter_dir, _ = trained
-    _, model, _ = load_hf_pretrained(hf_dir)
-    apply_lora(model, LoraConfig(enabled=True, r=4, alpha=8.0, target_modules=["q_proj"]))
+    _, model, _ = load_hf_pretrained(hf_dir, lora=LoraConfig(enabled=True, r=4, alpha=8.0, target_modules=["q_proj"]))
     from mindmoe.model.peft_adapter import load_adapter
 
     with pytest.raises(AdapterError, match=r"unexpected base_model\.model\.model\.layers\.0\.mlp"):
@@ -132,7 +134,6 @@ def test_adapters_for_another_model_are_rejected(trained, tmp_path):
 
 def test_modules_to_save_round_trip_through_peft(trained, tmp_path):
     hf_dir = trained[0]
-    _, model, _ = load_hf_pretrained(hf_dir)
     lora = LoraConfig(
         enabled=True,
         r=2,
@@ -141,7 +142,7 @@ def test_modules_to_save_round_trip_through_peft(trained, tmp_path):
         target_modules=r".*\.self_attn\.(q|v)_proj",
         modules_to_save=["lm_head"],
     )
-    apply_lora(model, lora, seed=1)
+    _, model, _ = load_hf_pretrained(hf_dir, lora=lora, lora_seed=1)
     rng = np.random.default_rng(8)
     for param in model.trainable_params():  # stand-ins for trained values
         param.set_data(Tensor((param.asnumpy() + rng.normal(0, 0.3, size=param.shape)).astype(np.float32)))

@@ -1,0 +1,105 @@
+"""CPU implementations of the kernel functions (also what every other device runs until it has its own).
+
+Shape legend (docs/architecture.md): Z rows of a flattened input, H the normalised axis (the hidden
+size, or the head dim D for QK-norm), B batch, G key/value heads, Q the query rows of one key/value
+head (its query heads' positions of one attention block), P key positions, D head dim, I SwiGLU width.
+"""
+
+import mindspore as ms
+from mindspore import nn, ops
+
+
+class RowRMSNormalize(nn.Cell):
+    """``x * rsqrt(mean(x^2, -1) + eps) * weight`` on a 2-D fp32 ``[Z, H]``, with a hand-written backward.
+
+    Both row reductions are MatMuls with a ones column and the weight gradient a column sum of a
+    2-D tensor: on CPU, MindSpore 2.9's ReduceMean/ReduceSum over an axis of a 3-D or 4-D tensor ran
+    about 8x slower than over a 2-D one and than these MatMuls, and the automatic backward of the
+    plain formula took four such reductions per norm. (A ``[1, Z] x [Z, H]`` MatMul for the column
+    sum is as fast, but with it two data-parallel workers no longer reproduced the single process's
+    losses to 1e-5.) With ``xhat = x r``, ``r = rsqrt(mean(x^2) + eps)``
+    and ``g = dy * weight``::
+
+        dx      = r * (g - xhat * mean(g * xhat, -1))
+        dweight = sum_rows(dy * xhat)
+    """
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.inv_dim = 1.0 / dim
+        self.row_dot = ops.MatMul()
+
+    def inverse_rms(self, x_ZH):
+        ones_H1 = ops.ones((x_ZH.shape[1], 1), ms.float32)
+        return ops.rsqrt(self.row_dot(x_ZH * x_ZH, ones_H1) * self.inv_dim + self.eps)
+
+    def construct(self, x_ZH, weight_H):
+        return x_ZH * self.inverse_rms(x_ZH) * weight_H
+
+    def bprop(self, x_ZH, weight_H, out_ZH, dout_ZH):
+        inv_rms_Z1 = self.inverse_rms(x_ZH)
+        xhat_ZH = x_ZH * inv_rms_Z1
+        dweight_H = (dout_ZH * xhat_ZH).sum(0)
+        g_ZH = dout_ZH * weight_H
+        ones_H1 = ops.ones((x_ZH.shape[1], 1), ms.float32)
+        mean_Z1 = self.row_dot(g_ZH * xhat_ZH, ones_H1) * self.inv_dim
+        return (g_ZH - xhat_ZH * mean_Z1) * inv_rms_Z1, dweight_H
+
+
+class GroupedAttentionCore(nn.Cell):
+    """``softmax(q k^T * scale + mask) v`` for queries grouped by their key/value head, with a hand-written backward.
+
+    Shapes: q ``[B, G, Q, D]`` where the Q = group x S rows of a key/value head are its query
+    heads' positions (a contiguous reshape of ``[B, N, S, D]``), k/v ``[B, G, P, D]``, mask
+    ``[B, G, Q, P]`` fp32. Returns ``(out [B, G, Q, D], probs [B, G, Q, P])``; the probabilities
+    are an output only so the backward can reuse them.
+
+    Grouping the queries instead of repeating k/v per query head makes the gradients of k and v
+    come out of the BatchMatMuls already summed over the group (the repeat's backward was a
+    reduction over a 5-D tensor). The backward uses FlashAttention's identity
+    ``sum_p prob_qp dprob_qp = dout_q . out_q`` (Dao et al. 2022): for fp32 the row term enters the
+    ``dout v^T`` BatchMatMul as an extra column (``[dout, -delta] [v, 1]^T = dprob - delta``), so
+    the softmax backward costs one elementwise pass over the scores instead of four. Scores,
+    softmax and the score gradients are fp32 whatever the dtype of q/k/v.
+    """
+
+    def __init__(self, scale: float):
+        super().__init__()
+        self.scale = scale
+        self.bmm_nt = ops.BatchMatMul(transpose_b=True)
+        self.bmm_nn = ops.BatchMatMul()
+        self.bmm_tn = ops.BatchMatMul(transpose_a=True)
+        self.row_dot = ops.MatMul()
+
+    def construct(self, q_BGQD, k_BGPD, v_BGPD, mask_BGQP):
+        scores_BGQP = self.bmm_nt(q_BGQD * self.scale, k_BGPD).astype(ms.float32)
+        probs_BGQP = ops.softmax(scores_BGQP + mask_BGQP, -1)
+        out_BGQD = self.bmm_nn(probs_BGQP.astype(v_BGPD.dtype), v_BGPD)
+        return out_BGQD, probs_BGQP
+
+    def bprop(self, q_BGQD, k_BGPD, v_BGPD, mask_BGQP, out, dout):
+        out_BGQD, probs_BGQP = out
+        dout_BGQD = dout[0]
+        head_dim = q_BGQD.shape[-1]
+        rows_shape = out_BGQD.shape[:-1] + (1,)
+        ones_D1 = ops.ones((head_dim, 1), ms.float32)
+        products_ZD = (dout_BGQD.astype(ms.float32) * out_BGQD.astype(ms.float32)).reshape(-1, head_dim)
+        delta_BGQ1 = self.row_dot(products_ZD, ones_D1).reshape(rows_shape)
+        if v_BGPD.dtype == ms.float32:
+            ones_BGP1 = ops.ones(k_BGPD.shape[:-1] + (1,), ms.float32)
+            dprobs_shifted_BGQP = self.bmm_nt(
+                ops.concat((dout_BGQD, -delta_BGQ1), -1), ops.concat((v_BGPD, ones_BGP1), -1)
+            )
+        else:
+            dprobs_shifted_BGQP = self.bmm_nt(dout_BGQD, v_BGPD).astype(ms.float32) - delta_BGQ1
+        dscores_BGQP = (probs_BGQP * dprobs_shifted_BGQP).astype(q_BGQD.dtype)
+        dq_BGQD = self.bmm_nn(dscores_BGQP, k_BGPD) * self.scale
+        dk_BGPD = self.bmm_tn(dscores_BGQP, q_BGQD) * self.scale
+        dv_BGPD = self.bmm_tn(probs_BGQP.astype(v_BGPD.dtype), dout_BGQD)
+        return dq_BGQD, dk_BGPD, dv_BGPD, ops.zeros_like(mask_BGQP)
+
+
+def swiglu(gate_ZI, up_ZI):
+    """``silu(gate) * up``, the SwiGLU activation (Shazeer 2020), on any matching shapes."""
+    return ops.silu(gate_ZI) * up_ZI

@@ -1,0 +1,97 @@
+"""LoRA on the routed experts: stacked per-expert adapters, built in place of :class:`RoutedExperts`.
+
+Routed experts are stacked ``[E, O, F]`` tensors; their adapters are stacked too: ``A [E, R, F]``,
+``B [E, O, R]``, row e being the factors PEFT gives HF module ``experts.{e}.<proj>`` (see
+:mod:`model.lora`). Shape legend (docs/architecture.md): E experts, C rows per expert, R rank,
+F input features, O output features, H hidden, I expert width.
+"""
+
+import numpy as np
+from mindspore import Parameter, ParameterTuple, Tensor, ops
+
+from mindmoe.model.lora import EXPERT_PROJECTIONS
+from mindmoe.model.lora_layers import AdapterScope, AdapterSpec, lora_a_init
+from mindmoe.model.moe.experts import RoutedExperts
+
+
+class LoraRoutedExperts(RoutedExperts):
+    """:class:`RoutedExperts` with per-expert adapters on some of its projections.
+
+    The factors of projection ``gate_proj`` are the pair ``gate_proj_lora`` (None when it has no
+    adapter), named ``gate_proj.lora_A`` / ``gate_proj.lora_B`` beside the stacked weight ``gate_proj``.
+    With gradient isolation (``token_grad``) the adapter factors get the same row-scaled weight
+    gradient as the expert weights: a locked token trains its expert's adapters with weight lambda.
+    """
+
+    def __init__(
+        self,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        std: float,
+        rng: np.random.Generator,
+        projections,
+        adapter: AdapterSpec,
+        held_experts: range = None,
+    ):
+        super().__init__(num_experts, hidden_size, intermediate_size, std, rng, held_experts)
+        self.scaling = adapter.scaling
+        self.dropout = adapter.dropout
+        self.projections = tuple(p for p in EXPERT_PROJECTIONS if p in projections)
+        for proj in EXPERT_PROJECTIONS:
+            factors = None
+            if proj in self.projections:
+                experts, out_features, in_features = getattr(self, proj).shape
+                # A ParameterTuple keeps the dotted names: a parameter attribute cannot contain a dot.
+                factors = ParameterTuple(
+                    (
+                        Parameter(
+                            lora_a_init(adapter.rng, (experts, adapter.rank, in_features)), name=f"{proj}.lora_A"
+                        ),
+                        Parameter(
+                            Tensor(np.zeros((experts, out_features, adapter.rank), np.float32)), name=f"{proj}.lora_B"
+                        ),
+                    )
+                )
+            setattr(self, f"{proj}_lora", factors)
+
+    def _project(self, x_ECF, w_EOF, factors, scale_EC):
+        if scale_EC is None:
+            y_ECO = self.bmm(x_ECF, w_EOF)
+        else:
+            y_ECO = self.scaled_bmm(x_ECF, w_EOF, scale_EC)
+        if factors is None:
+            return y_ECO
+        if self.dropout > 0 and self.training:
+            x_ECF = ops.dropout(x_ECF, p=self.dropout, training=True)
+        lora_A_ERF = factors[0].astype(x_ECF.dtype)
+        lora_B_EOR = factors[1].astype(x_ECF.dtype)
+        if scale_EC is None:
+            delta_ECO = self.bmm(self.bmm(x_ECF, lora_A_ERF), lora_B_EOR)
+        else:
+            delta_ECO = self.scaled_bmm(self.scaled_bmm(x_ECF, lora_A_ERF, scale_EC), lora_B_EOR, scale_EC)
+        return y_ECO + delta_ECO * self.scaling
+
+    def _forward(self, x_ECH, scale_EC):
+        gate_ECI = self._project(x_ECH, self.gate_proj, self.gate_proj_lora, scale_EC)
+        up_ECI = self._project(x_ECH, self.up_proj, self.up_proj_lora, scale_EC)
+        return self._project(ops.silu(gate_ECI) * up_ECI, self.down_proj, self.down_proj_lora, scale_EC)
+
+    def construct(self, x_ECH):
+        return self._forward(x_ECH, None)
+
+    def with_weight_grad_scale(self, x_ECH, scale_EC):
+        return self._forward(x_ECH, scale_EC)
+
+
+def routed_experts(
+    num_experts: int, hidden_size: int, intermediate_size: int, std: float, rng, lora: AdapterScope, held_experts=None
+):
+    """The :class:`RoutedExperts` at scope ``lora`` (``layers.{i}.mlp.experts``), with the planned adapters;
+    ``held_experts`` as there."""
+    projections = lora.expert_projections()
+    if not projections:
+        return RoutedExperts(num_experts, hidden_size, intermediate_size, std, rng, held_experts)
+    return LoraRoutedExperts(
+        num_experts, hidden_size, intermediate_size, std, rng, projections, lora.spec, held_experts
+    )
