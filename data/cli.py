@@ -4,24 +4,20 @@ Training does the same on demand; running it first (once per cluster node or sha
 keeps workers from waiting on each other.
 """
 
-import sys
-
 import hydra
 
+from mindmoe.conf.exit_codes import reports_errors
 from mindmoe.conf.schema import register_configs
 
 register_configs()
 
 
 @hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
+@reports_errors("mindmoe-data")
 def _main(cfg) -> None:
     from mindmoe.data.prepare import prepare_data, with_pretrained_tokenizer
 
-    try:
-        prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
-    except (ValueError, FileNotFoundError) as error:
-        print(f"mindmoe-data: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
     print(f"tokenizer: {prepared.tokenizer_path} (vocab {prepared.vocab_size})")
     print(f"train: {prepared.num_train_windows} windows in {len(prepared.train_shards)} shard(s)")
     print(f"valid: {prepared.num_valid_windows} windows in {len(prepared.valid_shards)} shard(s)")

@@ -8,10 +8,9 @@ Takes the ``mindmoe-train`` config tree plus ``launch.*``. Before any worker sta
 that the world divides as configured and prepares the tokenizer and MindRecord shards (cached,
 so the workers find them). Every worker gets the same overrides and the same run dir. When a
 worker dies, msrun stops the others; this command then exits non-zero naming the failed rank's
-log. Exit codes: 0 done, 2 configuration error, otherwise the failure code of the job.
+log. Exit codes (:mod:`conf.exit_codes`): 0 done (a dry run always), 1 a worker failed, 2 configuration error.
 """
 
-import dataclasses
 import re
 import signal
 import subprocess
@@ -22,6 +21,8 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
+from mindmoe.conf.exit_codes import CONFIG_ERRORS, STOPPED_ON_SIGNAL, WORKER_FAILED, CommandExit, reports_errors
+from mindmoe.conf.launch_checks import check_launch_config
 from mindmoe.conf.schema import register_configs
 from mindmoe.launch.msrun import (
     WORKER_BANNER,
@@ -33,7 +34,6 @@ from mindmoe.launch.msrun import (
     process_environment,
     render,
     validate_launch,
-    world_size,
 )
 
 register_configs()
@@ -41,42 +41,12 @@ register_configs()
 #: msrun's report of the first worker that failed (``_api.py`` of MindSpore 2.9).
 FAILED_WORKER = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
 BANNER = re.compile(WORKER_BANNER.format(rank=r"(\d+)", pid=r"(\d+)"))
-#: Exit status of ``mindmoe-train`` after a SIGTERM/SIGINT checkpoint (train/cli.py).
-STOPPED_ON_SIGNAL = 3
 
 
-class WorkerFailed(RuntimeError):
+class WorkerFailed(CommandExit):
     """The job stopped because a worker exited with an error."""
 
-
-def check_config(cfg, hydra_overrides, task_overrides=()) -> None:
-    """Everything that can be wrong before a worker starts, naming the key to change."""
-    from mindmoe.model.config import validate_model_config
-    from mindmoe.train.distributed import resolve_layout
-    from mindmoe.train.init_model import explicit_model_keys, planned_model_config
-    from mindmoe.train.loop import validate_run_config
-
-    launch = cfg.launch
-    validate_launch(launch)
-    if launch.nodes > 1 and not any(o.startswith("hydra.run.dir=") for o in hydra_overrides):
-        raise ValueError(
-            f"launch.nodes={launch.nodes}: give every node the same shared run dir with "
-            "hydra.run.dir=/shared/path (the default is a timestamp of each node's own clock)"
-        )
-    validate_run_config(cfg)
-    # With model.pretrained the architecture is the directory's config.json (read here, as data).
-    model = planned_model_config(cfg, explicit_model_keys(task_overrides))
-    # The real vocabulary comes from the tokenizer; any positive size checks the other keys.
-    validate_model_config(dataclasses.replace(model, vocab_size=model.vocab_size or cfg.data.vocab_size))
-    resolve_layout(
-        world_size(launch),
-        cfg.parallel.dp,
-        cfg.parallel.ep,
-        model.num_experts,
-        cfg.data.global_batch_size,
-        cfg.data.micro_batch_size,
-        model.num_layers > model.first_k_dense,
-    )
+    exit_code = WORKER_FAILED
 
 
 def rank_log(logs: Path, pid: int):
@@ -182,11 +152,11 @@ def launch(cfg) -> int:
         # run dir): print it, and what would stop the real launch as a warning.
         print(render(command, env, cfg.launch), flush=True)
         try:
-            check_config(cfg, list(hydra_cfg.overrides.hydra), overrides)
-        except (ValueError, FileNotFoundError) as error:
+            check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides)
+        except CONFIG_ERRORS as error:
             print(f"mindmoe-launch: warning: the launch would stop here: {error}", file=sys.stderr)
         return 0
-    check_config(cfg, list(hydra_cfg.overrides.hydra), overrides)
+    check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides)
     from mindmoe.data.prepare import prepare_data, with_pretrained_tokenizer
 
     prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
@@ -200,16 +170,9 @@ def launch(cfg) -> int:
 
 
 @hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
+@reports_errors("mindmoe-launch")
 def _main(cfg) -> None:
-    try:
-        code = launch(cfg)
-    except (ValueError, FileNotFoundError) as error:
-        print(f"mindmoe-launch: error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except WorkerFailed as failure:
-        print(f"mindmoe-launch: error: {failure}", file=sys.stderr)
-        sys.exit(1)
-    sys.exit(code)
+    sys.exit(launch(cfg))
 
 
 def main() -> None:

@@ -15,6 +15,7 @@ from typing import List
 import hydra
 from omegaconf import OmegaConf
 
+from mindmoe.conf.exit_codes import reports_errors
 from mindmoe.conf.schema import register_configs
 from mindmoe.launch.plan import GIB, Batch, Layout, Plan, PlanConfig, plan_layout, search_layouts, validate_plan_config
 from mindmoe.model.config import ModelConfig, validate_model_config
@@ -182,13 +183,9 @@ def report(cfg) -> List[str]:
 
 
 @hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
+@reports_errors("mindmoe-plan")
 def _main(cfg) -> None:
-    try:
-        lines = report(cfg)
-    except ValueError as error:
-        print(f"mindmoe-plan: {error}", file=sys.stderr)
-        sys.exit(2)
-    print("\n".join(lines))
+    print("\n".join(report(cfg)))
 
 
 def main() -> None:

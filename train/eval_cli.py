@@ -6,28 +6,24 @@ Prints the table and writes ``long_context.json`` and ``long_context.md`` into `
 (default: the Hydra run dir). Keys: ``eval.*`` (conf/eval/default.yaml), ``data.valid_files``.
 """
 
-import logging
-import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
+from mindmoe.conf.exit_codes import reports_errors
 from mindmoe.conf.schema import register_configs
 
 register_configs()
 
 
 @hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
+@reports_errors("mindmoe-eval")
 def _main(cfg) -> None:
     from mindmoe.train.eval_report import markdown, write_report
     from mindmoe.train.evaluate import evaluate_checkpoint
 
-    try:
-        report = evaluate_checkpoint(cfg)
-    except (ValueError, FileNotFoundError) as error:
-        logging.getLogger("mindmoe").error("%s", error)
-        sys.exit(2)
+    report = evaluate_checkpoint(cfg)
     out_dir = Path(cfg.eval.out) if cfg.eval.out else Path(HydraConfig.get().runtime.output_dir)
     json_path, markdown_path = write_report(report, out_dir)
     print(markdown(report))

@@ -7,27 +7,24 @@
 Keys: ``export.*`` (conf/export/default.yaml), ``checkpoint``, ``model.pretrained``, ``data.tokenizer``.
 """
 
-import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
+from mindmoe.conf.exit_codes import reports_errors
 from mindmoe.conf.schema import register_configs
 
 register_configs()
 
 
 @hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
+@reports_errors("mindmoe-export")
 def _main(cfg) -> None:
     from mindmoe.train.export import run_export
 
     hydra_cfg = HydraConfig.get()
-    try:
-        out = run_export(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task))
-    except (ValueError, FileNotFoundError, NotImplementedError) as error:
-        print(f"mindmoe-export: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    out = run_export(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task))
     print(f"exported ({cfg.export.format}): {out}")
 
 

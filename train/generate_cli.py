@@ -9,8 +9,9 @@ the tokenizer's BOS token, as training documents do; generation stops at EOS.
 """
 
 import argparse
-import sys
 from pathlib import Path
+
+from mindmoe.conf.exit_codes import reports_errors
 
 
 def load_export_tokenizer(export_dir: Path):
@@ -39,6 +40,7 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+@reports_errors("mindmoe-generate")
 def main(argv=None) -> None:
     args = parse_args(argv)
     import mindspore as ms
@@ -47,20 +49,16 @@ def main(argv=None) -> None:
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
-    try:
-        exported = ExportedModel(args.export_dir)
-        tokenizer = load_export_tokenizer(args.export_dir)
-        for prompt in args.prompt:
-            ids = ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(prompt)
-            new_ids = exported.generate(
-                [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, tokenizer.eos_id
-            )[0].tolist()
-            if tokenizer.eos_id in new_ids:
-                new_ids = new_ids[: new_ids.index(tokenizer.eos_id)]
-            print(prompt + tokenizer.decode(new_ids))
-    except (ValueError, FileNotFoundError) as error:
-        print(f"mindmoe-generate: error: {error}", file=sys.stderr)
-        sys.exit(2)
+    exported = ExportedModel(args.export_dir)
+    tokenizer = load_export_tokenizer(args.export_dir)
+    for prompt in args.prompt:
+        ids = ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(prompt)
+        new_ids = exported.generate(
+            [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, tokenizer.eos_id
+        )[0].tolist()
+        if tokenizer.eos_id in new_ids:
+            new_ids = new_ids[: new_ids.index(tokenizer.eos_id)]
+        print(prompt + tokenizer.decode(new_ids))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ with MindSpore's ``auto`` AMP level: MatMul-like ops run in the low precision, t
 black list (softmax, log-softmax, reductions, norms) in fp32, with casts inserted at compile time.
 (Level O1 rewrites the network's source and fails on this model's module constants; ``auto``
 changes the cells in place.) fp16 also needs dynamic loss scaling, which
-:class:`train.step.Trainer` does with :class:`LossScale`.
+:class:`train.step.CompiledStep` does with :class:`LossScale`.
 
 The CPU backend has no bf16 MatMul/Softmax/TopK kernels and runs fp16 slower than fp32, so on CPU
 only fp32 is accepted.

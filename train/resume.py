@@ -4,6 +4,7 @@ import logging
 import signal
 from pathlib import Path
 
+from mindmoe.conf.exit_codes import STOPPED_ON_SIGNAL, CommandExit
 from mindmoe.train.checkpoint import CorruptCheckpointError, list_checkpoints, resolve_checkpoint, verify_checkpoint
 
 log = logging.getLogger("mindmoe.train")
@@ -57,5 +58,8 @@ class StopRequest:
         return False
 
 
-class TrainingStopped(RuntimeError):
+class TrainingStopped(CommandExit):
     """Raised after the checkpoint requested by a signal has been written."""
+
+    exit_code = STOPPED_ON_SIGNAL
+    label = "stopped"

@@ -18,6 +18,43 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe.router import updated_bias
 
 
+def _compile_bias_update(biases, rate: float):
+    """Aux-loss-free balancing of every MoE layer's router bias from the step's kept counts ``[L, E]``."""
+
+    @ms.jit
+    def update_biases(kept_LE):
+        for layer_idx, bias in enumerate(biases):
+            ops.assign(bias, updated_bias(bias, kept_LE[layer_idx], rate))
+        return kept_LE.sum()
+
+    return update_biases
+
+
+def _compile_update_scaling(expert_params, snapshots, first_experts, decay: float):
+    """``(take_snapshot, scale_updates)``: keep the expert tensors before the optimizer; afterwards scale
+    each expert's update by ``1 - (1 - decay) * locked share``."""
+
+    @ms.jit
+    def take_snapshot():
+        for layer_params, layer_snapshots in zip(expert_params, snapshots):
+            for param, snapshot in zip(layer_params, layer_snapshots):
+                ops.assign(snapshot, param)
+        return ops.zeros((), ms.float32)
+
+    @ms.jit
+    def scale_updates(locked_share_LE):
+        for layer_idx, (layer_params, layer_snapshots) in enumerate(zip(expert_params, snapshots)):
+            multiplier_E = 1.0 - (1.0 - decay) * locked_share_LE[layer_idx]
+            first = first_experts[layer_idx]
+            for param, snapshot in zip(layer_params, layer_snapshots):
+                multiplier_e = multiplier_E[first : first + param.shape[0]]
+                multiplier = multiplier_e.reshape((-1,) + (1,) * (len(param.shape) - 1)).astype(param.dtype)
+                ops.assign(param, snapshot + multiplier * (param - snapshot))
+        return locked_share_LE.sum()
+
+    return take_snapshot, scale_updates
+
+
 class RouterStepUpdates:
     """Holds the compiled per-step updates of one model; inactive parts cost nothing."""
 
@@ -27,8 +64,6 @@ class RouterStepUpdates:
         self.scales_updates = (
             cfg.expert_lock and cfg.isolation_mode == "expert_update" and cfg.isolation_decay < 1.0 and bool(moe_blocks)
         )
-        rate = float(cfg.bias_update_rate)
-        decay = float(cfg.isolation_decay)
         biases = [block.router.e_score_correction_bias for block in moe_blocks] if self.updates_bias else []
         # One entry per MoE layer: that layer's trained 3-D expert tensors (expert on axis 0): the
         # expert weights, or with LoRA the frozen weights' per-expert adapters instead; and the first
@@ -43,42 +78,17 @@ class RouterStepUpdates:
         )
         self.expert_params = expert_params
         first_experts = [getattr(block.experts, "first_expert", 0) for block in moe_blocks]
-        snapshots = [
+        self._snapshots = [
             [
                 Parameter(ops.zeros(p.shape, p.dtype), name="update_snapshot." + p.name, requires_grad=False)
                 for p in layer_params
             ]
             for layer_params in expert_params
         ]
-        self._snapshots = snapshots
-
-        @ms.jit
-        def update_biases(kept_LE):
-            for layer_idx, bias in enumerate(biases):
-                ops.assign(bias, updated_bias(bias, kept_LE[layer_idx], rate))
-            return kept_LE.sum()
-
-        @ms.jit
-        def take_snapshot():
-            for layer_params, layer_snapshots in zip(expert_params, snapshots):
-                for param, snapshot in zip(layer_params, layer_snapshots):
-                    ops.assign(snapshot, param)
-            return ops.zeros((), ms.float32)
-
-        @ms.jit
-        def scale_updates(locked_share_LE):
-            for layer_idx, (layer_params, layer_snapshots) in enumerate(zip(expert_params, snapshots)):
-                multiplier_E = 1.0 - (1.0 - decay) * locked_share_LE[layer_idx]
-                first = first_experts[layer_idx]
-                for param, snapshot in zip(layer_params, layer_snapshots):
-                    multiplier_e = multiplier_E[first : first + param.shape[0]]
-                    multiplier = multiplier_e.reshape((-1,) + (1,) * (len(param.shape) - 1)).astype(param.dtype)
-                    ops.assign(param, snapshot + multiplier * (param - snapshot))
-            return locked_share_LE.sum()
-
-        self._update_biases = update_biases
-        self._take_snapshot = take_snapshot
-        self._scale_updates = scale_updates
+        self._update_biases = _compile_bias_update(biases, float(cfg.bias_update_rate))
+        self._take_snapshot, self._scale_updates = _compile_update_scaling(
+            expert_params, self._snapshots, first_experts, float(cfg.isolation_decay)
+        )
 
     def before_optimizer(self) -> None:
         if self.scales_updates:

@@ -122,8 +122,103 @@ def _loss_scaling(loss_scale):
     return scale_loss, unscale, adjust_scale, [scale, good_steps]
 
 
-class Trainer:
-    """Owns the compiled functions of one run; call :meth:`step` with the micro-batches of a step."""
+def _grad_buffers(params, accum_steps: int):
+    """fp32 gradient sums of a step's micro-batches, one per parameter; None without accumulation."""
+    if accum_steps == 1:
+        return None
+    return ParameterTuple(
+        Parameter(ops.zeros(p.shape, ms.float32), name="grad_accum." + p.name, requires_grad=False) for p in params
+    )
+
+
+def _reductions(dist, params):
+    """``(synchronise, squared_norm)``: the mean of gradients and loss over data-parallel ranks, and the
+    global squared gradient norm; one process needs no reduction."""
+    if dist is None:
+
+        def synchronise(grads, loss):
+            return grads, loss
+
+        return synchronise, global_squared_norm
+    return dist.grad_reducer(params), dist.squared_grad_norm(params)
+
+
+def _clip_and_apply(optimizer, clip: float, synchronise, squared_norm, adjust_scale):
+    """The update of a step from its (loss-unscaled) gradients, traced into each compiled step function."""
+
+    def clip_and_apply(grads, loss):
+        """Clip to the global norm and update, unless loss or gradients are not finite.
+
+        A non-finite step is skipped whole (no moment update either), as loss-scaled training
+        does on overflow; the caller counts it. Gradients and loss are first averaged over
+        data-parallel ranks, so every rank takes the same decision and the same update.
+        """
+        grads, loss = synchronise(grads, loss)
+        norm = ops.sqrt(squared_norm(grads))
+        if clip > 0:
+            factor = ops.minimum(clip / (norm + 1e-6), 1.0)
+            grads = tuple(g * factor for g in grads)
+        lr = optimizer.get_lr()
+        finite = ops.logical_and(ops.isfinite(norm), ops.isfinite(loss))
+        if finite:
+            optimizer(grads)
+        adjust_scale(finite)
+        return norm, lr, finite
+
+    return clip_and_apply
+
+
+def _compile_fused_step(grad_fn, unscale, clip_and_apply):
+    """One micro-batch per step: forward, backward and update in one graph."""
+
+    @ms.jit
+    def fused_step(input_ids, doc_ids, labels, loss_mask):
+        (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
+        grads, loss = unscale(grads, loss)
+        norm, lr, finite = clip_and_apply(grads, loss)
+        return loss, aux, norm, lr, finite
+
+    return fused_step
+
+
+def _compile_accumulation(grad_fn, unscale, clip_and_apply, buffers, accum_steps: int):
+    """``(accumulate, apply_accumulated)``: add one micro-batch's gradient / ``accum_steps`` to the
+    buffers; then update from the buffers and clear them."""
+    inv_accum = 1.0 / accum_steps
+
+    @ms.jit
+    def accumulate(input_ids, doc_ids, labels, loss_mask):
+        (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
+        grads, loss = unscale(grads, loss)
+        for buffer, grad in zip(buffers, grads):
+            ops.assign_add(buffer, grad * inv_accum)
+        return loss, aux
+
+    @ms.jit
+    def apply_accumulated(mean_loss):
+        grads = tuple(buffer * 1.0 for buffer in buffers)
+        norm, lr, finite = clip_and_apply(grads, mean_loss)
+        for buffer in buffers:
+            ops.assign(buffer, ops.zeros_like(buffer))
+        return norm, lr, finite
+
+    return accumulate, apply_accumulated
+
+
+def _compile_evaluate(model):
+    """``(nll sum, scored tokens)`` of one micro-batch, no gradient."""
+
+    @ms.jit
+    def evaluate(input_ids, doc_ids, labels, loss_mask):
+        logits = model(input_ids, doc_ids)[0]
+        _, nll_sum, count = masked_cross_entropy(logits, labels, loss_mask)
+        return nll_sum, count
+
+    return evaluate
+
+
+class CompiledStep:
+    """The compiled functions of one run's train step; call :meth:`step` with the micro-batches of a step."""
 
     def __init__(
         self,
@@ -148,78 +243,13 @@ class Trainer:
             return scale_loss(loss), aux
 
         grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
-        clip = float(grad_clip)
-        inv_accum = 1.0 / accum_steps
-        if accum_steps > 1:
-            self.grad_buffers = ParameterTuple(
-                Parameter(ops.zeros(p.shape, ms.float32), name="grad_accum." + p.name, requires_grad=False)
-                for p in params
-            )
-        else:
-            self.grad_buffers = None
-        buffers = self.grad_buffers
-        if dist is None:
-
-            def synchronise(grads, loss):
-                return grads, loss
-
-            squared_norm = global_squared_norm
-        else:
-            synchronise = dist.grad_reducer(params)
-            squared_norm = dist.squared_grad_norm(params)
-
-        def clip_and_apply(grads, loss):
-            """Clip to the global norm and update, unless loss or gradients are not finite.
-
-            A non-finite step is skipped whole (no moment update either), as loss-scaled training
-            does on overflow; the caller counts it. Gradients and loss are first averaged over
-            data-parallel ranks, so every rank takes the same decision and the same update.
-            """
-            grads, loss = synchronise(grads, loss)
-            norm = ops.sqrt(squared_norm(grads))
-            if clip > 0:
-                factor = ops.minimum(clip / (norm + 1e-6), 1.0)
-                grads = tuple(g * factor for g in grads)
-            lr = optimizer.get_lr()
-            finite = ops.logical_and(ops.isfinite(norm), ops.isfinite(loss))
-            if finite:
-                optimizer(grads)
-            adjust_scale(finite)
-            return norm, lr, finite
-
-        @ms.jit
-        def fused_step(input_ids, doc_ids, labels, loss_mask):
-            (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
-            grads, loss = unscale(grads, loss)
-            norm, lr, finite = clip_and_apply(grads, loss)
-            return loss, aux, norm, lr, finite
-
-        @ms.jit
-        def accumulate(input_ids, doc_ids, labels, loss_mask):
-            (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
-            grads, loss = unscale(grads, loss)
-            for buffer, grad in zip(buffers, grads):
-                ops.assign_add(buffer, grad * inv_accum)
-            return loss, aux
-
-        @ms.jit
-        def apply_accumulated(mean_loss):
-            grads = tuple(buffer * 1.0 for buffer in buffers)
-            norm, lr, finite = clip_and_apply(grads, mean_loss)
-            for buffer in buffers:
-                ops.assign(buffer, ops.zeros_like(buffer))
-            return norm, lr, finite
-
-        @ms.jit
-        def evaluate(input_ids, doc_ids, labels, loss_mask):
-            logits = model(input_ids, doc_ids)[0]
-            _, nll_sum, count = masked_cross_entropy(logits, labels, loss_mask)
-            return nll_sum, count
-
-        self._fused_step = fused_step
-        self._accumulate = accumulate
-        self._apply_accumulated = apply_accumulated
-        self._evaluate = evaluate
+        self.grad_buffers = _grad_buffers(params, accum_steps)
+        clip_and_apply = _clip_and_apply(optimizer, float(grad_clip), *_reductions(dist, params), adjust_scale)
+        self._fused_step = _compile_fused_step(grad_fn, unscale, clip_and_apply)
+        self._accumulate, self._apply_accumulated = _compile_accumulation(
+            grad_fn, unscale, clip_and_apply, self.grad_buffers, accum_steps
+        )
+        self._evaluate = _compile_evaluate(model)
 
     def _loss(self, input_ids, doc_ids, labels, loss_mask):
         logits, aux_loss, z_loss, routing_stats, layer_stats = self.model(input_ids, doc_ids)
@@ -303,3 +333,8 @@ class Trainer:
             summed = self.dist.sum_over_ranks(np.array([nll_total, tokens])) / self.dist.replica_copies
             nll_total, tokens = float(summed[0]), float(summed[1])
         return nll_total / max(tokens, 1.0), tokens
+
+
+#: The former name of :class:`CompiledStep`, kept while tests/unit/test_isolation.py,
+#: tests/unit/test_router_balancing.py, tests/unit/test_lora_peft_roundtrip.py and bench/cases.py use it.
+Trainer = CompiledStep

@@ -18,7 +18,7 @@ from mindmoe.train.checkpoint import CorruptCheckpointError, list_checkpoints, s
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
 from mindmoe.train.resume import pick_resume_checkpoint
-from mindmoe.train.step import Trainer
+from mindmoe.train.step import CompiledStep
 
 REPO = Path(__file__).resolve().parents[2]
 # Long enough that a kill or SIGTERM sent after an early checkpoint lands while training still runs.
@@ -179,7 +179,7 @@ def test_non_finite_step_is_skipped_without_touching_weights_or_optimizer_state(
     )
     model = MoETransformer(cfg, seed=0)
     optimizer = build_optimizer(model.trainable_params(), TrainConfig(max_steps=10, warmup_ratio=0.0))
-    trainer = Trainer(model, optimizer, grad_clip=1.0, accum_steps=1)
+    trainer = CompiledStep(model, optimizer, grad_clip=1.0, accum_steps=1)
     rng = np.random.default_rng(0)
     batch = {"input_ids": rng.integers(0, 32, (2, 9)).astype(np.int32), "doc_ids": np.zeros((2, 9), np.int32)}
     # Poisoned before the step is compiled: MindSpore 2.9 graphs do not see a later set_data.

@@ -12,7 +12,7 @@ from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
 from mindmoe.train.precision import LossScale, apply_precision, validate_precision
-from mindmoe.train.step import Trainer, masked_cross_entropy, split_window
+from mindmoe.train.step import CompiledStep, masked_cross_entropy, split_window
 
 MODEL = ModelConfig(
     vocab_size=96,
@@ -42,7 +42,7 @@ def batches(count, seed=0):
 def make_trainer(loss_scale=None):
     model = MoETransformer(MODEL, seed=3)
     optimizer = build_optimizer(model.trainable_params(), TrainConfig(max_steps=10, warmup_ratio=0.0))
-    return model, Trainer(model, optimizer, grad_clip=1.0, accum_steps=1, loss_scale=loss_scale)
+    return model, CompiledStep(model, optimizer, grad_clip=1.0, accum_steps=1, loss_scale=loss_scale)
 
 
 def weights(model):

@@ -1,0 +1,331 @@
+"""The training run: data -> model -> compiled step -> logs, validation and checkpoints.
+
+Reads top to bottom: :class:`Trainer` builds everything a run needs in ``__init__``; :meth:`Trainer.train`
+is the loop. Under msrun every worker runs it with the same config and run dir; rank 0 alone writes
+``metrics.jsonl``, TensorBoard events and checkpoints.
+"""
+
+import dataclasses
+import logging
+import math
+import time
+from pathlib import Path
+
+import mindspore as ms
+import numpy as np
+from omegaconf import OmegaConf
+from tqdm import tqdm
+
+from mindmoe.data.mindrecord import EvalLoader, WindowLoader
+from mindmoe.data.prepare import prepare_data, with_pretrained_tokenizer
+from mindmoe.train.checkpoint import load_model_weights, load_optimizer_state, read_state, save_checkpoint
+from mindmoe.train.distributed import init_distributed
+from mindmoe.train.heatmap import render_expert_load, save_png
+from mindmoe.train.init_model import build_model, planned_model_config
+from mindmoe.train.lora_setup import setup_lora
+from mindmoe.train.metrics import MetricsWriter, measure_peak_gflops, train_flops_per_token, window_row
+from mindmoe.train.optim import build_optimizer
+from mindmoe.train.precision import apply_precision
+from mindmoe.train.resume import StopRequest, TrainingStopped, pick_resume_checkpoint
+from mindmoe.train.routing import RouterStepUpdates
+from mindmoe.train.step import CompiledStep, StepStats
+
+log = logging.getLogger("mindmoe.train")
+
+
+class Trainer:
+    """One training run of ``cfg`` (already checked by ``train.loop.validate_run_config``) in ``run_dir``.
+
+    ``explicit_model_keys``: the ``model.*`` fields set on the command line, which are the only
+    model keys that apply on top of a ``model.pretrained`` config.json.
+    """
+
+    def __init__(self, cfg, run_dir: Path, explicit_model_keys=()):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.checkpoint_root = self.run_dir / "checkpoints"
+        ms.set_context(mode=ms.GRAPH_MODE)
+        self.model_cfg, self.model = self._build_model(explicit_model_keys)
+        self.compiled_step = self._compile_step()
+        self.moe_layer_ids = [idx for idx, layer in enumerate(self.model.layers) if layer.is_moe]
+        self.start_step = self._resume()
+        self.batches = iter(self._train_loader())
+        self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
+        self.flops_per_token = train_flops_per_token(self.model_cfg, cfg.data.seq_len)
+        self.peak_gflops = cfg.train.peak_gflops or measure_peak_gflops()
+        self._log_model()
+        self.metrics = MetricsWriter(self.run_dir) if self.dist.is_main else None
+        if self.dist.is_main:
+            OmegaConf.save(cfg, self.run_dir / "resolved_config.yaml", resolve=True)
+        # The steps since the last metrics row, and the counts of non-finite (skipped) steps.
+        self.window, self.window_seconds = [], 0.0
+        self.first_loss = None
+        self.bad_steps_in_row = self.skipped_steps = 0
+
+    def _build_model(self, explicit_model_keys):
+        """The process layout, the data (its tokenizer sets the vocabulary), then the model, parallelized.
+
+        The one place that decides how the model is built and distributed; sets ``dist``, ``data``,
+        ``resume_from`` and ``lora_run`` on the way, in the order each needs the one before.
+        """
+        cfg = self.cfg
+        planned = planned_model_config(cfg, explicit_model_keys)
+        self.dist = init_distributed(
+            cfg.parallel,
+            planned.num_experts,
+            cfg.data.global_batch_size,
+            cfg.data.micro_batch_size,
+            planned.num_moe_layers > 0,
+        )
+        if cfg.lora.enabled and self.dist.layout.ep > 1:
+            raise ValueError(
+                f"lora.enabled=true with parallel.ep={self.dist.layout.ep}: LoRA runs are data parallel only; "
+                "set parallel.ep=1"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        ms.set_seed(cfg.train.seed)
+        self.data = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
+        self.resume_from = pick_resume_checkpoint(
+            cfg.train.resume, self.checkpoint_root, cfg.train.on_corrupt_checkpoint
+        )
+        # A LoRA checkpoint holds only the adapters: its base is loaded again when resuming.
+        model_cfg, model = build_model(
+            cfg, self.data.vocab_size, explicit_model_keys, load_weights=self.resume_from is None or cfg.lora.enabled
+        )
+        model_cfg, model, self.lora_run = setup_lora(cfg, model_cfg, model, self.data.vocab_size)
+        if cfg.data.seq_len > model_cfg.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
+                f"{model_cfg.max_position_embeddings}"
+            )
+        self.dist.parallelize(model)
+        return model_cfg, model
+
+    def _compile_step(self) -> CompiledStep:
+        """Precision, optimizer and the compiled step; sets the tensors a checkpoint holds."""
+        model, train_cfg = self.model, OmegaConf.to_object(self.cfg.train)
+        loss_scale = apply_precision(model, self.cfg.train)
+        optimizer = build_optimizer(model.trainable_params(), train_cfg)
+        router_updates = RouterStepUpdates(model, self.model_cfg)
+        accum_steps = self.dist.layout.accumulation
+        step = CompiledStep(
+            model, optimizer, self.cfg.train.grad_clip, accum_steps, router_updates, self.dist, loss_scale
+        )
+        optimizer_state = [*optimizer.exp_avg, *optimizer.exp_avg_sq, optimizer.global_step, *step.loss_scale_state]
+        # Checkpoints hold every parameter, including state the optimizer never sees (router biases),
+        # expert tensors at full size whatever parallel.ep is; a LoRA run's hold its adapters only.
+        params = model.get_parameters() if self.lora_run is None else self.lora_run.checkpoint_params
+        self.model_state = self.dist.checkpoint_views(params)
+        self.optimizer_state = self.dist.checkpoint_views(optimizer_state)
+        return step
+
+    def _resume(self) -> int:
+        """Load the checkpoint chosen by ``train.resume`` into model and optimizer; the step it was taken at."""
+        if self.resume_from is None:
+            return 0
+        load_model_weights(self.model_state, self.resume_from)
+        load_optimizer_state(self.optimizer_state, self.resume_from)
+        start_step = read_state(self.resume_from)["step"]
+        log.info("resumed from %s at step %d", self.resume_from, start_step)
+        return start_step
+
+    def _train_loader(self) -> WindowLoader:
+        data = self.cfg.data
+        return WindowLoader(
+            self.data.train_shards,
+            micro_batch_size=data.micro_batch_size,
+            global_batch_size=data.global_batch_size,
+            seed=self.cfg.train.seed,
+            start_step=self.start_step,
+            rank=self.dist.dp_rank,
+            world_size=self.dist.dp,
+        )
+
+    def _log_model(self) -> None:
+        log.info(
+            "model: %d parameters, %.2f MFLOP/token (train), peak %.1f GFLOP/s; %d train windows, "
+            "accumulation %d, data parallel %d",
+            sum(int(np.prod(p.shape)) for p in self.model.trainable_params()),
+            self.flops_per_token / 1e6,
+            self.peak_gflops,
+            self.data.num_train_windows,
+            self.compiled_step.accum_steps,
+            self.dist.dp,
+        )
+
+    def train(self) -> dict:
+        """Steps ``start_step + 1 .. train.max_steps`` with their logs, validations and checkpoints; the summary."""
+        train = self.cfg.train
+        # The base model's validation loss, for comparing a fine-tuned run against its starting point.
+        base_val_loss = self.validate(0) if self.lora_run is not None and self.start_step == 0 else None
+        show_progress = train.progress_bar and self.dist.is_main
+        progress = tqdm(
+            total=train.max_steps, initial=self.start_step, disable=not show_progress, unit="step", dynamic_ncols=True
+        )
+        with StopRequest() as stop:
+            for step in range(self.start_step + 1, train.max_steps + 1):
+                self.train_step(step)
+                if step % train.log_every == 0 or step == train.max_steps:
+                    row = self.log(step)
+                    progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
+                if train.eval_every and step % train.eval_every == 0 and step != train.max_steps:
+                    self.validate(step)
+                self._save_or_stop(step, stop)
+                progress.update(1)
+        progress.close()
+        val_loss = self.validate(train.max_steps)
+        return self._finish(val_loss, base_val_loss)
+
+    def train_step(self, step: int) -> StepStats:
+        """One optimizer step over the next global batch; raises once ``train.max_bad_steps`` in a row were skipped."""
+        step_start = time.perf_counter()
+        stats = self.compiled_step.step([next(self.batches) for _ in range(self.compiled_step.accum_steps)])
+        # Step time only: validation and checkpoint writes are not training throughput.
+        self.window_seconds += time.perf_counter() - step_start
+        self.window.append(stats)
+        self.first_loss = stats.lm_loss if self.first_loss is None else self.first_loss
+        self.bad_steps_in_row = self.bad_steps_in_row + 1 if stats.skipped else 0
+        self.skipped_steps += int(stats.skipped)
+        if stats.skipped:
+            log.warning(
+                "step %d: non-finite loss %.4g or gradient norm %.4g; update skipped (%d in a row)",
+                step,
+                stats.loss,
+                stats.grad_norm,
+                self.bad_steps_in_row,
+            )
+        max_bad_steps = self.cfg.train.max_bad_steps
+        if self.bad_steps_in_row >= max_bad_steps:
+            raise FloatingPointError(
+                f"{self.bad_steps_in_row} consecutive steps up to step {step} had a non-finite loss or gradient "
+                f"(train.max_bad_steps={max_bad_steps}); last loss {stats.loss}, gradient norm "
+                f"{stats.grad_norm}. Lower train.lr, check the data, or resume from an earlier checkpoint."
+            )
+        return stats
+
+    def log(self, step: int) -> dict:
+        """The metrics row of the steps since the last one (written by rank 0, with the expert-load heatmap)."""
+        row = window_row(
+            step,
+            self.window,
+            self.window_seconds,
+            self.tokens_per_step,
+            self.flops_per_token,
+            self.peak_gflops,
+            self.skipped_steps,
+        )
+        if self.metrics is not None:
+            if self.moe_layer_ids:
+                routing_L3E = np.sum([s.routing_stats for s in self.window], axis=0)
+                title = f"expert load share, to step {step}"
+                heatmap = render_expert_load(routing_L3E[:, 0], self.moe_layer_ids, title)
+                save_png(heatmap, self.run_dir / "expert_load.png")
+                self.metrics.image("expert_load", heatmap, step)
+            self.metrics.write(row)
+        self.window, self.window_seconds = [], 0.0
+        return row
+
+    def validate(self, step: int):
+        """Mean validation loss over ``train.eval_batches`` micro-batches (None without validation data)."""
+        if not self.data.valid_shards:
+            return None
+        dist = self.dist
+        # train.eval_batches counts micro-batches over all ranks: the same windows at any dp.
+        val_batches = EvalLoader(
+            self.data.valid_shards,
+            self.cfg.data.micro_batch_size,
+            rank=dist.dp_rank,
+            world_size=dist.dp,
+            max_batches=-(-self.cfg.train.eval_batches // dist.dp),
+        )
+        val_loss, val_tokens = self.compiled_step.evaluate(val_batches)
+        if self.metrics is not None:
+            self.metrics.write(
+                {
+                    "step": step,
+                    "val_loss": val_loss,
+                    "val_ppl": math.exp(min(val_loss, 50.0)),
+                    "val_tokens": int(val_tokens),
+                }
+            )
+        return val_loss
+
+    def save(self, step: int) -> Path:
+        """The checkpoint of ``step``: rank 0 writes it, the others take part in gathering sharded experts."""
+        dist = self.dist
+        if not dist.is_main:
+            if dist.sharded:
+                # Gathering the expert shards is collective: every rank takes part, rank 0 writes.
+                for tensor in self.model_state + self.optimizer_state:
+                    if tensor.name in dist.sharded or tensor.name.split(".", 1)[-1] in dist.sharded:
+                        tensor.asnumpy()
+            return self.checkpoint_root / f"step_{step:06d}"
+        state = {
+            "data_seed": self.cfg.train.seed,
+            "tokens_seen": step * self.tokens_per_step,
+            "tokenizer": self.data.tokenizer_path,
+            "model_config": dataclasses.asdict(self.model_cfg),
+        }
+        return save_checkpoint(
+            self.checkpoint_root,
+            step,
+            self.model_state,
+            self.optimizer_state,
+            state,
+            self.cfg.train.keep_last,
+            None if self.lora_run is None else self.lora_run.write_adapter,
+        )
+
+    def _save_or_stop(self, step: int, stop: StopRequest) -> None:
+        """Checkpoint at ``train.save_every``, the last step, or when any rank received a stop signal (then stop)."""
+        train = self.cfg.train
+        # A signal reaches the ranks of a job at slightly different steps: all stop at the step
+        # where the first one saw it, so rank 0's checkpoint is the one every rank would resume.
+        stop_now = self.dist.any_rank(stop.signal_name is not None)
+        if not (step % train.save_every == 0 or step == train.max_steps or stop_now):
+            return
+        saved = self.save(step)
+        if not stop_now:
+            return
+        if self.metrics is not None:
+            self.metrics.close()
+        # msrun stops the whole job when one worker exits: none leaves before the write.
+        self.dist.any_rank(False)
+        received = stop.signal_name or "a stop signal on another rank"
+        raise TrainingStopped(
+            f"received {received}: checkpoint of step {step} written to "
+            f"{saved}; run the same command again (train.resume=auto) to continue"
+        )
+
+    def _finish(self, val_loss, base_val_loss) -> dict:
+        """Close the metrics, print the outcome (rank 0) and return the run's summary."""
+        max_steps = self.cfg.train.max_steps
+        if self.metrics is None:
+            return {"steps": max_steps, "final_val_loss": val_loss, "run_dir": str(self.run_dir)}
+        self.metrics.close()
+        unigram_val_loss = self.data.unigram_val_loss
+        summary = {
+            "steps": max_steps,
+            "first_lm_loss": self.first_loss,
+            "final_val_loss": val_loss,
+            "unigram_val_loss": unigram_val_loss,
+            "run_dir": str(self.run_dir),
+        }
+        if self.lora_run is not None:
+            summary.update(
+                base_val_loss=base_val_loss,
+                trainable_params=self.lora_run.report.trainable,
+                trainable_share=self.lora_run.report.share,
+            )
+            if base_val_loss is not None and val_loss is not None:
+                print(
+                    f"LoRA: validation loss {base_val_loss:.4f} before fine-tuning, {val_loss:.4f} after; adapters "
+                    f"in {self.checkpoint_root}/step_{max_steps:06d}/adapter"
+                )
+        if val_loss is not None and unigram_val_loss is not None:
+            print(
+                f"validation loss {val_loss:.4f} nats/token vs unigram baseline "
+                f"{unigram_val_loss:.4f} (better by {unigram_val_loss - val_loss:.4f})"
+            )
+        print(f"run dir: {self.run_dir}")
+        return summary
