@@ -27,6 +27,7 @@ from mindspore import Parameter, lazy_inline, nn, ops
 from mindmoe.model.attention import Attention, causal_chunks, document_causal_mask
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.linear import normal_init
+from mindmoe.model.lora_layers import NO_LORA, AdapterScope
 from mindmoe.model.mlp import SwiGLU
 from mindmoe.model.moe.layer import LAYER_STATS, ROUTING_STATS, MoELayer
 from mindmoe.model.norm import RMSNorm
@@ -43,29 +44,70 @@ class Embedding(nn.Cell):
 
 
 class DecoderLayer(nn.Cell):
-    """Pre-RMSNorm residual block: attention, then a dense or MoE FFN."""
+    """Pre-RMSNorm residual block: attention, then a dense or MoE FFN.
 
-    def __init__(self, cfg: ModelConfig, layer_idx: int, rng: np.random.Generator):
+    The halves are methods so the serving graphs (``model.export.serving``) run the same blocks with a
+    KV cache: :meth:`attention_qkv` + :meth:`attention_residual` is :meth:`attention_block` with the
+    keys/values in between; :meth:`ffn_block` is the dense FFN half.
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_idx: int,
+        rng: np.random.Generator,
+        expert_dispatcher=None,
+        lora: AdapterScope = NO_LORA,
+    ):
         super().__init__()
         self.is_moe = layer_idx >= cfg.first_k_dense
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rng)
+        self.self_attn = Attention(cfg, rng, lora.child("self_attn"))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
-            self.mlp = MoELayer(cfg, rng)
+            self.mlp = MoELayer(cfg, rng, expert_dispatcher=expert_dispatcher, lora=lora.child("mlp"))
         else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, rng)
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, rng, lora.child("mlp"))
+
+    def attention_block(self, x_BSH, cos, sin, mask):
+        return x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask)
+
+    def attention_qkv(self, x_BSH, cos, sin):
+        """Queries ``[B, N, S, D]``, keys and values ``[B, G, S, D]`` of the normalised input."""
+        return self.self_attn.project_qkv(self.input_layernorm(x_BSH), cos, sin)
+
+    def attention_residual(self, x_BSH, q_BNSD, k_BGPD, v_BGPD, mask):
+        """The attention half's output given its queries and the keys/values of every visible position."""
+        return x_BSH + self.self_attn.attend(q_BNSD, k_BGPD, v_BGPD, mask)
+
+    def ffn_block(self, x_BSH):
+        return x_BSH + self.mlp(self.post_attention_layernorm(x_BSH))
 
     def construct(self, x_BSH, cos, sin, mask):
-        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask)
-        return x_BSH + self.mlp(self.post_attention_layernorm(x_BSH))
+        return self.ffn_block(self.attention_block(x_BSH, cos, sin, mask))
 
 
 class MoEDecoderLayer(DecoderLayer):
-    """A :class:`DecoderLayer` whose FFN is an MoE block; also returns the router's losses and statistics."""
+    """A :class:`DecoderLayer` whose FFN is an MoE block; also returns the router's losses and statistics.
+
+    Serving splits the MoE half at the routing decision (which the carried lock state may override):
+    :meth:`ffn_routing` then :meth:`routed_ffn_residual`.
+    """
+
+    def ffn_routing(self, x_BSH):
+        """``(normalised input [T, H], scores [T, E], natural top-K [T, K])`` of the FFN half."""
+        h_TH = self.post_attention_layernorm(x_BSH).reshape(-1, x_BSH.shape[-1])
+        _, scores_TE, natural_TK = self.mlp.router.natural_routing(h_TH)
+        return h_TH, scores_TE, natural_TK
+
+    def routed_ffn_residual(self, x_BSH, h_TH, scores_TE, topk_idx_TK, dispatcher):
+        """The FFN half's output for tokens routed to ``topk_idx``, through ``dispatcher``."""
+        routing = (topk_idx_TK, self.mlp.router.combine_weights(scores_TE, topk_idx_TK))
+        ffn_TH, _ = self.mlp.expert_output(h_TH, routing, dispatcher)
+        return x_BSH + ffn_TH.reshape(x_BSH.shape)
 
     def construct(self, x_BSH, cos, sin, mask, doc_ids_BS):
-        x_BSH = x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask)
+        x_BSH = self.attention_block(x_BSH, cos, sin, mask)
         ffn_BSH, aux, router_z, routing_stats, layer_stats = self.mlp(self.post_attention_layernorm(x_BSH), doc_ids_BS)
         return x_BSH + ffn_BSH, aux, router_z, routing_stats, layer_stats
 
@@ -80,8 +122,10 @@ def reused_layer_class(layer_cls):
 
     class Reused(layer_cls):
         @lazy_inline(attrs=["is_moe"])
-        def __init__(self, cfg: ModelConfig, layer_idx: int, rng: np.random.Generator):
-            super().__init__(cfg, layer_idx, rng)
+        def __init__(
+            self, cfg: ModelConfig, layer_idx: int, rng: np.random.Generator, expert_dispatcher=None, lora=NO_LORA
+        ):
+            super().__init__(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=lora)
 
     Reused.__name__ = Reused.__qualname__ = "Reused" + layer_cls.__name__
     return Reused
@@ -96,15 +140,25 @@ class MoETransformer(nn.Cell):
     ``LAYER_STATS``.
 
     ``cell_reuse`` (``train.cell_reuse``, Ascend only) builds the layers with :func:`reused_layer_class`.
+    ``expert_dispatcher``: a :class:`model.moe.token_dispatcher.ExpertPlacement` that decides which
+    experts this process holds and how tokens reach them (default: one process, ``model.dispatch``);
+    expert parallelism passes its own (``mindmoe.train.expert_parallel``).
+
+    The serving graphs reuse the parts: :meth:`embed`, ``layers`` (see :class:`DecoderLayer`),
+    ``rotary_emb`` and :meth:`final_logits`.
+
+    ``lora``: a :class:`model.lora_plan.AdapterPlan`; its projections are built as LoRA layers and only
+    the adapters (and ``lora.modules_to_save``) train. Kept as ``adapter_plan`` (None without LoRA).
     """
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0, cell_reuse: bool = False):
+    def __init__(self, cfg: ModelConfig, seed: int = 0, cell_reuse: bool = False, expert_dispatcher=None, lora=None):
         super().__init__()
         validate_model_config(cfg)
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer takes it from the tokenizer)")
         self.config = cfg
         rng = np.random.default_rng(seed)
+        adapters = NO_LORA if lora is None else lora.scope()  # one generator for every lora_A, in build order
         std = cfg.initializer_range
         self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, std, rng)
         layers = []
@@ -112,7 +166,8 @@ class MoETransformer(nn.Cell):
             layer_cls = MoEDecoderLayer if layer_idx >= cfg.first_k_dense else DecoderLayer
             if cell_reuse:
                 layer_cls = reused_layer_class(layer_cls)
-            layers.append(layer_cls(cfg, layer_idx, rng))
+            layer_lora = adapters.child(f"layers.{layer_idx}")
+            layers.append(layer_cls(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=layer_lora))
         self.layers = nn.CellList(layers)
         self.num_dense = cfg.first_k_dense
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -123,6 +178,18 @@ class MoETransformer(nn.Cell):
             cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling, cfg.rope_interleaved
         )
         self.logits_matmul = ops.MatMul(transpose_b=True)
+        self.adapter_plan = lora
+        if lora is not None:
+            lora.freeze(self)
+
+    def embed(self, input_ids_BS):
+        return self.embed_tokens(input_ids_BS)
+
+    def final_logits(self, x_ZH):
+        """Final norm and LM head: logits ``[rows of x, V]`` fp32, every leading axis of ``x`` flattened."""
+        x_ZH = self.norm(x_ZH)
+        head_VH = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        return self.logits_matmul(x_ZH.reshape(-1, x_ZH.shape[-1]), head_VH).astype(ms.float32)
 
     def construct(self, input_ids_BS, doc_ids_BS):
         batch, seq_len = input_ids_BS.shape
@@ -131,7 +198,7 @@ class MoETransformer(nn.Cell):
             masks = document_causal_mask(doc_ids_BS, self.config.num_heads)  # a graph compiled for any length
         else:
             masks = document_causal_mask(doc_ids_BS, self.config.num_heads, causal_chunks(seq_len))
-        x_BSH = self.embed_tokens(input_ids_BS)
+        x_BSH = self.embed(input_ids_BS)
         aux_losses = []
         z_losses = []
         routing_stats = []
@@ -145,10 +212,7 @@ class MoETransformer(nn.Cell):
                 z_losses.append(router_z)
                 routing_stats.append(layer_routing)
                 layer_stats.append(layer_scalars)
-        x_BSH = self.norm(x_BSH)
-        head = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        logits = self.logits_matmul(x_BSH.reshape(batch * seq_len, -1), head).astype(ms.float32)
-        logits_BSV = logits.reshape(batch, seq_len, -1)
+        logits_BSV = self.final_logits(x_BSH).reshape(batch, seq_len, -1)
         if not aux_losses:
             zero = ops.zeros((), ms.float32)
             return (

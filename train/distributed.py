@@ -121,13 +121,28 @@ class Distributed:
     def active(self) -> bool:
         return self.world_size > 1
 
-    def parallelize(self, model) -> None:
-        """Split every MoE layer's experts over the expert group (``parallel.ep > 1``); call it
-        before the optimizer is built, so AdamW's moments have the local shapes."""
-        if self.ep > 1:
-            from mindmoe.train.expert_parallel import parallelize_experts
+    @property
+    def expert_dispatcher(self):
+        """The ``expert_dispatcher`` to build the model with: ``None`` (one process holds every expert) or,
+        with ``parallel.ep > 1``, the placement that gives this rank its share of every MoE layer's experts."""
+        if self.ep == 1:
+            return None
+        from mindmoe.train.expert_parallel import ExpertParallelDispatch
 
-            self.sharded = parallelize_experts(model, self.rank_in_group, self.ep, self.ep_group)
+        return ExpertParallelDispatch(self.rank_in_group, self.ep, self.ep_group)
+
+    def track_expert_shards(self, model) -> None:
+        """Record which of ``model``'s parameters are expert shards (``parallel.ep > 1``), for the gradient
+        reducer, the gradient norm and the checkpoint views; ``model`` must have been built with
+        :attr:`expert_dispatcher`. Nothing in the model changes."""
+        if self.ep > 1:
+            from mindmoe.train.expert_parallel import expert_shards
+
+            self.sharded = expert_shards(model, model.config.num_experts, self.ep)
+
+    def parallelize(self, model) -> None:
+        """Compatibility name of :meth:`track_expert_shards` (expert parallelism is chosen at build time)."""
+        self.track_expert_shards(model)
 
     def checkpoint_views(self, params) -> list:
         """``params`` as checkpoints see them: expert tensors (and their moments) at full size."""

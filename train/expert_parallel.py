@@ -1,14 +1,20 @@
-"""Expert parallelism, applied to a single-device model from outside (``parallel.ep``).
+"""Expert parallelism (``parallel.ep``): a token dispatcher chosen when the model is built.
+
+The model is written for one device; :class:`ExpertParallelDispatch` is the ``expert_dispatcher``
+argument of ``MoETransformer``: every MoE layer then creates only this rank's ``E/ep`` experts and
+wraps its local dispatcher (``model.dispatch``) in an :class:`AllGatherDispatcher`. Nothing is
+swapped after the build.
 
 The ``ep`` ranks of an expert group form one data-parallel replica: they read the same
 micro-batches and compute the same router decisions, and each holds and runs only ``E/ep`` of
-every MoE layer's experts (``allgather`` dispatcher):
+every MoE layer's experts:
 
-    x_ECH (every expert's capacity slots, same on all ranks of the group)
+    x_ECH (every expert's rows from the local dispatcher, same on all ranks of the group)
       -> copy into the group      forward identity, backward all-reduce over the group
       -> this rank's rows x_eCH   e = E/ep local experts
       -> local experts y_eCH
       -> all-gather y_ECH         backward: this rank's rows of the (identical) upstream gradient
+      -> the local dispatcher's combine
 
 Capacity, dropping and the aux loss therefore stay per micro-batch, exactly as in one process.
 Expert memory (weights, gradients, AdamW moments) is divided by ``ep``; attention and the router
@@ -19,14 +25,17 @@ dispatcher for Ascend is not written.
 Checkpoints always hold full expert tensors: :class:`ShardedState` gathers on save and slices on
 load, so a run can resume with any ``ep``.
 
-Shape legend: E experts, e = E/ep local experts, C rows per expert, H hidden.
+Shape legend: T tokens, E experts, e = E/ep local experts, C rows per expert, H hidden.
 """
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from mindmoe.model.moe.experts import RoutedExperts
+from mindmoe.model.moe.token_dispatcher import ExpertPlacement, local_dispatcher
+
+#: Names of the stacked expert weights of an MoE layer (``layers.{i}.mlp.experts.<name>``).
+EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 #: Prefixes mindformers' AdamW gives the moments of a parameter.
 MOMENT_PREFIXES = ("adam_m.", "adam_v.")
@@ -81,47 +90,69 @@ class GatherFromGroup(nn.Cell):
         return (dout[self.first : self.last],)
 
 
-class ExpertParallelExperts(nn.Cell):
-    """Drop-in for :class:`RoutedExperts` holding experts ``first_expert .. first_expert + e - 1``."""
+class AllGatherDispatcher(nn.Cell):
+    """A local dispatcher whose expert rows are split over the expert group: this rank runs rows
+    ``first_expert .. first_expert + e - 1`` of its buffer, and the results are all-gathered before
+    the local combine. Dropping, capacity and statistics are the local dispatcher's, unchanged."""
 
-    def __init__(self, full: RoutedExperts, rank_in_group: int, ep: int, group: str):
+    def __init__(self, local, first_expert: int, num_local: int, rank_in_group: int, ep: int, group: str):
         super().__init__()
-        num_experts, intermediate, hidden = full.gate_proj.shape
-        self.num_local = num_experts // ep
-        self.first_expert = rank_in_group * self.num_local
-        rows = slice(self.first_expert, self.first_expert + self.num_local)
-        self.local = RoutedExperts(self.num_local, hidden, intermediate, 0.0, np.random.default_rng(0))
-        self.full_names = {}
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(self.local, name).set_data(Tensor(getattr(full, name).asnumpy()[rows]))
-            self.full_names[name] = getattr(full, name).name
+        self.local = local
+        self.first_expert = first_expert
+        self.last_expert = first_expert + num_local
         self.copy_in = CopyToGroup(group)
-        self.gather_out = GatherFromGroup(group, rank_in_group, self.num_local, ep)
+        self.gather_out = GatherFromGroup(group, rank_in_group, num_local, ep)
 
-    def _local_rows(self, x_ECH):
-        return self.copy_in(x_ECH)[self.first_expert : self.first_expert + self.num_local]
+    def dispatch(self, x_TH, routing):
+        x_ECH, state = self.local.dispatch(x_TH, routing)
+        return self.copy_in(x_ECH)[self.first_expert : self.last_expert], state
 
-    def construct(self, x_ECH):
-        return self.gather_out(self.local(self._local_rows(x_ECH)))
+    def combine(self, y_eCH, state):
+        return self.local.combine(self.gather_out(y_eCH), state)
 
-    def with_weight_grad_scale(self, x_ECH, scale_EC):
-        scale_eC = scale_EC[self.first_expert : self.first_expert + self.num_local]
-        return self.gather_out(self.local.with_weight_grad_scale(self._local_rows(x_ECH), scale_eC))
+    def row_scale(self, scale_T, state):
+        return self.local.row_scale(scale_T, state)[self.first_expert : self.last_expert]
+
+    def kept(self, state):
+        return self.local.kept(state)
 
 
-def parallelize_experts(model, rank_in_group: int, ep: int, group: str) -> dict:
-    """Swap every MoE layer's experts for this rank's share; returns ``{parameter name: first row}``."""
+class ExpertParallelDispatch(ExpertPlacement):
+    """``expert_dispatcher`` of a model built on rank ``rank_in_group`` of an expert group of ``ep`` ranks."""
+
+    def __init__(self, rank_in_group: int, ep: int, group: str):
+        self.rank_in_group = rank_in_group
+        self.ep = ep
+        self.group = group
+
+    def held_experts(self, num_experts: int) -> range:
+        num_local = num_experts // self.ep
+        return range(self.rank_in_group * num_local, (self.rank_in_group + 1) * num_local)
+
+    def dispatcher(self, cfg):
+        held = self.held_experts(cfg.num_experts)
+        return AllGatherDispatcher(
+            local_dispatcher(cfg), held.start, len(held), self.rank_in_group, self.ep, self.group
+        )
+
+
+def expert_shards(model, num_experts: int, ep: int) -> dict:
+    """``{parameter name: first row}`` of the expert weights ``model`` holds a share of (built with an
+    :class:`ExpertParallelDispatch`); raises if its experts are whole, i.e. it was built without one."""
     sharded = {}
     for layer in model.layers:
         if not layer.is_moe:
             continue
-        experts = ExpertParallelExperts(layer.mlp.experts, rank_in_group, ep, group)
-        layer.mlp.experts = experts
-        for name, full_name in experts.full_names.items():
-            param = getattr(experts.local, name)
-            # Same names as the single-device model: checkpoints and the optimizer see one layout.
-            param.name = full_name
-            sharded[full_name] = experts.first_expert
+        experts = layer.mlp.experts
+        dispatcher = layer.mlp.dispatcher
+        for name in EXPERT_WEIGHTS:
+            param = getattr(experts, name)
+            if param.shape[0] * ep != num_experts or not isinstance(dispatcher, AllGatherDispatcher):
+                raise ValueError(
+                    f"parallel.ep={ep}: {param.name} holds {param.shape[0]} of {num_experts} experts; build the "
+                    "model with MoETransformer(..., expert_dispatcher=dist.expert_dispatcher)"
+                )
+            sharded[param.name] = experts.first_expert
     return sharded
 
 

@@ -23,16 +23,11 @@ packs). All state is int32 ``[B, W]``.
 import mindspore as ms
 from mindspore import ops
 
-from mindmoe.model.moe.locking import lock_routing
+from mindmoe.model.moe.locking import lock_routing, run_lengths, same_expert_set, same_set_as_previous
 
 
 def lock_state_width(top_k: int) -> int:
     return 2 * top_k + 3
-
-
-def _same_set(a_BK, b_BK):
-    """Whether two top-K index lists hold the same experts (float sort is exact for indices)."""
-    return ops.equal(ops.sort(a_BK.astype(ms.float32), -1)[0], ops.sort(b_BK.astype(ms.float32), -1)[0]).all(-1)
 
 
 def prefill_lock_state(natural_BSK, run_length: int, span: int):
@@ -43,9 +38,8 @@ def prefill_lock_state(natural_BSK, run_length: int, span: int):
     locked_BS, locked_topk_BSK = lock_routing(natural_BSK, doc_ids_BS, run_length, span)
 
     positions_BS = ops.broadcast_to(ops.arange(seq_len, dtype=ms.int32).expand_dims(0), (batch, seq_len))
-    continues_BS = ops.concat((ops.zeros((batch, 1), ms.bool_), _same_set(natural_BSK[:, 1:], natural_BSK[:, :-1])), 1)
-    run_start_BS = ops.cummax(ops.select(continues_BS, ops.full_like(positions_BS, -1), positions_BS), 1)[0]
-    run_BS = positions_BS - run_start_BS + 1
+    continues_BS = ops.concat((ops.zeros((batch, 1), ms.bool_), same_set_as_previous(natural_BSK)), 1)
+    run_BS = run_lengths(continues_BS, positions_BS)
     qualifying_BS = ops.select(run_BS >= run_length, positions_BS, ops.full_like(positions_BS, -1))
     source_B = qualifying_BS.max(1)
     source_BK = ops.broadcast_to(ops.maximum(source_B, 0).reshape(batch, 1, 1), (batch, 1, top_k))
@@ -75,7 +69,7 @@ def decode_lock_step(natural_BK, state_BW, position_B, run_length: int, span: in
 
     locked_B = ops.logical_and(source_B >= 0, source_B >= position_B - span)
     topk_BK = ops.select(ops.broadcast_to(locked_B.expand_dims(-1), natural_BK.shape), source_topk_BK, natural_BK)
-    run_B = ops.select(_same_set(natural_BK, previous_BK), run_B + 1, ops.ones_like(run_B))
+    run_B = ops.select(same_expert_set(natural_BK, previous_BK), run_B + 1, ops.ones_like(run_B))
     qualifies_B = run_B >= run_length
     source_B = ops.select(qualifies_B, position_B, source_B)
     source_topk_BK = ops.select(

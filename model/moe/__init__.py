@@ -1,9 +1,11 @@
-"""Mixture-of-Experts block: router math, dispatch, locking and the layer."""
+"""Mixture-of-Experts block: router, token dispatchers, experts, locking and the layer that composes them."""
 
 from mindmoe.model.moe.dispatch import capacity_slots, expert_capacity
-from mindmoe.model.moe.layer import MoELayer, Router
-from mindmoe.model.moe.locking import flip_rate, lock_routing
+from mindmoe.model.moe.experts import RoutedExperts
+from mindmoe.model.moe.layer import MoELayer
+from mindmoe.model.moe.locking import flip_rate, lock_routing, same_expert_set
 from mindmoe.model.moe.router import (
+    Router,
     aux_probs,
     expert_counts,
     gather_weights,
@@ -15,9 +17,19 @@ from mindmoe.model.moe.router import (
     updated_bias,
     z_loss,
 )
+from mindmoe.model.moe.token_dispatcher import (
+    CapacityDispatcher,
+    DroplessDispatcher,
+    ExpertPlacement,
+    local_dispatcher,
+)
 
 __all__ = [
+    "CapacityDispatcher",
+    "DroplessDispatcher",
+    "ExpertPlacement",
     "MoELayer",
+    "RoutedExperts",
     "Router",
     "aux_probs",
     "capacity_slots",
@@ -25,8 +37,10 @@ __all__ = [
     "expert_counts",
     "flip_rate",
     "gather_weights",
+    "local_dispatcher",
     "lock_routing",
     "router_scores",
+    "same_expert_set",
     "select_experts",
     "seq_aux_loss",
     "switch_aux_loss",

@@ -1,7 +1,9 @@
 """Token <-> expert dispatch with static shapes (no einsum: CPU has no kernel for it).
 
 Shape legend: T tokens, H hidden, E experts, K choices per token, A = T*K assignments,
-C capacity (slots per expert).
+C capacity (rows per expert), X = E*C slots of the flattened expert buffer.
+
+The dispatcher cells built on these functions are in :mod:`model.moe.token_dispatcher`.
 
 ``capacity``: assignments are ranked per expert in token order (earlier tokens win; a
 token's K choices in rank order), the first C of each expert get a slot, the rest are
@@ -49,12 +51,12 @@ def gather_to_slots(x_TH, slot_A, num_experts: int, capacity: int):
     token_A = ops.arange(slot_A.shape[0], dtype=ms.int32) // top_k
     num_slots = num_experts * capacity
     # 1 + token index per filled slot (0 = empty); the extra last slot collects drops.
-    token_plus_one_S = ops.scatter_nd(slot_A.expand_dims(-1), token_A + 1, (num_slots + 1,))[:num_slots]
-    source_S = ops.select(
-        token_plus_one_S > 0, token_plus_one_S - 1, ops.fill(ms.int32, token_plus_one_S.shape, num_tokens)
+    token_plus_one_X = ops.scatter_nd(slot_A.expand_dims(-1), token_A + 1, (num_slots + 1,))[:num_slots]
+    source_X = ops.select(
+        token_plus_one_X > 0, token_plus_one_X - 1, ops.fill(ms.int32, token_plus_one_X.shape, num_tokens)
     )
     x_padded = ops.concat((x_TH, ops.zeros((1, hidden), x_TH.dtype)), 0)
-    return ops.gather(x_padded, source_S, 0).reshape(num_experts, capacity, hidden)
+    return ops.gather(x_padded, source_X, 0).reshape(num_experts, capacity, hidden)
 
 
 def combine_from_slots(y_ECH, slot_A, weight_TK):

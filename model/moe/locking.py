@@ -24,6 +24,23 @@ def _prefix_last(flag_BS, positions_BS):
     return ops.cummax(marked, 1)[0]
 
 
+def same_expert_set(a_ZK, b_ZK):
+    """Whether two top-K index lists hold the same experts, in any order: ``[Z...]`` bool."""
+    # Sets compare equal iff their sorted members do (float sort is exact for expert indices).
+    return ops.equal(ops.sort(a_ZK.astype(ms.float32), -1)[0], ops.sort(b_ZK.astype(ms.float32), -1)[0]).all(-1)
+
+
+def same_set_as_previous(topk_idx_BSK):
+    """``[B, S - 1]`` bool: token t's top-K set equals token t - 1's (each row's members sorted once)."""
+    members_BSK = ops.sort(topk_idx_BSK.astype(ms.float32), -1)[0]
+    return ops.equal(members_BSK[:, 1:], members_BSK[:, :-1]).all(-1)
+
+
+def run_lengths(continues_run_BS, positions_BS):
+    """``run(t)``: the tokens of the run ending at t, where ``continues_run[t]`` says t extends t - 1's run."""
+    return positions_BS - _prefix_last(ops.logical_not(continues_run_BS), positions_BS) + 1
+
+
 def lock_routing(topk_idx_BSK, doc_ids_BS, run_length: int, span: int):
     """Returns ``(locked bool [B, S], locked_topk_idx int32 [B, S, K])``.
 
@@ -34,16 +51,13 @@ def lock_routing(topk_idx_BSK, doc_ids_BS, run_length: int, span: int):
     doc_ids_BS = doc_ids_BS.astype(ms.int32)
     batch, seq_len, top_k = topk_idx_BSK.shape
     positions_BS = ops.broadcast_to(ops.arange(seq_len, dtype=ms.int32).expand_dims(0), (batch, seq_len))
-    # Sets compare equal iff their sorted members do (float sort is exact for expert indices).
-    members_BSK = ops.sort(topk_idx_BSK.astype(ms.float32), -1)[0]
-    same_set_prev = ops.equal(members_BSK[:, 1:], members_BSK[:, :-1]).all(-1)
+    same_set_prev = same_set_as_previous(topk_idx_BSK)
     same_doc_prev = ops.equal(doc_ids_BS[:, 1:], doc_ids_BS[:, :-1])
     first_column = ops.zeros((batch, 1), ms.bool_)
     continues_run_BS = ops.concat((first_column, ops.logical_and(same_set_prev, same_doc_prev)), 1)
     continues_doc_BS = ops.concat((first_column, same_doc_prev), 1)
 
-    run_start_BS = _prefix_last(ops.logical_not(continues_run_BS), positions_BS)
-    run_BS = positions_BS - run_start_BS + 1
+    run_BS = run_lengths(continues_run_BS, positions_BS)
     doc_start_BS = _prefix_last(ops.logical_not(continues_doc_BS), positions_BS)
 
     last_qualifying_BS = _prefix_last(run_BS >= run_length, positions_BS)
@@ -62,7 +76,6 @@ def lock_routing(topk_idx_BSK, doc_ids_BS, run_length: int, span: int):
 
 def flip_rate(topk_idx_BSK, doc_ids_BS):
     """Share of adjacent same-document token pairs whose natural top-K set differs."""
-    members_BSK = ops.sort(topk_idx_BSK.astype(ms.float32), -1)[0]
-    changed = ops.logical_not(ops.equal(members_BSK[:, 1:], members_BSK[:, :-1]).all(-1)).astype(ms.float32)
+    changed = ops.logical_not(same_set_as_previous(topk_idx_BSK)).astype(ms.float32)
     same_doc = ops.equal(doc_ids_BS[:, 1:], doc_ids_BS[:, :-1]).astype(ms.float32)
     return (changed * same_doc).sum() / ops.maximum(same_doc.sum(), 1.0)

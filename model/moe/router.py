@@ -1,6 +1,7 @@
-"""Router math as pure functions (fp32), usable eagerly and under ``ms.jit``.
+"""The router: pure functions of the routing math (fp32, usable eagerly and under ``ms.jit``) and the
+:class:`Router` cell that owns the router weights and applies them in order.
 
-Shape legend: T tokens, E routed experts, K experts chosen per token.
+Shape legend: B batch, S sequence, T tokens, E routed experts, K experts chosen per token, J router groups.
 
 Conventions follow Megatron-Core / DeepSeek-V3 / HF ``glm4_moe``:
 - selection uses the top-K of the scores; the combine weights are gathered from the same
@@ -11,7 +12,12 @@ Conventions follow Megatron-Core / DeepSeek-V3 / HF ``glm4_moe``:
 """
 
 import mindspore as ms
-from mindspore import ops
+import numpy as np
+from mindspore import Parameter, Tensor, nn, ops
+
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.linear import normal_init
+from mindmoe.model.moe.locking import lock_routing
 
 # Keeps the renormalisation finite when every chosen sigmoid score underflows (HF uses the same).
 NORM_EPS = 1e-20
@@ -39,16 +45,17 @@ def select_experts(scores_TE, top_k: int, bias_E=None, n_group: int = 1, topk_gr
     if n_group > 1:
         num_tokens, num_experts = choice_TE.shape
         per_group = num_experts // n_group
-        grouped_TGE = choice_TE.reshape(num_tokens, n_group, per_group)
-        group_score_TG = ops.sort(grouped_TGE, -1, True)[0][:, :, :2].sum(-1)
-        _, group_order_TG = ops.sort(group_score_TG, -1, True)
-        keep_TG = (
+        # The last axis holds the E / J experts of one group.
+        grouped_TJE = choice_TE.reshape(num_tokens, n_group, per_group)
+        group_score_TJ = ops.sort(grouped_TJE, -1, True)[0][:, :, :2].sum(-1)
+        _, group_order_TJ = ops.sort(group_score_TJ, -1, True)
+        keep_TJ = (
             ops.one_hot(
-                group_order_TG[:, :topk_group], n_group, ops.ones((), ms.float32), ops.zeros((), ms.float32)
+                group_order_TJ[:, :topk_group], n_group, ops.ones((), ms.float32), ops.zeros((), ms.float32)
             ).sum(1)
             > 0
         )
-        keep_TE = ops.broadcast_to(keep_TG.expand_dims(-1), grouped_TGE.shape).reshape(num_tokens, num_experts)
+        keep_TE = ops.broadcast_to(keep_TJ.expand_dims(-1), grouped_TJE.shape).reshape(num_tokens, num_experts)
         choice_TE = ops.select(keep_TE, choice_TE, ops.full_like(choice_TE, MASKED_SCORE))
     # A stable descending sort, not ops.topk: topk orders ties arbitrarily, and expert locking
     # compares top-K sets, so equal scores must resolve to the lower expert index.
@@ -120,3 +127,85 @@ def updated_bias(bias_E, load_E, rate: float):
     """Aux-loss-free bias step: ``b + rate * sign(mean_load - load)`` (no change at the mean)."""
     mean_load = load_E.mean(-1, keep_dims=True)
     return bias_E + rate * ops.sign(mean_load - load_E)
+
+
+class Router(nn.Cell):
+    """Linear router ``[E, H]`` evaluated in fp32 whatever the compute dtype, and the routing steps of one
+    MoE layer as methods, so a serving graph that carries its own lock state calls the same code.
+
+    ``e_score_correction_bias`` (if ``expert_bias``) is state, not a trained weight: the
+    optimizer never sees it; the trainer moves it once per step from the observed load.
+    """
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+        super().__init__()
+        self.weight = Parameter(
+            normal_init((cfg.num_experts, cfg.hidden_size), cfg.initializer_range, rng), name="weight"
+        )
+        self.has_bias = cfg.expert_bias
+        if cfg.expert_bias:
+            self.e_score_correction_bias = Parameter(
+                Tensor(np.zeros(cfg.num_experts, np.float32)), name="e_score_correction_bias", requires_grad=False
+            )
+        self.matmul = ops.MatMul(transpose_b=True)
+        self.top_k = cfg.top_k
+        self.score_func = cfg.score_func
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.routed_scaling_factor = cfg.routed_scaling_factor
+        self.n_group = cfg.n_group
+        self.topk_group = cfg.topk_group
+        self.expert_lock = cfg.expert_lock
+        self.lock_run_length = cfg.lock_run_length
+        self.lock_span = cfg.lock_span
+        self.aux_loss_type = cfg.aux_loss
+        self.aux_loss_coeff = cfg.aux_loss_coeff
+        self.z_loss_coeff = cfg.z_loss_coeff
+        # Megatron computes the balancing loss on the plain top-K of the scores, whatever bias or
+        # group limits did to selection; only then do the two differ.
+        self.aux_needs_plain_topk = cfg.expert_bias or cfg.n_group > 1
+
+    def construct(self, x_TH):
+        """Router logits ``[T, E]`` fp32."""
+        return self.matmul(x_TH.astype(ms.float32), self.weight.astype(ms.float32))
+
+    def natural_routing(self, x_TH):
+        """``(logits [T, E], scores [T, E], natural top-K [T, K])``: the router's own choice, before locking."""
+        logits_TE = self.construct(x_TH)
+        scores_TE = router_scores(logits_TE, self.score_func)
+        bias_E = self.e_score_correction_bias if self.has_bias else None
+        return logits_TE, scores_TE, select_experts(scores_TE, self.top_k, bias_E, self.n_group, self.topk_group)
+
+    def locked_routing(self, natural_TK, doc_ids_BS):
+        """``(top-K to route with [T, K], locked [T] fp32)`` of a packed micro-batch (:func:`lock_routing`)."""
+        num_tokens = natural_TK.shape[0]
+        if not self.expert_lock:
+            return natural_TK, ops.zeros((num_tokens,), ms.float32)
+        batch, seq_len = doc_ids_BS.shape
+        locked_BS, locked_idx_BSK = lock_routing(
+            natural_TK.reshape(batch, seq_len, self.top_k), doc_ids_BS, self.lock_run_length, self.lock_span
+        )
+        return locked_idx_BSK.reshape(num_tokens, self.top_k), locked_BS.reshape(num_tokens).astype(ms.float32)
+
+    def combine_weights(self, scores_TE, topk_idx_TK):
+        """Weights ``[T, K]`` of the experts routed to (:func:`gather_weights`)."""
+        return gather_weights(scores_TE, topk_idx_TK, self.norm_topk_prob, self.routed_scaling_factor)
+
+    def balance_loss(self, scores_TE, natural_TK, batch: int, seq_len: int):
+        """The configured aux loss (``model.aux_loss``: switch, seq or none) of the natural routing."""
+        if self.aux_loss_type == "none":
+            return ops.zeros((), ms.float32)
+        aux_topk_TK = natural_TK
+        if self.aux_needs_plain_topk:
+            aux_topk_TK = select_experts(scores_TE, self.top_k)
+        probs_TE = aux_probs(scores_TE, self.score_func)
+        if self.aux_loss_type == "seq":
+            return seq_aux_loss(
+                probs_TE.reshape(batch, seq_len, -1), aux_topk_TK.reshape(batch, seq_len, -1), self.aux_loss_coeff
+            )
+        return switch_aux_loss(probs_TE, aux_topk_TK, self.aux_loss_coeff)
+
+    def router_z_loss(self, logits_TE):
+        """:func:`z_loss` with ``model.z_loss_coeff`` (zero when it is 0)."""
+        if self.z_loss_coeff > 0:
+            return z_loss(logits_TE, self.z_loss_coeff)
+        return ops.zeros((), ms.float32)

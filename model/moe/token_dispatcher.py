@@ -1,0 +1,119 @@
+"""Token dispatchers: how the tokens of one MoE layer reach the routed experts and come back.
+
+Shape legend: T tokens, H hidden, E experts, K experts per token, A = T * K assignments,
+C rows per expert in the expert buffer, X = E * C slots.
+
+A dispatcher is a parameter-free cell with four methods, called by :class:`model.moe.layer.MoELayer`
+inside its (compiled) ``construct``:
+
+- ``dispatch(x_TH, routing) -> (expert_inputs, state)``: ``routing = (topk_idx [T, K], weight [T, K])``;
+  ``expert_inputs`` is the ``[E, C, H]`` buffer the experts run on;
+- ``combine(expert_outputs, state) -> y_TH``: the weighted sum of each token's expert outputs;
+- ``row_scale(scale_T, state) -> scale_EC``: a per-token factor moved to the buffer's rows (gradient
+  isolation scales the expert weight gradient of locked tokens' rows);
+- ``kept(state) -> kept_A`` fp32: 1 for each assignment an expert processed, 0 for a dropped one.
+
+Which dispatcher a layer uses is fixed when the model is built (a compiled graph has one data path):
+:func:`local_dispatcher` picks it from ``model.dispatch``; an :class:`ExpertPlacement` (the
+``expert_dispatcher`` argument of the model) decides which experts this process holds and may wrap
+the local dispatcher (expert parallelism, ``mindmoe.train.expert_parallel``).
+"""
+
+import mindspore as ms
+from mindspore import nn, ops
+
+from mindmoe.model.moe.dispatch import (
+    capacity_slots,
+    combine_from_slots,
+    dense_combine_weights,
+    expert_capacity,
+    gather_to_slots,
+)
+
+
+class CapacityDispatcher(nn.Cell):
+    """Gather/scatter slots of a fixed capacity ``C = ceil(capacity_factor * T * K / E)``: the first C
+    assignments of each expert (in token order) are kept, the rest dropped (:func:`capacity_slots`)."""
+
+    def __init__(self, num_experts: int, capacity_factor: float):
+        super().__init__()
+        self.num_experts = num_experts
+        self.capacity_factor = capacity_factor
+
+    def capacity(self, num_tokens: int, top_k: int) -> int:
+        return expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
+
+    def dispatch(self, x_TH, routing):
+        topk_idx_TK, weight_TK = routing
+        num_tokens, top_k = topk_idx_TK.shape
+        capacity = self.capacity(num_tokens, top_k)
+        slot_A, kept_mask_A = capacity_slots(topk_idx_TK, self.num_experts, capacity)
+        x_ECH = gather_to_slots(x_TH, slot_A, self.num_experts, capacity)
+        return x_ECH, (slot_A, kept_mask_A, weight_TK)
+
+    def combine(self, y_ECH, state):
+        slot_A, _, weight_TK = state
+        return combine_from_slots(y_ECH, slot_A, weight_TK)
+
+    def row_scale(self, scale_T, state):
+        slot_A, _, weight_TK = state
+        num_tokens, top_k = weight_TK.shape
+        capacity = self.capacity(num_tokens, top_k)
+        scale_A = ops.broadcast_to(scale_T.expand_dims(-1), (num_tokens, top_k)).reshape(-1)
+        num_slots = self.num_experts * capacity
+        # Slots are unique per kept assignment; the extra last slot collects the dropped ones.
+        slot_scale_X = 1.0 + ops.scatter_nd(slot_A.expand_dims(-1), scale_A - 1.0, (num_slots + 1,))
+        return slot_scale_X[:num_slots].reshape(self.num_experts, capacity)
+
+    def kept(self, state):
+        return state[1].astype(ms.float32)
+
+
+class DroplessDispatcher(nn.Cell):
+    """Every expert runs on every token (``C = T``) and the outputs are combined with a ``[T, E]`` weight
+    matrix that is zero off the chosen experts: exact and static, at E / K times the routed FLOPs."""
+
+    def __init__(self, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+
+    def dispatch(self, x_TH, routing):
+        num_tokens, hidden = x_TH.shape
+        x_ETH = ops.broadcast_to(x_TH.expand_dims(0), (self.num_experts, num_tokens, hidden))
+        return x_ETH, routing
+
+    def combine(self, y_ETH, state):
+        topk_idx_TK, weight_TK = state
+        combine_TE = dense_combine_weights(topk_idx_TK, weight_TK, self.num_experts).astype(y_ETH.dtype)
+        return (y_ETH.transpose(1, 0, 2) * combine_TE.expand_dims(-1)).sum(1)
+
+    def row_scale(self, scale_T, state):
+        return ops.broadcast_to(scale_T.expand_dims(0), (self.num_experts, scale_T.shape[0]))
+
+    def kept(self, state):
+        topk_idx_TK = state[0]
+        return ops.ones((topk_idx_TK.shape[0] * topk_idx_TK.shape[1],), ms.float32)
+
+
+def local_dispatcher(cfg):
+    """The single-device dispatcher ``model.dispatch`` names (``capacity`` or ``dropless``)."""
+    if cfg.dispatch == "dropless":
+        return DroplessDispatcher(cfg.num_experts)
+    return CapacityDispatcher(cfg.num_experts, cfg.capacity_factor)
+
+
+class ExpertPlacement:
+    """Where the experts of every MoE layer live and how tokens reach them: the ``expert_dispatcher``
+    argument of :class:`model.transformer.MoETransformer`. This one is a single process holding all
+    experts; expert parallelism subclasses it (``mindmoe.train.expert_parallel``)."""
+
+    def held_experts(self, num_experts: int) -> range:
+        """The experts whose weights this process creates and runs."""
+        return range(num_experts)
+
+    def dispatcher(self, cfg):
+        """A new dispatcher for one MoE layer of ``cfg`` (cells are not shared between layers)."""
+        return local_dispatcher(cfg)
+
+
+SINGLE_DEVICE = ExpertPlacement()
