@@ -67,11 +67,11 @@ def build_trainer(cfg, seed: int = 0, cell_reuse: bool = False):
     from mindmoe.model.transformer import MoETransformer
     from mindmoe.train.config import TrainConfig
     from mindmoe.train.optim import build_optimizer
-    from mindmoe.train.step import Trainer
+    from mindmoe.train.step import CompiledStep
 
     model = MoETransformer(cfg, seed=seed, cell_reuse=cell_reuse)
     optimizer = build_optimizer(model.trainable_params(), TrainConfig(max_steps=1000, warmup_ratio=0.0))
-    trainer = Trainer(model, optimizer, grad_clip=1.0, accum_steps=1)
+    trainer = CompiledStep(model, optimizer, grad_clip=1.0, accum_steps=1)
     num_params = sum(int(np.prod(p.shape)) for p in model.trainable_params())
     return trainer, num_params
 
@@ -90,7 +90,7 @@ def timed(fn, *args) -> tuple:
 
 
 def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0, with_torch: bool = False) -> dict:
-    """Tokens/s, compile time and peak RSS of the real train step (train.step.Trainer + train.optim).
+    """Tokens/s, compile time and peak RSS of the real train step (train.step.CompiledStep + train.optim).
 
     With ``with_torch`` the PyTorch reference (bench.torch_reference) runs in this process too, its
     steps alternating with mindmoe's on the same windows, so both see the same load; the peak RSS

@@ -140,7 +140,8 @@ def render_markdown(rows: list, machine: dict, run_id: str, size) -> str:
         lines += [
             "## train_step",
             "",
-            "`train.step.Trainer` with `train.optim` (mindformers AdamW, fused update), median of the timed steps. "
+            "`train.step.CompiledStep` with `train.optim` (mindformers AdamW, fused update), median of the timed "
+            "steps. "
             "compile = first step - median step. Peak RSS ratio = (peak RSS - RSS after importing the "
             "framework) / (16 bytes x params + activations), activations = 2 x (peak RSS at B - peak RSS at B/2). "
             "MFU = against the best MatMul rate of the run (gemm_peak and the MatMuls timed in the step "

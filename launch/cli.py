@@ -21,9 +21,10 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
+from mindmoe.conf.checks import check_launch_config
 from mindmoe.conf.exit_codes import CONFIG_ERRORS, STOPPED_ON_SIGNAL, WORKER_FAILED, CommandExit, reports_errors
-from mindmoe.conf.launch_checks import check_launch_config
 from mindmoe.conf.schema import register_configs
+from mindmoe.launch.config import validate_launch_config
 from mindmoe.launch.msrun import (
     WORKER_BANNER,
     direct_workers,
@@ -33,7 +34,6 @@ from mindmoe.launch.msrun import (
     msrun_command,
     process_environment,
     render,
-    validate_launch,
 )
 
 register_configs()
@@ -140,11 +140,18 @@ def run_direct(workers, env, run_dir: Path) -> int:
             process.wait()
 
 
+def _device_target() -> str:
+    """The device the workers will run on, for the checks that depend on it (bf16 and cell reuse on CPU)."""
+    import mindspore as ms
+
+    return ms.get_context("device_target")
+
+
 def launch(cfg) -> int:
     hydra_cfg = HydraConfig.get()
     run_dir = Path(hydra_cfg.runtime.output_dir).resolve()
     overrides = list(hydra_cfg.overrides.task)
-    validate_launch(cfg.launch)
+    validate_launch_config(cfg.launch)
     env = environment(cfg.launch)
     command = msrun_command(cfg.launch, run_dir, overrides)
     if cfg.launch.dry_run:
@@ -152,11 +159,11 @@ def launch(cfg) -> int:
         # run dir): print it, and what would stop the real launch as a warning.
         print(render(command, env, cfg.launch), flush=True)
         try:
-            check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides)
+            check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides, _device_target())
         except CONFIG_ERRORS as error:
             print(f"mindmoe-launch: warning: the launch would stop here: {error}", file=sys.stderr)
         return 0
-    check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides)
+    check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides, _device_target())
     from mindmoe.data.prepare import prepare_data, with_pretrained_tokenizer
 
     prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))

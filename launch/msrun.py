@@ -15,6 +15,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Sequence
 
+from mindmoe.launch.config import world_size
+
 #: The worker entry point: the ``mindmoe-train`` Hydra app.
 WORKER_MODULE = "mindmoe.train.cli"
 #: Every worker logs to stdout, which msrun writes to ``worker_<rank>.log``; Hydra's own log file and
@@ -22,31 +24,6 @@ WORKER_MODULE = "mindmoe.train.cli"
 WORKER_HYDRA_OVERRIDES = ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
 #: Printed by each worker as its first line, so a failure reported by pid can be traced to a rank's log.
 WORKER_BANNER = "mindmoe worker: rank {rank} pid {pid}"
-
-
-def world_size(launch) -> int:
-    return launch.nodes * launch.procs_per_node
-
-
-def validate_launch(launch) -> None:
-    """Each ``launch.*`` value on its own; how the world divides is ``train.distributed.resolve_layout``."""
-    for key in ("nodes", "procs_per_node"):
-        if getattr(launch, key) < 1:
-            raise ValueError(f"launch.{key}={getattr(launch, key)} must be >= 1")
-    if not 0 <= launch.node_rank < launch.nodes:
-        raise ValueError(
-            f"launch.node_rank={launch.node_rank} must be in 0..{launch.nodes - 1} (launch.nodes={launch.nodes})"
-        )
-    if not 1024 <= launch.master_port <= 65535:
-        raise ValueError(f"launch.master_port={launch.master_port} must be a port in 1024..65535")
-    if not launch.master_addr:
-        raise ValueError("launch.master_addr is empty: give node 0's address (e.g. launch.master_addr=10.0.0.1)")
-    for key in ("cluster_timeout", "node_timeout"):
-        if getattr(launch, key) < 1:
-            raise ValueError(f"launch.{key}={getattr(launch, key)} must be >= 1 second")
-    for key in ("hccl_connect_timeout", "hccl_exec_timeout"):
-        if getattr(launch, key) < 0:
-            raise ValueError(f"launch.{key}={getattr(launch, key)} must be >= 0 (0 = HCCL's default)")
 
 
 def log_dir(launch, run_dir: Path) -> Path:

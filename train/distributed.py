@@ -16,71 +16,15 @@ are reduced too, so all ranks take identical decisions.
 
 import logging
 import os
-from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from mindmoe.conf.checks import Layout, resolve_layout
 from mindmoe.train.step import global_squared_norm
 
 log = logging.getLogger("mindmoe.train")
-
-
-@dataclass(frozen=True)
-class Layout:
-    """How ``world_size`` processes are used, and the gradient accumulation it implies."""
-
-    world_size: int
-    dp: int
-    ep: int
-    accumulation: int
-
-
-def resolve_layout(
-    world_size: int,
-    dp: int,
-    ep: int,
-    num_experts: int,
-    global_batch_size: int,
-    micro_batch_size: int,
-    has_moe_layers: bool = True,
-) -> Layout:
-    """Check that ``world_size`` processes divide as configured; errors name the keys to change.
-
-    ``dp = 0`` means ``world_size / ep``. Used by ``mindmoe-launch`` before any worker starts and
-    by every worker before it compiles.
-    """
-    if ep < 1:
-        raise ValueError(f"parallel.ep={ep} must be >= 1")
-    if dp < 0:
-        raise ValueError(f"parallel.dp={dp} must be >= 1, or 0 for (number of processes) / parallel.ep")
-    if ep > 1:
-        if not has_moe_layers:
-            raise ValueError(f"parallel.ep={ep}: the model has no MoE layer to split; use parallel.ep=1")
-        if num_experts % ep:
-            raise ValueError(f"parallel.ep={ep} must divide model.num_experts={num_experts}")
-        if world_size % ep:
-            raise ValueError(
-                f"parallel.ep={ep} must divide the number of processes {world_size} "
-                "(launch.nodes x launch.procs_per_node)"
-            )
-    resolved_dp = dp or world_size // ep
-    if resolved_dp * ep != world_size:
-        raise ValueError(
-            f"parallel.dp={dp} x parallel.ep={ep} = {resolved_dp * ep} processes, but {world_size} "
-            f"{'are' if world_size > 1 else 'is'} started (launch.nodes x launch.procs_per_node); "
-            "set parallel.dp=0 to use them all"
-        )
-    if micro_batch_size < 1 or global_batch_size % (micro_batch_size * resolved_dp):
-        raise ValueError(
-            f"data.global_batch_size={global_batch_size} must be a positive multiple of "
-            f"data.micro_batch_size={micro_batch_size} x data-parallel size {resolved_dp} "
-            f"(= {micro_batch_size * resolved_dp})"
-        )
-    return Layout(
-        world_size=world_size, dp=resolved_dp, ep=ep, accumulation=global_batch_size // (micro_batch_size * resolved_dp)
-    )
 
 
 def launched_by_msrun() -> bool:
@@ -139,10 +83,6 @@ class Distributed:
             from mindmoe.train.expert_parallel import expert_shards
 
             self.sharded = expert_shards(model, model.config.num_experts, self.ep)
-
-    def parallelize(self, model) -> None:
-        """Compatibility name of :meth:`track_expert_shards` (expert parallelism is chosen at build time)."""
-        self.track_expert_shards(model)
 
     def checkpoint_views(self, params) -> list:
         """``params`` as checkpoints see them: expert tensors (and their moments) at full size."""

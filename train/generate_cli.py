@@ -14,20 +14,6 @@ from pathlib import Path
 from mindmoe.conf.exit_codes import reports_errors
 
 
-def load_export_tokenizer(export_dir: Path):
-    from mindmoe.data.hf_tokenizer import TOKENIZER_JSON, HFTokenizer
-    from mindmoe.data.tokenizer import load_tokenizer
-
-    if (export_dir / TOKENIZER_JSON).is_file():
-        return HFTokenizer(export_dir)
-    if (export_dir / "tokenizer.model").is_file():
-        return load_tokenizer(export_dir / "tokenizer.model", "export directory")
-    raise FileNotFoundError(
-        f"{export_dir}: no tokenizer.json or tokenizer.model (export copies the tokenizer "
-        "of its source beside the graphs)"
-    )
-
-
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="mindmoe-generate", description=__doc__.split("\n\n")[0])
     parser.add_argument("export_dir", type=Path, help="directory written by mindmoe-export export.format=mindir")
@@ -50,7 +36,9 @@ def main(argv=None) -> None:
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     exported = ExportedModel(args.export_dir)
-    tokenizer = load_export_tokenizer(args.export_dir)
+    from mindmoe.data.tokenizer_files import open_export_tokenizer
+
+    tokenizer = open_export_tokenizer(args.export_dir)
     for prompt in args.prompt:
         ids = ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(prompt)
         new_ids = exported.generate(

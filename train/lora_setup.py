@@ -107,12 +107,3 @@ def lora_run_for(cfg, model_cfg: ModelConfig, model) -> Optional[LoraRun]:
     log.info("%s", run.report.summary())
     print(run.report.summary())
     return run
-
-
-def setup_lora(cfg, model_cfg: ModelConfig, model, vocab_size: int = 0):
-    """``(model_cfg, model, LoraRun or None)``; the model already has its adapters (``build_model``).
-
-    Kept for the call in ``train/loop.py``; ``vocab_size`` is not used (the base was resolved before
-    the build). New code calls :func:`lora_run_for`.
-    """
-    return model_cfg, model, lora_run_for(cfg, model_cfg, model)

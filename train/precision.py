@@ -30,28 +30,6 @@ class LossScale:
     window: int
 
 
-def validate_precision(train, device_target: str) -> None:
-    if train.dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"train.dtype={train.dtype!r} must be one of {', '.join(COMPUTE_DTYPES)}")
-    if train.dtype != "fp32" and device_target == "CPU":
-        raise ValueError(
-            f"train.dtype={train.dtype}: the CPU backend has no {train.dtype} kernels for "
-            "MatMul/Softmax/TopK (or runs them slower than fp32); use train.dtype=fp32 on CPU "
-            "and bf16/fp16 on Ascend"
-        )
-    if train.cell_reuse and device_target == "CPU":
-        raise ValueError(
-            "train.cell_reuse=true: MindSpore's lazy_inline cell reuse needs the Ascend backend; the "
-            'CPU backend of MindSpore 2.9 fails on the reused-layer graph ("Input[0] must be a Primitive '
-            'ValueNode"). Use train.cell_reuse=false on CPU'
-        )
-    if train.loss_scale <= 0 or train.loss_scale_window < 1:
-        raise ValueError(
-            f"train.loss_scale={train.loss_scale} must be > 0 and train.loss_scale_window="
-            f"{train.loss_scale_window} >= 1"
-        )
-
-
 def apply_precision(model, train):
     """Cast the model's matmuls to ``train.dtype`` and mark layers for recompute; returns the
     :class:`LossScale` the trainer must use (fp16) or None."""

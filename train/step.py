@@ -333,8 +333,3 @@ class CompiledStep:
             summed = self.dist.sum_over_ranks(np.array([nll_total, tokens])) / self.dist.replica_copies
             nll_total, tokens = float(summed[0]), float(summed[1])
         return nll_total / max(tokens, 1.0), tokens
-
-
-#: The former name of :class:`CompiledStep`, kept while tests/unit/test_isolation.py,
-#: tests/unit/test_router_balancing.py, tests/unit/test_lora_peft_roundtrip.py and bench/cases.py use it.
-Trainer = CompiledStep

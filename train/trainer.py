@@ -22,7 +22,7 @@ from mindmoe.train.checkpoint import load_model_weights, load_optimizer_state, r
 from mindmoe.train.distributed import init_distributed
 from mindmoe.train.heatmap import render_expert_load, save_png
 from mindmoe.train.init_model import build_model, planned_model_config
-from mindmoe.train.lora_setup import setup_lora
+from mindmoe.train.lora_setup import lora_run_for
 from mindmoe.train.metrics import MetricsWriter, measure_peak_gflops, train_flops_per_token, window_row
 from mindmoe.train.optim import build_optimizer
 from mindmoe.train.precision import apply_precision
@@ -77,11 +77,6 @@ class Trainer:
             cfg.data.micro_batch_size,
             planned.num_moe_layers > 0,
         )
-        if cfg.lora.enabled and self.dist.layout.ep > 1:
-            raise ValueError(
-                f"lora.enabled=true with parallel.ep={self.dist.layout.ep}: LoRA runs are data parallel only; "
-                "set parallel.ep=1"
-            )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ms.set_seed(cfg.train.seed)
         self.data = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
@@ -90,15 +85,19 @@ class Trainer:
         )
         # A LoRA checkpoint holds only the adapters: its base is loaded again when resuming.
         model_cfg, model = build_model(
-            cfg, self.data.vocab_size, explicit_model_keys, load_weights=self.resume_from is None or cfg.lora.enabled
+            cfg,
+            self.data.vocab_size,
+            explicit_model_keys,
+            load_weights=self.resume_from is None or cfg.lora.enabled,
+            expert_dispatcher=self.dist.expert_dispatcher,
         )
-        model_cfg, model, self.lora_run = setup_lora(cfg, model_cfg, model, self.data.vocab_size)
+        self.lora_run = lora_run_for(cfg, model_cfg, model)
         if cfg.data.seq_len > model_cfg.max_position_embeddings:
             raise ValueError(
                 f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
                 f"{model_cfg.max_position_embeddings}"
             )
-        self.dist.parallelize(model)
+        self.dist.track_expert_shards(model)
         return model_cfg, model
 
     def _compile_step(self) -> CompiledStep:

@@ -17,6 +17,7 @@ tensor order that is three ``[E, out, in]`` buffers at a time).
 import json
 from collections import defaultdict
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 
@@ -80,7 +81,8 @@ def load_hf_pretrained(
     model = MoETransformer(
         imported.model_config, cell_reuse=cell_reuse, lora=adapters, expert_dispatcher=expert_dispatcher
     )
-    notes = imported.notes + load_hf_weights(model, plan)
+    held = None if expert_dispatcher is None else expert_dispatcher.held_experts(imported.model_config.num_experts)
+    notes = imported.notes + load_hf_weights(model, plan, held)
     return imported.model_config, model, notes
 
 
@@ -219,26 +221,34 @@ def plan_hf_weights(path, imported: ImportedConfig) -> WeightPlan:
     return WeightPlan(imported, planner.shapes, planner.assignments, planner.notes + planner.skip_notes())
 
 
-def load_hf_weights(model, plan: WeightPlan) -> list:
-    """Stream the planned tensors into ``model``'s parameters; returns notes."""
+def load_hf_weights(model, plan: WeightPlan, held_experts: Optional[range] = None) -> list:
+    """Stream the planned tensors into ``model``'s parameters; returns notes.
+
+    ``held_experts``: the expert rows this process holds (expert parallelism builds each rank with only
+    its share of every stacked expert tensor); the other experts' tensors are never read.
+    """
     from mindspore import Tensor  # reading configs and planning need no MindSpore; only this copy does
 
+    held = {name: _held_range(name, shape, held_experts) for name, shape in plan.shapes.items()}
     params = {param.name: param for param in model.get_parameters() if not is_adapter(param.name)}
     model_shapes = {name: tuple(param.shape) for name, param in params.items()}
-    if model_shapes != {name: tuple(shape) for name, shape in plan.shapes.items()}:
+    expected = {name: _held_shape(shape, held[name]) for name, shape in plan.shapes.items()}
+    if model_shapes != expected:
         raise HFCheckpointError(
             "the model's parameters differ from those its config implies "
-            f"({sorted(set(model_shapes) ^ set(plan.shapes))[:5]}); a model built "
+            f"({sorted(set(model_shapes.items()) ^ set(expected.items()))[:5]}); a model built "
             "from another config?"
         )
     by_file = defaultdict(list)
     for assignment in plan.assignments:
         by_file[assignment[0].file].append(assignment)
-    rows_wanted = {name: shape[0] for name, shape in plan.shapes.items() if len(shape) == 3}
     buffers = {}  # stacked name -> [array, rows filled]
     for file, assignments in by_file.items():
         with open(file, "rb") as handle:
             for entry, our_name, row in sorted(assignments, key=lambda a: a[0].offset):
+                rows = held[our_name]
+                if row is not None and row not in rows:
+                    continue
                 try:
                     array = read_tensor(handle, entry)
                 except ValueError as err:
@@ -248,14 +258,25 @@ def load_hf_weights(model, plan: WeightPlan) -> list:
                     param.set_data(Tensor(np.ascontiguousarray(array), dtype=param.dtype))
                     continue
                 if our_name not in buffers:
-                    buffers[our_name] = [np.empty(plan.shapes[our_name], np.float32), 0]
+                    buffers[our_name] = [np.empty(expected[our_name], np.float32), 0]
                 buffer = buffers[our_name]
-                buffer[0][row] = array
+                buffer[0][row - rows.start] = array
                 buffer[1] += 1
                 del array
-                if buffer[1] == rows_wanted[our_name]:
+                if buffer[1] == len(rows):
                     param.set_data(Tensor(np.ascontiguousarray(buffers.pop(our_name)[0]), dtype=param.dtype))
     return list(plan.notes)
+
+
+def _held_range(name: str, shape, held_experts: Optional[range]) -> Optional[range]:
+    """The expert rows of stacked tensor ``name`` this process reads (all without expert parallelism)."""
+    if len(shape) != 3 or not is_stacked_expert(name):
+        return None
+    return held_experts if held_experts is not None else range(shape[0])
+
+
+def _held_shape(shape, rows: Optional[range]) -> tuple:
+    return tuple(shape) if rows is None else (len(rows), *shape[1:])
 
 
 def _check_index(index_names: dict, seen: dict, problems: dict):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mindmoe.train.distributed import resolve_layout
+from mindmoe.conf.checks import resolve_layout
 from tests.integration.test_reliability import losses_by_step
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,4 +1,4 @@
-"""Gradient isolation of locked experts (DESIGN §4), both modes.
+"""Gradient isolation of locked experts (README, "Routing"), both modes.
 
 ``token_grad``: the gradient of expert e's weights is the per-token sum of the contributions of the
 tokens routed (and kept) to e, each locked token's term multiplied by lambda — computed here with
@@ -286,14 +286,14 @@ def test_expert_update_scales_each_experts_adamw_update_by_one_minus_decay_times
     from mindmoe.train.config import TrainConfig
     from mindmoe.train.optim import build_optimizer
     from mindmoe.train.routing import RouterStepUpdates
-    from mindmoe.train.step import Trainer
+    from mindmoe.train.step import CompiledStep
 
     cfg = transformer_config()
     model = MoETransformer(cfg, seed=0)
     optimizer = build_optimizer(
         model.trainable_params(), TrainConfig(lr=1e-2, warmup_ratio=0.0, max_steps=10, grad_clip=0.0)
     )
-    trainer = Trainer(model, optimizer, 0.0, 1, RouterStepUpdates(model, cfg))
+    trainer = CompiledStep(model, optimizer, 0.0, 1, RouterStepUpdates(model, cfg))
     window = repeated_token_window()
     input_ids = Tensor(window["input_ids"][:, :-1].astype(np.int32))
     doc_ids = window["doc_ids"][:, :-1].astype(np.int32)

@@ -1,4 +1,4 @@
-"""Expert locking (DESIGN §4) vs a brute-force per-token NumPy transcription of its definition,
+"""Expert locking (README, "Routing") vs a brute-force per-token NumPy transcription of its definition,
 hand-written cases with exact expected arrays, and the MoE layer vs a naive per-token loop.
 
 Definition, as transcribed below: ``N_t`` is token t's natural top-k *set*; ``run(t)`` counts the

@@ -36,7 +36,7 @@ def trained(tmp_path_factory):
     from mindmoe.train.config import TrainConfig
     from mindmoe.train.optim import build_optimizer
     from mindmoe.train.routing import RouterStepUpdates
-    from mindmoe.train.step import Trainer
+    from mindmoe.train.step import CompiledStep
 
     hf_dir = save_hf(
         randomize_hf(Glm4MoeForCausalLM(glm4_config(n_routed_experts=4, num_hidden_layers=2)), seed=11),
@@ -53,7 +53,7 @@ def trained(tmp_path_factory):
     optimizer = build_optimizer(
         model.trainable_params(), TrainConfig(lr=2e-2, warmup_ratio=0.0, max_steps=STEPS, weight_decay=0.0)
     )
-    trainer = Trainer(model, optimizer, 1.0, 1, RouterStepUpdates(model, cfg))
+    trainer = CompiledStep(model, optimizer, 1.0, 1, RouterStepUpdates(model, cfg))
     rng = np.random.default_rng(0)
     losses = []
     for _ in range(STEPS):

@@ -1,6 +1,7 @@
 """Router math vs a NumPy transcription of the published formulas, HF ``Glm4MoeTopkRouter``
 (transformers 4.57.1; zero correction bias, n_group = topk_group = 1) and the Megatron-Core
-test vectors of REFERENCES.md §3.8.
+test vectors (values computed with the published code: HF Mixtral load_balancing_loss_func,
+Megatron-Core moe_utils, DeepSeek's gates).
 """
 
 import mindspore as ms
@@ -14,7 +15,8 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe import Router, aux_probs, expert_counts, router_scores, switch_aux_loss, topk_routing, z_loss
 
-# REFERENCES.md §3.8 (T = 4 tokens, E = 4 experts, k = 2).
+# Reference vectors computed with the published code (HF Mixtral load_balancing_loss_func, Megatron-Core
+# moe_utils, DeepSeek's gates); T = 4 tokens, E = 4 experts, k = 2.
 REF_LOGITS = np.array([[2, 1, 0, -1], [0.5, 0.4, 2, 0], [-1, 3, 0, 1], [0.2, 1.7, -0.3, 1.5]], np.float32)
 REF_SWITCH_AUX_SOFTMAX = 1.103122540625911
 REF_SWITCH_AUX_SIGMOID = 1.0415414155603706

@@ -7,11 +7,12 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
+from mindmoe.conf.checks import validate_precision
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
-from mindmoe.train.precision import LossScale, apply_precision, validate_precision
+from mindmoe.train.precision import LossScale, apply_precision
 from mindmoe.train.step import CompiledStep, masked_cross_entropy, split_window
 
 MODEL = ModelConfig(

@@ -1,6 +1,6 @@
 """RoPE: inverse frequencies, both channel layouts and partial rotation.
 
-References: the float64 test vectors of REFERENCES.md §1.9 (computed from the published
+References: the float64 test vectors of the published formulas (computed from the published
 formula) and HF transformers 4.57.1 (``ROPE_INIT_FUNCTIONS["default"]``,
 ``Glm4MoeRotaryEmbedding``, ``glm4_moe.apply_rotary_pos_emb``).
 """
@@ -16,12 +16,12 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeRotaryEmbeddin
 
 from mindmoe.model.rope import apply_rope, default_inv_freq, rope_tables
 
-# REFERENCES.md §1.9, V1 (base 10000).
+# Published-formula vector V1 (base 10000).
 V1_INV_FREQ = {
     8: [1, 0.1, 0.01, 0.001],
     16: [1, 0.31622776602, 0.1, 0.031622776602, 0.01, 0.0031622776602, 0.001, 0.00031622776602],
 }
-# REFERENCES.md §1.9, rotation of x = [1..8] at position 3, default theta, base 10000.
+# Published-formula vector: rotation of x = [1..8] at position 3, default theta, base 10000.
 X_1_TO_8 = np.arange(1, 9, dtype=np.float32)
 ROTATED_AT_3 = {
     # (rotary_dim, interleaved): expected
@@ -84,7 +84,7 @@ def test_default_inv_freq_matches_hf_rope_init_default(head_dim, partial, theta)
 
 
 def test_glm45_inv_freq_matches_published_values():
-    # REFERENCES.md §1.9: head_dim 128, partial 0.5, theta 1e6 -> 32 frequencies.
+    # Published-formula vector: head_dim 128, partial 0.5, theta 1e6 -> 32 frequencies.
     inv_freq = default_inv_freq(64, 1e6)
     assert inv_freq.shape == (32,)
     np.testing.assert_allclose(inv_freq[:3], [1, 0.6493816315762113, 0.4216965034285823], rtol=1e-12)

@@ -1,6 +1,6 @@
 """RoPE scaling: linear, static NTK, dynamic NTK, YaRN; config validation; dynamic NTK in compiled graphs.
 
-References: the float64 test vectors of REFERENCES.md §1.9 (published formulas), HF transformers
+References: float64 test vectors of the published formulas, HF transformers
 4.57.1 (``ROPE_INIT_FUNCTIONS``, ``Glm4MoeRotaryEmbedding`` with its ``dynamic_rope_update``,
 ``glm4_moe.apply_rotary_pos_emb`` for rotate_half, ``glm.apply_rotary_pos_emb`` for interleaved,
 ``Glm4MoeForCausalLM`` for the whole model). Static NTK is not an HF type: it is checked against
@@ -42,7 +42,7 @@ from mindmoe.model.rope_scaling import (
 from mindmoe.model.transformer import MoETransformer
 from tests.unit.test_transformer_hf import VOCAB, hf_config, hf_logits, ours_config, randomize, to_hf_state_dict
 
-# REFERENCES.md §1.9 setup: base 10000, factor (alpha) 4, original context 2048.
+# Published-formula vectors, setup: base 10000, factor (alpha) 4, original context 2048.
 BASE, FACTOR, L_ORIG = 10000.0, 4.0, 2048
 V2_NTK = {  # rotary dim: (base', inv_freq)
     8: (63496.04207872797, [1, 0.062996052495, 0.0039685026299, 0.00025]),
@@ -211,7 +211,7 @@ def hf_dynamic_rotated_q(q):
     return hf_rotated({"rope_type": "dynamic", "factor": FACTOR}, DYNAMIC_ORIG, q, q[:, :2], positions, False)[0]
 
 
-# ---------------------------------------------------------------- published test vectors (REFERENCES §1.9)
+# ---------------------------------------------------------------- published test vectors
 
 
 @pytest.mark.parametrize("dim", sorted(V2_NTK))

@@ -1,5 +1,5 @@
 """Aux-loss-free routing and balancing: correction bias, group-limited top-k, the sequence-wise aux
-loss and the bias update, vs the REFERENCES.md §3 test vectors, HF ``Glm4MoeTopkRouter`` /
+loss and the bias update, vs test vectors from the published code, HF ``Glm4MoeTopkRouter`` /
 ``Glm4MoeMoE`` (transformers 4.57.1), NumPy transcriptions of DeepSeek-V3 ``Gate`` and Megatron-Core
 ``seq_aux_loss`` / ``get_updated_expert_bias``, and a training step of a tiny model.
 """
@@ -27,12 +27,13 @@ from tests.unit.test_isolation import np_model_routing, transformer_config
 from tests.unit.test_moe_dispatch import build_layer, layer_weights
 from tests.unit.test_moe_router import REF_LOGITS, REF_SWITCH_AUX_SIGMOID, np_sigmoid, sorted_by_expert
 
-# REFERENCES.md §3.8, noaux_tc router: E = 8, k = 2, n_group 2, topk_group 1, normalised, scale 2.5.
+# Reference vectors from the published code, noaux_tc router: E = 8, k = 2, n_group 2, topk_group 1,
+# normalised, scale 2.5.
 NOAUX_LOGITS = np.array([[0.3, -0.2, 1.1, 0, -0.5, 0.9, 0.2, -1], [-0.7, 0.4, 0.1, 0.8, 1.2, -0.3, 0, 0.6]], np.float32)
 NOAUX_BIAS = np.array([0, 0.1, -0.1, 0, 0.05, 0, 0, 0.2], np.float32)
 NOAUX_INDICES = np.array([[5, 6], [4, 7]])
 NOAUX_WEIGHTS = np.array([[1.4097374820107054, 1.0902625179892949], [1.3586039105652403, 1.1413960894347595]])
-# REFERENCES.md §3.8: Megatron seq_aux, sigmoid, coeff 1, two sequences (rows 0-1 and rows 2-3).
+# Reference vectors from the published code: Megatron seq_aux, sigmoid, coeff 1, two sequences (rows 0-1 and rows 2-3).
 REF_SEQ_AUX_SIGMOID = 1.234414848055857
 
 # ---- NumPy transcriptions (float64) ------------------------------------------------------------
@@ -377,7 +378,7 @@ def test_layer_with_bias_and_groups_routes_like_hf_and_balances_the_plain_topk(a
 
 def test_trainer_step_moves_each_bias_by_rate_times_sign_of_mean_minus_kept_load():
     from mindmoe.train.routing import RouterStepUpdates
-    from mindmoe.train.step import Trainer
+    from mindmoe.train.step import CompiledStep
 
     rate = 0.01
     cfg = transformer_config(expert_lock=False, expert_bias=True, bias_update_rate=rate, capacity_factor=0.75)
@@ -389,7 +390,7 @@ def test_trainer_step_moves_each_bias_by_rate_times_sign_of_mean_minus_kept_load
     # Plain SGD keeps the compile short; the trainer hands the optimizer model.trainable_params() as
     # train.loop does, so what matters here, the bias staying out of it, is the same as with AdamW.
     optimizer = ms.nn.SGD(model.trainable_params(), learning_rate=0.05)
-    trainer = Trainer(model, optimizer, 1.0, 1, RouterStepUpdates(model, cfg))
+    trainer = CompiledStep(model, optimizer, 1.0, 1, RouterStepUpdates(model, cfg))
     bias_names = {bias.name for bias in biases}
     assert bias_names <= {p.name for p in model.get_parameters()}
     assert not bias_names & {p.name for p in optimizer.parameters}
