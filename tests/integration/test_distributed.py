@@ -5,7 +5,6 @@ micro-batches. Multi-process runs go through the real ``mindmoe-launch`` entry p
 import os
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -14,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from mindmoe.conf.checks import resolve_layout
-from tests.integration.test_reliability import losses_by_step
+from tests.helpers.processes import descendants, free_port
+from tests.helpers.runs import losses_by_step
 
 REPO = Path(__file__).resolve().parents[2]
 # Tiny model, seq 64: each worker compiles its own graphs on 2 cores. The aux-loss-free recipe makes
@@ -43,12 +43,6 @@ TINY_RUN = [
 RELATIVE_TOLERANCE = 1e-5
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def launch_command(run_dir, data_cache, *extra):
     return [
         sys.executable,
@@ -59,24 +53,6 @@ def launch_command(run_dir, data_cache, *extra):
         *TINY_RUN,
         *extra,
     ]
-
-
-def descendants(pid: int) -> list:
-    """Every process below ``pid`` (msrun puts its workers in their own sessions)."""
-    children = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    found, stack = [], [pid]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            found.append(child)
-            stack.append(child)
-    return found
 
 
 @pytest.fixture

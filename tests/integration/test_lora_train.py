@@ -11,7 +11,7 @@ from safetensors.numpy import load_file
 
 from mindmoe.model.peft_adapter import read_adapter_config
 from mindmoe.train.checkpoint import verify_checkpoint
-from tests.integration.test_train import compose_config
+from tests.helpers.runs import compose_config
 
 STEPS = 4
 

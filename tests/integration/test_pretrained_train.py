@@ -14,14 +14,14 @@ import torch
 from hydra import compose, initialize_config_module
 
 from mindmoe.conf.schema import SAMPLES_DIR, register_configs
-from tests.unit.test_hf_interop import glm4_config, randomize_hf, save_hf
+from tests.helpers.hf_models import glm4_config, randomize_hf, save_hf
 
 SEQ_LEN, MICRO, GLOBAL = 32, 2, 4
 
 
 def compose_config(overrides):
     register_configs()
-    with initialize_config_module(config_module="conf", version_base="1.3"):
+    with initialize_config_module(config_module="mindmoe.conf", version_base="1.3"):
         return compose(config_name="config", overrides=overrides)
 
 

@@ -1,7 +1,6 @@
 """Failures and recovery: exact resume after SIGKILL, SIGTERM checkpoints, corrupt checkpoints,
 non-finite steps. Runs go through the real ``mindmoe-train`` entry point in subprocesses."""
 
-import json
 import signal
 import subprocess
 import sys
@@ -19,6 +18,7 @@ from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
 from mindmoe.train.resume import pick_resume_checkpoint
 from mindmoe.train.step import CompiledStep
+from tests.helpers.runs import losses_by_step
 
 REPO = Path(__file__).resolve().parents[2]
 # Long enough that a kill or SIGTERM sent after an early checkpoint lands while training still runs.
@@ -55,16 +55,6 @@ def train_command(run_dir, data_cache, *extra):
         *SMALL_RUN,
         *extra,
     ]
-
-
-def losses_by_step(run_dir):
-    """Per-step training loss; a step logged twice (before a kill and after resume) keeps the last."""
-    losses = {}
-    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
-        row = json.loads(line)
-        if "loss" in row:
-            losses[row["step"]] = row["loss"]
-    return losses
 
 
 def checkpoint_steps(root: Path):

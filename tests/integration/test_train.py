@@ -8,19 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hydra import compose, initialize_config_module
 from mindspore import Tensor
 from omegaconf import OmegaConf
 
-from mindmoe.conf.schema import register_configs
+from tests.helpers.runs import compose_config
 
 REPO = Path(__file__).resolve().parents[2]
-
-
-def compose_config(overrides):
-    register_configs()
-    with initialize_config_module(config_module="conf", version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
 
 
 @pytest.fixture(scope="session")

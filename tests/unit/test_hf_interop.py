@@ -20,7 +20,7 @@ import torch
 from mindspore import Tensor
 from safetensors.torch import load_file as load_torch_file
 from safetensors.torch import save_file as save_torch_file
-from transformers import AutoModelForCausalLM, Glm4MoeConfig, MixtralConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, MixtralConfig, Qwen3MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 from transformers.models.mixtral.modeling_mixtral import MixtralForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeForCausalLM
@@ -40,6 +40,7 @@ from mindmoe.model.hf import (
 from mindmoe.model.param_count import parameter_shapes
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.export import export_hf_with_tokenizer
+from tests.helpers.hf_models import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 3
 ATOL = 1e-4
@@ -48,75 +49,8 @@ ATOL = 1e-4
 # ------------------------------------------------------------------------------------------- helpers
 
 
-def randomize_hf(hf, seed):
-    """O(1) weights; routers strong enough that routing is decisive; glm4_moe biases in [0, 0.3)
-    (non-negative so that HF's masking of unselected groups with 0.0 never picks a masked expert)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, tensor in hf.state_dict().items():
-            noise = torch.randn(tensor.shape, generator=generator)
-            if name.endswith("e_score_correction_bias"):
-                value = 0.3 * torch.rand(tensor.shape, generator=generator)
-            elif "norm" in name:
-                value = 1.0 + 0.2 * noise
-            elif name.endswith("bias"):
-                value = 0.1 * noise
-            elif "embed_tokens" in name or "lm_head" in name:
-                value = noise
-            elif name.endswith("gate.weight"):
-                value = 0.5 * noise
-            else:
-                value = 0.2 * noise
-            tensor.copy_(value)
-    return hf.eval()
-
-
-def hf_logits(hf, ids):
-    with torch.no_grad():
-        return hf(input_ids=torch.from_numpy(ids.astype(np.int64))).logits.float().numpy()
-
-
 def our_logits(model, ids):
     return model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
-
-
-def token_ids(seq_len, seed=0, batch=2):
-    return np.random.default_rng(seed).integers(0, VOCAB, size=(batch, seq_len)).astype(np.int32)
-
-
-def glm4_config(**overrides):
-    fields = dict(
-        vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        partial_rotary_factor=0.5,
-        max_position_embeddings=64,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        attention_bias=True,
-        use_qk_norm=True,
-        moe_intermediate_size=16,
-        num_experts_per_tok=2,
-        n_shared_experts=1,
-        n_routed_experts=8,
-        routed_scaling_factor=2.5,
-        n_group=1,
-        topk_group=1,
-        first_k_dense_replace=1,
-        norm_topk_prob=True,
-        tie_word_embeddings=False,
-    )
-    fields.update(overrides)
-    return Glm4MoeConfig(**fields)
-
-
-def save_hf(hf, directory, **kwargs):
-    hf.save_pretrained(directory, safe_serialization=True, **kwargs)
-    return Path(directory)
 
 
 def assert_logits_match(ours, hf, ids):

@@ -22,6 +22,7 @@ from mindmoe.model.attention import document_causal_mask
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe import MoELayer
 from mindmoe.model.transformer import MoETransformer
+from tests.helpers.moe import EXPERTS, TOP_K, build_layer, layer_weights
 from tests.unit.test_locking import (
     BATCH,
     SEQ,
@@ -32,7 +33,6 @@ from tests.unit.test_locking import (
     np_lock_routing,
     runs_input,
 )
-from tests.unit.test_moe_dispatch import EXPERTS, TOP_K, build_layer, layer_weights
 
 DECAY = 0.3
 

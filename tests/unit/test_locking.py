@@ -13,7 +13,7 @@ import pytest
 from mindspore import Tensor
 
 from mindmoe.model.moe import MoELayer, flip_rate, lock_routing
-from tests.unit.test_moe_dispatch import EXPERTS, HIDDEN, TOP_K, build_layer, layer_weights, moe_config, np_swiglu
+from tests.helpers.moe import EXPERTS, HIDDEN, TOP_K, build_layer, layer_weights, moe_config, np_swiglu
 
 # ---- brute-force NumPy transcriptions ----------------------------------------------------------
 

@@ -13,7 +13,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 from mindmoe.model.hf import load_hf_pretrained
 from mindmoe.model.lora import LoraConfig
 from mindmoe.model.peft_adapter import save_adapter
-from tests.integration.test_train import compose_config
+from tests.helpers.runs import compose_config
 
 BASE = Path(__file__).resolve().parents[2] / "data" / "samples" / "tiny_base"
 

@@ -25,7 +25,7 @@ from mindmoe.model.hf import load_hf_pretrained
 from mindmoe.model.lora import LoraConfig, is_adapter
 from mindmoe.model.lora_plan import lora_parameters, lora_report
 from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, merge_adapters, save_adapter
-from tests.unit.test_hf_interop import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
+from tests.helpers.hf_models import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 STEPS = 3

@@ -15,45 +15,20 @@ from mindspore import Tensor
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
 
-from mindmoe.model.config import ModelConfig
-from mindmoe.model.moe import MoELayer, capacity_slots, expert_capacity
+from mindmoe.model.moe import capacity_slots, expert_capacity
 from mindmoe.model.moe.dispatch import combine_from_slots, gather_to_slots
-
-HIDDEN, EXPERTS, TOP_K, INTERMEDIATE = 16, 4, 2, 8
-BATCH, SEQ = 2, 6  # T = 12 tokens, 24 assignments
-
-
-def moe_config(dispatch, capacity_factor=4.0, score_func="softmax", **overrides):
-    fields = dict(
-        hidden_size=HIDDEN,
-        num_experts=EXPERTS,
-        top_k=TOP_K,
-        moe_intermediate_size=INTERMEDIATE,
-        num_shared_experts=1,
-        score_func=score_func,
-        norm_topk_prob=True,
-        routed_scaling_factor=1.5,
-        dispatch=dispatch,
-        capacity_factor=capacity_factor,
-        aux_loss="switch",
-        aux_loss_coeff=0.1,
-        z_loss_coeff=0.01,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
-
-
-def build_layer(cfg, seed=7):
-    """A MoELayer with O(1) random weights (seeded, so every dispatch mode gets the same weights)."""
-    layer = MoELayer(cfg, np.random.default_rng(0))
-    rng = np.random.default_rng(seed)
-    for _, param in layer.parameters_and_names():
-        param.set_data(Tensor((0.4 * rng.normal(size=param.shape)).astype(np.float32)))
-    return layer
-
-
-def layer_weights(layer):
-    return {name: param.asnumpy().astype(np.float64) for name, param in layer.parameters_and_names()}
+from tests.helpers.moe import (
+    BATCH,
+    EXPERTS,
+    HIDDEN,
+    INTERMEDIATE,
+    SEQ,
+    TOP_K,
+    build_layer,
+    layer_weights,
+    moe_config,
+    np_swiglu,
+)
 
 
 def layer_input(seed=11):
@@ -66,14 +41,6 @@ def single_document(x):
 
 
 # ---- NumPy reference -----------------------------------------------------------------------------
-
-
-def np_silu(x):
-    return x / (1.0 + np.exp(-x))
-
-
-def np_swiglu(x, gate, up, down):
-    return (np_silu(x @ gate.T) * (x @ up.T)) @ down.T
 
 
 def np_route(x_TH, router_weight, score_func, top_k, norm, scaling):

@@ -23,8 +23,8 @@ from mindmoe.model.moe import (
     updated_bias,
 )
 from mindmoe.model.transformer import MoETransformer
+from tests.helpers.moe import build_layer, layer_weights
 from tests.unit.test_isolation import np_model_routing, transformer_config
-from tests.unit.test_moe_dispatch import build_layer, layer_weights
 from tests.unit.test_moe_router import REF_LOGITS, REF_SWITCH_AUX_SIGMOID, np_sigmoid, sorted_by_expert
 
 # Reference vectors from the published code, noaux_tc router: E = 8, k = 2, n_group 2, topk_group 1,
