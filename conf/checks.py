@@ -14,6 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
+from mindmoe.conf.explicit_keys import explicit_keys, model_fields
+from mindmoe.conf.key_effects import warn_keys_without_effect
 from mindmoe.data.config import validate_batch_sizes
 from mindmoe.launch.config import validate_launch_config, world_size
 from mindmoe.model.config import validate_model_config
@@ -115,14 +117,18 @@ def resolve_layout(
     )
 
 
-def check_launch_config(cfg, hydra_overrides, task_overrides=(), device_target: Optional[str] = None) -> Layout:
+def check_launch_config(
+    cfg, hydra_overrides, task_overrides=(), device_target: Optional[str] = None, runtime=None
+) -> Layout:
     """Everything that can be wrong before a worker starts, naming the key to change; returns the layout.
+    Warns once about explicit keys without effect (:mod:`conf.key_effects`), as every worker will.
 
     ``hydra_overrides`` / ``task_overrides``: Hydra's ``overrides.hydra`` and ``overrides.task``;
-    ``device_target``: as in :func:`validate_run_config`.
+    ``device_target``: as in :func:`validate_run_config`; ``runtime``: Hydra's ``hydra.runtime`` (the
+    chosen group options, see :func:`conf.explicit_keys.explicit_keys`).
     """
     # Reads config.json of model.pretrained as data; no MindSpore.
-    from mindmoe.train.init_model import explicit_model_keys, planned_model_config
+    from mindmoe.train.init_model import planned_model_config
 
     launch = cfg.launch
     validate_launch_config(launch)
@@ -132,11 +138,13 @@ def check_launch_config(cfg, hydra_overrides, task_overrides=(), device_target: 
             "hydra.run.dir=/shared/path (the default is a timestamp of each node's own clock)"
         )
     validate_run_config(cfg, device_target)
-    # With model.pretrained the architecture is the directory's config.json (read here, as data).
-    model = planned_model_config(cfg, explicit_model_keys(task_overrides))
+    # With model.pretrained the architecture is the directory's config.json (read here, as data) with
+    # the explicit model.* keys: the command line's, the recipe's, a non-default model group's.
+    keys = explicit_keys(task_overrides, runtime)
+    model = planned_model_config(cfg, model_fields(keys))
     # The real vocabulary comes from the tokenizer; any positive size checks the other keys.
     validate_model_config(dataclasses.replace(model, vocab_size=model.vocab_size or cfg.data.vocab_size))
-    return resolve_layout(
+    layout = resolve_layout(
         world_size(launch),
         cfg.parallel.dp,
         cfg.parallel.ep,
@@ -145,3 +153,5 @@ def check_launch_config(cfg, hydra_overrides, task_overrides=(), device_target: 
         cfg.data.micro_batch_size,
         model.num_layers > model.first_k_dense,
     )
+    warn_keys_without_effect(keys, cfg, model)
+    return layout

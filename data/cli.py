@@ -7,6 +7,7 @@ keeps workers from waiting on each other.
 import hydra
 
 from mindmoe.conf.exit_codes import reports_errors
+from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 
 register_configs()
@@ -26,4 +27,5 @@ def _main(cfg) -> None:
 
 
 def main() -> None:
+    quiet_framework_logs()
     _main()

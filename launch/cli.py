@@ -8,10 +8,12 @@ Takes the ``mindmoe-train`` config tree plus ``launch.*``. Before any worker sta
 that the world divides as configured and prepares the tokenizer and MindRecord shards (cached,
 so the workers find them). Every worker gets the same overrides and the same run dir. When a
 worker dies, msrun stops the others; this command then exits non-zero naming the failed rank's
-log. Exit codes (:mod:`conf.exit_codes`): 0 done (a dry run always), 1 a worker failed, 2 configuration error.
+log and quoting its first error line (:mod:`launch.worker_failure`; resuming is suggested only when
+a checkpoint exists to resume from). Framework noise is hidden in the workers too: they inherit the
+environment :func:`conf.quiet.quiet_framework_logs` sets here.
+Exit codes (:mod:`conf.exit_codes`): 0 done (a dry run always), 1 a worker failed, 2 configuration error.
 """
 
-import re
 import signal
 import subprocess
 import sys
@@ -22,11 +24,11 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from mindmoe.conf.checks import check_launch_config
-from mindmoe.conf.exit_codes import CONFIG_ERRORS, STOPPED_ON_SIGNAL, WORKER_FAILED, CommandExit, reports_errors
+from mindmoe.conf.exit_codes import CONFIG_ERRORS, WORKER_FAILED, CommandExit, reports_errors
+from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 from mindmoe.launch.config import validate_launch_config
 from mindmoe.launch.msrun import (
-    WORKER_BANNER,
     direct_workers,
     environment,
     is_local_address,
@@ -35,42 +37,15 @@ from mindmoe.launch.msrun import (
     process_environment,
     render,
 )
+from mindmoe.launch.worker_failure import FAILED_WORKER, failure_message
 
 register_configs()
-
-#: msrun's report of the first worker that failed (``_api.py`` of MindSpore 2.9).
-FAILED_WORKER = re.compile(r"Worker process (\d+) exit with exception\. Error code: (-?\d+)")
-BANNER = re.compile(WORKER_BANNER.format(rank=r"(\d+)", pid=r"(\d+)"))
 
 
 class WorkerFailed(CommandExit):
     """The job stopped because a worker exited with an error."""
 
     exit_code = WORKER_FAILED
-
-
-def rank_log(logs: Path, pid: int):
-    """The ``worker_<rank>.log`` whose worker printed the banner with ``pid``, as ``(rank, path)``."""
-    for path in sorted(logs.glob("worker_*.log")):
-        with open(path, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                found = BANNER.search(line)
-                if found and int(found.group(2)) == pid:
-                    return int(found.group(1)), path
-    return None, None
-
-
-def failure_message(logs: Path, run_dir: Path, pid: int, code: int) -> str:
-    rank, path = rank_log(logs, pid)
-    who = f"rank {rank} (pid {pid})" if rank is not None else f"worker pid {pid}"
-    where = f"its log: {path}" if path else f"logs: {logs}"
-    what = f"exited with code {code}"
-    if code == STOPPED_ON_SIGNAL:
-        what = "stopped on a signal after the checkpoint of that step was written"
-    return (
-        f"{who} {what}; {where}. The other workers were stopped. Run the same command "
-        f"again to continue from the last checkpoint in {run_dir / 'checkpoints'} (train.resume=auto)."
-    )
 
 
 def run_msrun(command, env, logs: Path, run_dir: Path) -> int:
@@ -159,11 +134,11 @@ def launch(cfg) -> int:
         # run dir): print it, and what would stop the real launch as a warning.
         print(render(command, env, cfg.launch), flush=True)
         try:
-            check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides, _device_target())
+            check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides, _device_target(), hydra_cfg.runtime)
         except CONFIG_ERRORS as error:
             print(f"mindmoe-launch: warning: the launch would stop here: {error}", file=sys.stderr)
         return 0
-    check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides, _device_target())
+    check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides, _device_target(), hydra_cfg.runtime)
     from mindmoe.data.prepare import prepare_data, with_pretrained_tokenizer
 
     prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
@@ -183,6 +158,7 @@ def _main(cfg) -> None:
 
 
 def main() -> None:
+    quiet_framework_logs()
     _main()
 
 

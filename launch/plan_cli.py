@@ -16,6 +16,7 @@ import hydra
 from omegaconf import OmegaConf
 
 from mindmoe.conf.exit_codes import reports_errors
+from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 from mindmoe.launch.plan import GIB, Batch, Layout, Plan, PlanConfig, plan_layout, search_layouts, validate_plan_config
 from mindmoe.model.config import ModelConfig, validate_model_config
@@ -189,6 +190,7 @@ def _main(cfg) -> None:
 
 
 def main() -> None:
+    quiet_framework_logs()
     given = {arg.split("=", 1)[0].lstrip("+~") for arg in sys.argv[1:]}
     sys.argv[1:1] = [f"{key}={value}" for key, value in QUIET_HYDRA.items() if key not in given]
     _main()

@@ -11,6 +11,8 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from mindmoe.conf.exit_codes import reports_errors
+from mindmoe.conf.explicit_keys import explicit_keys, model_fields
+from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 from mindmoe.launch.msrun import WORKER_BANNER
 
@@ -20,14 +22,18 @@ register_configs()
 @hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
 @reports_errors("mindmoe-train")
 def _main(cfg) -> None:
-    from mindmoe.train.init_model import explicit_model_keys
+    from mindmoe.train.init_model import warn_keys_without_effect
     from mindmoe.train.loop import run
 
     hydra_cfg = HydraConfig.get()
-    run(cfg, Path(hydra_cfg.runtime.output_dir), explicit_model_keys(hydra_cfg.overrides.task))
+    # The command line's keys and those of the chosen recipe / model group, as if typed.
+    keys = explicit_keys(hydra_cfg.overrides.task, hydra_cfg.runtime)
+    warn_keys_without_effect(cfg, keys)
+    run(cfg, Path(hydra_cfg.runtime.output_dir), model_fields(keys))
 
 
 def main() -> None:
+    quiet_framework_logs()
     if os.environ.get("MS_ROLE") == "MS_WORKER":
         # mindmoe-launch maps the pid msrun reports for a failed worker to this rank's log.
         print(WORKER_BANNER.format(rank=os.environ.get("RANK_ID", "?"), pid=os.getpid()), flush=True)

@@ -12,6 +12,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from mindmoe.conf.exit_codes import reports_errors
+from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 
 register_configs()
@@ -31,6 +32,7 @@ def _main(cfg) -> None:
 
 
 def main() -> None:
+    quiet_framework_logs()
     _main()
 
 

@@ -13,6 +13,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from mindmoe.conf.exit_codes import reports_errors
+from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 
 register_configs()
@@ -24,11 +25,12 @@ def _main(cfg) -> None:
     from mindmoe.train.export import run_export
 
     hydra_cfg = HydraConfig.get()
-    out = run_export(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task))
+    out = run_export(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task), hydra_cfg.runtime)
     print(f"exported ({cfg.export.format}): {out}")
 
 
 def main() -> None:
+    quiet_framework_logs()
     _main()
 
 

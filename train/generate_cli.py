@@ -12,6 +12,7 @@ import argparse
 from pathlib import Path
 
 from mindmoe.conf.exit_codes import reports_errors
+from mindmoe.conf.quiet import quiet_framework_logs
 
 
 def parse_args(argv=None):
@@ -28,6 +29,7 @@ def parse_args(argv=None):
 
 @reports_errors("mindmoe-generate")
 def main(argv=None) -> None:
+    quiet_framework_logs()
     args = parse_args(argv)
     import mindspore as ms
 

@@ -3,7 +3,8 @@ with LoRA a mindmoe checkpoint (``lora.base_checkpoint``). The base is resolved 
 first; then the model is built once, with the LoRA adapters in place when ``lora.enabled``.
 
 With ``model.pretrained`` the architecture is the directory's ``config.json``; the ``model.*`` keys
-the user typed (command-line overrides) may change training settings only, and the weights are
+the user set explicitly (command line, chosen recipe, non-default model group: :mod:`conf.explicit_keys`)
+may change training settings only, architecture keys must agree with it, and the weights are
 streamed in from its safetensors before anything compiles (a graph does not see later
 ``set_data``). A run that resumes from its own checkpoint builds the same architecture and
 skips reading the HF weights, which the checkpoint replaces anyway.
@@ -14,32 +15,37 @@ import logging
 
 from omegaconf import OmegaConf
 
+from mindmoe.conf.explicit_keys import explicit_keys, model_fields
+from mindmoe.conf.key_effects import warn_keys_without_effect as warn_no_effect
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.train.lora_setup import check_base_vocab, checkpoint_base_config, load_checkpoint_base, run_lora_config
 
 log = logging.getLogger("mindmoe.train")
 
 
-def explicit_model_keys(task_overrides) -> set:
-    """Fields of ``model.*`` the command line set (Hydra's ``overrides.task``, e.g.
-    ``["model.dispatch=capacity", "model.rope_scaling.factor=4"]`` -> ``{"dispatch", "rope_scaling"}``);
-    ``model.pretrained`` itself excluded. Their values are read from the composed config."""
-    keys = set()
-    for item in task_overrides or ():
-        key, sep, _ = item.lstrip("+~").partition("=")
-        if sep and key.startswith("model.") and key != "model.pretrained":
-            keys.add(key[len("model.") :].split(".")[0])
-    return keys
+def explicit_model_keys(task_overrides, runtime=None) -> set:
+    """Fields of ``model.*`` set explicitly: by the command line (Hydra's ``overrides.task``, e.g.
+    ``["model.dispatch=capacity", "model.rope_scaling.factor=4"]`` -> ``{"dispatch", "rope_scaling"}``)
+    or by a chosen recipe / model group (``recipe=pretrain_tiny_aux_free`` -> ``expert_lock``, ...);
+    ``model.pretrained`` itself excluded. ``runtime``: see :func:`conf.explicit_keys.explicit_keys`.
+    Their values are read from the composed config."""
+    return model_fields(explicit_keys(task_overrides, runtime))
 
 
-def model_overrides(model_cfg: ModelConfig, explicit_keys) -> dict:
-    """``{field: value}`` of the explicitly set ``model.*`` fields, with their typed values from ``model_cfg``."""
-    return {key: getattr(model_cfg, key) for key in sorted(explicit_keys)}
+def warn_keys_without_effect(cfg, keys) -> None:
+    """The one start-of-run warning naming the explicit dotted ``keys`` the run ignores
+    (:mod:`conf.key_effects`), judged on the model the run will build."""
+    warn_no_effect(keys, cfg, planned_model_config(cfg, model_fields(keys)))
+
+
+def model_overrides(model_cfg: ModelConfig, fields) -> dict:
+    """``{field: value}`` of the explicitly set ``model.*`` ``fields``, with their typed values from ``model_cfg``."""
+    return {key: getattr(model_cfg, key) for key in sorted(fields)}
 
 
 def planned_model_config(cfg, explicit_keys=()) -> ModelConfig:
     """The architecture the run will build, known before the data is prepared: ``model.pretrained``'s
-    config.json with the command-line overrides (so a wrong directory or a conflicting key fails
+    config.json with the explicit ``model.*`` keys (so a wrong directory or a conflicting key fails
     first), or ``lora.base_checkpoint``'s state.json, else ``cfg.model``. ``vocab_size`` may still be
     0 (= the tokenizer's)."""
     model_cfg = OmegaConf.to_object(cfg.model)

@@ -134,7 +134,11 @@ def test_run_uses_the_hf_architecture_tokenizer_and_dropless_dispatch(pretrained
     assert model_config["score_func"] == "sigmoid" and model_config["expert_bias"]
     assert model_config["dispatch"] == "dropless"
     assert model_config["pretrained"] == str(directory)
-    assert state["tokenizer"] == str(directory.resolve())
+    # The checkpoint carries the HF tokenizer's files (not a path to them), config.json for its fallback ids.
+    assert "tokenizer/tokenizer.json" in state["tokenizer"] and "tokenizer/config.json" in state["tokenizer"]
+    for name in state["tokenizer"]:
+        checkpoint_file = run_dir / "checkpoints" / "step_000002" / name
+        assert checkpoint_file.read_bytes() == (directory / name.split("/")[-1]).read_bytes()
 
 
 def test_resume_of_a_pretrained_run_continues_from_its_checkpoint(pretrained_dir, pretrained_run, tmp_path):
@@ -186,3 +190,68 @@ def test_tokenizer_larger_than_the_pretrained_vocabulary_is_refused(pretrained_d
     cfg = compose_config(run_overrides(directory, data_file, tmp_path))
     with pytest.raises(ValueError, match=r"config.json: vocab_size=\d+ is smaller than the tokenizer's"):
         build_model(cfg, hf.config.vocab_size + 1, set(), load_weights=False)
+
+
+def test_a_recipes_training_keys_apply_on_top_of_config_json(pretrained_dir, tmp_path):
+    """``recipe=pretrain_tiny_aux_free`` sets expert locking and aux-free balancing: with ``model.pretrained``
+    they count as if typed (they used to be dropped); the command line's routed scaling matches config.json."""
+    from mindmoe.train.export import command_line_model_overrides
+    from mindmoe.train.init_model import build_model, explicit_model_keys
+
+    directory, data_file, hf = pretrained_dir
+    overrides = run_overrides(
+        directory, data_file, tmp_path, "recipe=pretrain_tiny_aux_free", f"model.routed_scaling_factor={2.5}"
+    )
+    keys = explicit_model_keys(overrides)
+    assert {"expert_lock", "bias_update_rate", "aux_loss", "routed_scaling_factor"} <= keys
+    cfg = compose_config(overrides)
+    model_cfg, _ = build_model(cfg, hf.config.vocab_size, keys, load_weights=False)
+    assert model_cfg.expert_lock and model_cfg.bias_update_rate == 0.002 and model_cfg.aux_loss == "seq"
+    assert model_cfg.hidden_size == hf.config.hidden_size and model_cfg.routed_scaling_factor == 2.5
+    # mindmoe-export reads the same keys.
+    assert command_line_model_overrides(cfg, overrides)["expert_lock"] is True
+
+
+def test_a_recipes_architecture_key_that_disagrees_with_config_json_fails_naming_both(pretrained_dir, tmp_path):
+    """The recipe pins routed_scaling_factor 1.0; the HF model has 2.5: training and the launcher's
+    pre-check (no MindSpore) both refuse, naming the key, both values and the file."""
+    from mindmoe.conf.checks import check_launch_config
+    from mindmoe.train.init_model import build_model, explicit_model_keys
+
+    directory, data_file, hf = pretrained_dir
+    overrides = run_overrides(directory, data_file, tmp_path, "recipe=pretrain_tiny_aux_free")
+    cfg = compose_config(overrides)
+    expected = r"model.routed_scaling_factor=1.0 conflicts with .*config.json .*which gives 2.5"
+    with pytest.raises(ValueError, match=expected):
+        build_model(cfg, hf.config.vocab_size, explicit_model_keys(overrides), load_weights=False)
+    with pytest.raises(ValueError, match=expected):
+        check_launch_config(cfg, [], overrides)
+    # The default model group and recipe set nothing: config.json alone decides.
+    plain = run_overrides(directory, data_file, tmp_path)
+    model_cfg, _ = build_model(compose_config(plain), hf.config.vocab_size, explicit_model_keys(plain), False)
+    assert model_cfg.routed_scaling_factor == 2.5 and model_cfg.dispatch == "dropless"
+
+
+def test_a_recipe_in_a_user_config_dir_applies_through_the_hydra_runtime(pretrained_dir, tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from mindmoe.train.init_model import build_model, explicit_model_keys
+
+    directory, data_file, hf = pretrained_dir
+    (tmp_path / "conf" / "recipe").mkdir(parents=True)
+    (tmp_path / "conf" / "recipe" / "locked.yaml").write_text(
+        "# @package _global_\nmodel:\n  expert_lock: true\n  lock_span: 4\n  num_experts: 3\n"
+    )
+    overrides = run_overrides(directory, data_file, tmp_path, "recipe=locked")
+    register_configs()
+    with initialize_config_module(config_module="mindmoe.conf", version_base="1.3"):
+        cfg = compose(
+            "config", overrides=[*overrides, f"hydra.searchpath=[file://{tmp_path / 'conf'}]"], return_hydra_config=True
+        )
+    keys = explicit_model_keys(cfg.hydra.overrides.task, cfg.hydra.runtime)
+    assert keys == {"expert_lock", "lock_span", "num_experts"}
+    with pytest.raises(ValueError, match=rf"model.num_experts=3 conflicts with .*gives {hf.config.n_routed_experts}"):
+        build_model(cfg, hf.config.vocab_size, keys, load_weights=False)
+    keys.discard("num_experts")
+    model_cfg, _ = build_model(cfg, hf.config.vocab_size, keys, load_weights=False)
+    assert model_cfg.expert_lock and model_cfg.lock_span == 4

@@ -1,0 +1,66 @@
+"""Quiet by default: ``mindmoe-train`` hides the framework warnings a user can do nothing about, never
+its own lines, and ``MINDMOE_FRAMEWORK_LOGS=1`` shows them again. The same command, run both ways,
+proves that the messages exist for it (so their absence in the quiet run means something)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.runs import REPO
+from tests.helpers.tiny_run import TINY_RUN
+
+FRAMEWORK_NOISE = (
+    "Some side effect nodes were eliminated by mistake",  # MindSpore's graph compiler (auto_monad)
+    "Module 'mindspore.common.api' is deprecated",  # MindSpore's import
+    "No module named 'hyper_parallel'",  # mindformers' import of model classes mindmoe does not use
+)
+NO_EFFECT_WARNING = "these keys have no effect in this run"
+
+
+def train(run_dir, data_cache, **env):
+    command = [
+        sys.executable,
+        "-m",
+        "mindmoe.train.cli",
+        *TINY_RUN,
+        "train.max_steps=1",
+        "train.save_every=100",
+        "train.peak_gflops=50",
+        # Two keys the run ignores (dropless has no capacity; fp32 has no loss scale): one warning of ours.
+        "model.dispatch=dropless",
+        "model.capacity_factor=2.0",
+        "train.loss_scale=1024",
+        f"data.cache_dir={data_cache}",
+        f"hydra.run.dir={run_dir}",
+    ]
+    environment = {k: v for k, v in os.environ.items() if k not in ("MINDMOE_FRAMEWORK_LOGS", "MS_SUBMODULE_LOG_v")}
+    result = subprocess.run(command, cwd=REPO, env={**environment, **env}, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout + result.stderr
+
+
+@pytest.fixture(scope="module")
+def outputs(tmp_path_factory, data_cache):
+    quiet = train(tmp_path_factory.mktemp("quiet"), data_cache)
+    loud = train(tmp_path_factory.mktemp("loud"), data_cache, MINDMOE_FRAMEWORK_LOGS="1")
+    return quiet, loud
+
+
+def test_a_default_run_hides_the_framework_warnings_and_keeps_its_own_lines(outputs):
+    quiet, _ = outputs
+    for message in FRAMEWORK_NOISE:
+        assert message not in quiet, message
+    assert "[mindmoe.train][INFO] - model: " in quiet and "run dir: " in quiet
+    assert quiet.count(NO_EFFECT_WARNING) == 1
+    warning = next(line for line in quiet.splitlines() if NO_EFFECT_WARNING in line)
+    assert "[WARNING]" in warning and "model.capacity_factor (model.dispatch=dropless" in warning
+    assert "train.loss_scale (train.dtype=fp32" in warning
+
+
+def test_mindmoe_framework_logs_shows_them(outputs):
+    _, loud = outputs
+    for message in FRAMEWORK_NOISE:
+        assert message in loud, message
+    assert loud.count(NO_EFFECT_WARNING) == 1

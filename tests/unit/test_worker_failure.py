@@ -1,0 +1,81 @@
+"""What mindmoe-launch reports for a failed worker, from msrun's log dir: rank, log, the first error line,
+and a resume hint only when a checkpoint exists and the worker did not reject its configuration."""
+
+import pytest
+
+from mindmoe.launch.msrun import WORKER_BANNER
+from mindmoe.launch.worker_failure import FAILED_WORKER, failure_message, first_error_line
+
+IMPORT_FAILURE = """Traceback (most recent call last):
+  File "<frozen runpy>", line 198, in _run_module_as_main
+  File "/site-packages/mindmoe/train/cli.py", line 12, in <module>
+    import hydra
+ModuleNotFoundError: No module named 'hydra'
+"""
+CONFIG_FAILURE = (
+    "[2026-01-01 10:00:00,000][mindmoe.data.prepare][INFO] - data ready: 10 train windows\n"
+    "[WARNING] ME(1:2,MainProcess):2026-01-01 [mindspore/x.py:1] some framework warning\n"
+    "mindmoe-train: error: data.seq_len=64 exceeds the model's max_position_embeddings=32\n"
+)
+
+
+def write_logs(tmp_path, body_of_rank1):
+    logs = tmp_path / "msrun"
+    logs.mkdir()
+    (logs / "worker_0.log").write_text(WORKER_BANNER.format(rank=0, pid=100) + "\nstill running\n")
+    (logs / "worker_1.log").write_text(WORKER_BANNER.format(rank=1, pid=101) + "\n" + body_of_rank1)
+    return logs
+
+
+def test_msrun_failure_line_is_recognised():
+    found = FAILED_WORKER.search("[ERROR] ME(7:8,MainProcess): Worker process 101 exit with exception. Error code: 2.")
+    assert found and found.groups() == ("101", "2")
+
+
+@pytest.mark.parametrize(
+    "body, expected",
+    [
+        (IMPORT_FAILURE, "ModuleNotFoundError: No module named 'hydra'"),
+        (CONFIG_FAILURE, "mindmoe-train: error: data.seq_len=64 exceeds the model's max_position_embeddings=32"),
+        (
+            "[ERROR] DISTRIBUTED(1,2):2026 [cluster.cc:10] Topology build timed out\nRuntimeError: x\n",
+            "[ERROR] DISTRIBUTED(1,2):2026 [cluster.cc:10] Topology build timed out",
+        ),
+        ("nothing went wrong here\n", None),
+    ],
+)
+def test_the_first_error_line_of_a_log(tmp_path, body, expected):
+    log = tmp_path / "worker_0.log"
+    log.write_text(body)
+    assert first_error_line(log) == expected
+
+
+def test_a_worker_that_died_at_start_is_quoted_and_gets_no_resume_hint(tmp_path):
+    logs = write_logs(tmp_path, IMPORT_FAILURE)
+    message = failure_message(logs, tmp_path, 101, 1)
+    assert message.startswith(f"rank 1 (pid 101) exited with code 1; its log: {logs / 'worker_1.log'}")
+    assert "its first error: ModuleNotFoundError: No module named 'hydra'" in message
+    assert "train.resume" not in message and "continue from" not in message
+    assert "No checkpoint was written" in message
+
+
+def test_a_config_error_gets_no_resume_hint_even_beside_old_checkpoints(tmp_path):
+    logs = write_logs(tmp_path, CONFIG_FAILURE)
+    (tmp_path / "checkpoints" / "step_000004").mkdir(parents=True)
+    message = failure_message(logs, tmp_path, 101, 2)
+    assert "its first error: mindmoe-train: error: data.seq_len=64 exceeds" in message
+    assert "train.resume" not in message and "rejected its configuration" in message
+
+
+def test_a_worker_that_failed_after_a_checkpoint_gets_the_resume_hint(tmp_path):
+    logs = write_logs(tmp_path, "step 5\n")
+    (tmp_path / "checkpoints" / "step_000004").mkdir(parents=True)
+    message = failure_message(logs, tmp_path, 101, -9)
+    assert "rank 1 (pid 101) exited with code -9" in message and "its first error" not in message
+    assert f"continue from the last checkpoint in {tmp_path / 'checkpoints'} (train.resume=auto)" in message
+
+
+def test_a_half_written_checkpoint_is_not_one_to_resume_from(tmp_path):
+    logs = write_logs(tmp_path, IMPORT_FAILURE)
+    (tmp_path / "checkpoints" / ".step_000004.tmp-77").mkdir(parents=True)
+    assert "train.resume" not in failure_message(logs, tmp_path, 101, 1)
