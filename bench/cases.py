@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from mindmoe.bench.hf_load_memory import current_rss_bytes, peak_rss_bytes
-from mindmoe.bench.specs import BenchSize, model_config, theoretical_train_bytes
+from mindmoe.bench.specs import BenchSize, activation_bytes, model_config, theoretical_train_bytes
 
 
 def _graph_mode():
@@ -92,9 +92,10 @@ def timed(fn, *args) -> tuple:
 def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0, with_torch: bool = False) -> dict:
     """Tokens/s, compile time and peak RSS of the real train step (train.step.CompiledStep + train.optim).
 
-    With ``with_torch`` the PyTorch reference (bench.torch_reference) runs in this process too, its
-    steps alternating with mindmoe's on the same windows, so both see the same load; the peak RSS
-    of mindmoe is read before PyTorch allocates anything.
+    With ``with_torch`` the PyTorch baselines (bench.torch_reference) run in this process too: the
+    best variant on this machine (chosen after mindmoe's warm-up steps) and the plain eager one,
+    their steps alternating with mindmoe's on the same windows, so all see the same load; the peak
+    RSS of mindmoe is read before PyTorch allocates anything.
     """
     _graph_mode()
     import mindmoe.train.optim  # noqa: F401  (mindformers and MindSpore in the framework baseline)
@@ -106,6 +107,7 @@ def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0,
     trainer, num_params = build_trainer(cfg)
     steps = steps or size.timed_steps
     batches = [random_windows(size, batch, seed) for seed in range(size.warmup_steps + steps)]
+    warmup, timed_windows = batches[: size.warmup_steps], batches[size.warmup_steps :]
 
     def mindmoe_step(window):
         stats = trainer.step([window])
@@ -113,22 +115,19 @@ def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0,
             raise RuntimeError(f"benchmark step produced loss {stats.loss}")
 
     first_s, _ = timed(mindmoe_step, batches[0])
-    for window in batches[1 : size.warmup_steps]:
+    for window in warmup[1:]:
         mindmoe_step(window)
+    torch_steps = {}
+    if with_torch:
+        peak_rss = peak_rss_bytes()
+        torch_steps, choice = torch_baselines(size, kind, warmup, timed_windows)
     timings = []
-    torch_step, torch_timings = None, []
-    for window in batches[size.warmup_steps :]:
+    torch_timings = {name: [] for name in torch_steps}
+    for window in timed_windows:
         timings.append(timed(mindmoe_step, window))
-        if with_torch and torch_step is None:
-            peak_rss = peak_rss_bytes()
-            from mindmoe.bench.torch_reference import TorchTrainStep
-
-            torch_step = TorchTrainStep(size, kind)
-            for warm in batches[: size.warmup_steps]:
-                torch_step(warm)
-        if torch_step is not None:
-            torch_timings.append(timed(torch_step, window))
-    if torch_step is None:
+        for name, step in torch_steps.items():
+            torch_timings[name].append(timed(step, window))
+    if not with_torch:
         peak_rss = peak_rss_bytes()
     step_s, cpu_s = (float(np.median(column)) for column in zip(*timings))
     tokens = batch * size.seq_len
@@ -149,23 +148,44 @@ def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0,
         "framework_rss": framework_rss,
         "mindmoe_peak_rss": peak_rss,
         "theoretical_bytes": theoretical_train_bytes(num_params),
+        "activation_bytes": activation_bytes(cfg, batch, size.seq_len),
     }
     if kind == "moe":
         row["dispatch_s"] = dispatch_seconds(cfg, tokens) * cfg.num_moe_layers
     row["local_gflops"] = measure_peak_gflops(size.gemm_size)
-    if torch_step is not None:
-        torch_s, torch_cpu_s = (float(np.median(column)) for column in zip(*torch_timings))
+    if torch_steps:
         row["torch"] = {
-            "model": kind,
-            "step_s": torch_s,
-            "step_s_all": [t for t, _ in torch_timings],
-            "cpu_s": torch_cpu_s,
-            "tokens_per_s": tokens / torch_s,
-            "tokens_per_cpu_s": tokens / torch_cpu_s,
-            "threads": _torch_threads(),
-            "params": torch_step.params,
+            name: torch_row(kind, torch_steps[name], torch_timings[name], tokens, choice if name == "best" else {})
+            for name in torch_steps
         }
     return row
+
+
+def torch_baselines(size: BenchSize, kind: str, warmup: list, timed_windows: list) -> tuple:
+    """``({"best": step, "eager": step}, how best was chosen)``, both warmed up on ``warmup``."""
+    from mindmoe.bench.torch_reference import TorchTrainStep, best_torch_step
+
+    best, choice = best_torch_step(size, kind, warmup, timed_windows)
+    eager = TorchTrainStep(size, kind)
+    for window in warmup:
+        eager(window)
+    return {"best": best, "eager": eager}, choice
+
+
+def torch_row(kind: str, step, timings: list, tokens: int, choice: dict) -> dict:
+    torch_s, torch_cpu_s = (float(np.median(column)) for column in zip(*timings))
+    return {
+        "model": kind,
+        **step.variant,
+        **choice,
+        "step_s": torch_s,
+        "step_s_all": [t for t, _ in timings],
+        "cpu_s": torch_cpu_s,
+        "tokens_per_s": tokens / torch_s,
+        "tokens_per_cpu_s": tokens / torch_cpu_s,
+        "threads": _torch_threads(),
+        "params": step.params,
+    }
 
 
 def _torch_threads() -> int:

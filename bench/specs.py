@@ -30,7 +30,6 @@ class BenchSize:
     compile_hidden: int
     data_windows: int  # windows written for data_pipeline
     data_batches: int  # batches read (timed) by data_pipeline
-    activation_probe: bool  # also run the step at half the micro-batch to measure activation memory
 
 
 FULL = BenchSize(
@@ -49,7 +48,6 @@ FULL = BenchSize(
     compile_hidden=128,
     data_windows=512,
     data_batches=64,
-    activation_probe=True,
 )
 QUICK = BenchSize(
     hidden_size=64,
@@ -67,7 +65,6 @@ QUICK = BenchSize(
     compile_hidden=32,
     data_windows=32,
     data_batches=8,
-    activation_probe=False,
 )
 SIZES = {"full": FULL, "quick": QUICK}
 
@@ -112,3 +109,40 @@ def model_config(size: BenchSize, kind: str, num_layers: int = 0, hidden_size: i
 def theoretical_train_bytes(num_params: int) -> int:
     """fp32 params + grads + AdamW's two moments: 16 bytes per trained parameter."""
     return 16 * num_params
+
+
+def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
+    """fp32 bytes of the tensors the train step keeps from forward for backward, from their shapes.
+
+    Per token and layer: input and output of both RMSNorms (4 H); q, k, v, and q, k after QK-norm and
+    RoPE; the softmax probabilities (N x the keys a query sees: S x the share of the score matrix the
+    causal chunks compute, :func:`model.attention.causal_chunks`); the attention output (N D). The
+    FFN keeps gate, up, silu(gate) and their product (4 I); an MoE layer keeps those per expert slot
+    (top_k slots per token, times capacity_factor with capacity dispatch) plus each slot's input and
+    output row (2 H), the router's logits and probabilities (2 E) and the shared experts' 4 I. Once
+    per step: the embedding output (H), the final norm (2 H), the logits and their softmax (2 V) and
+    the document-causal mask (N x the keys). A framework that keeps more shows a higher RSS ratio.
+    """
+    from mindmoe.model.attention import causal_chunks
+
+    chunks = causal_chunks(seq_len)
+    keys = seq_len * (chunks + 1) / (2 * chunks)  # chunk c of C sees (c + 1) / C of the keys
+    head_dim, hidden = cfg.resolved_head_dim, cfg.hidden_size
+    q, kv = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
+    attention = 4 * hidden + (q + 2 * kv) + (q + kv) + cfg.num_heads * keys + q
+    dense_ffn = 4 * cfg.intermediate_size
+    slots = cfg.top_k * (cfg.capacity_factor if cfg.dispatch == "capacity" else 1.0)
+    moe_ffn = (
+        slots * (4 * cfg.moe_intermediate_size + 2 * hidden)
+        + 2 * cfg.num_experts
+        + 4 * cfg.moe_intermediate_size * cfg.num_shared_experts
+    )
+    per_token = (
+        cfg.num_layers * attention
+        + cfg.first_k_dense * dense_ffn
+        + cfg.num_moe_layers * moe_ffn
+        + 3 * hidden
+        + 2 * cfg.vocab_size
+        + cfg.num_heads * keys
+    )
+    return int(4 * per_token * batch * seq_len)

@@ -1,4 +1,4 @@
-"""The benchmark models written plainly in PyTorch (CPU, fp32): what a user would otherwise run.
+"""The benchmark models in PyTorch (CPU, fp32): what a user would otherwise run.
 
 Same architecture, batch and optimizer as the mindmoe train step: GQA attention with q/k/v bias,
 QK-norm, partial rotate-half RoPE and a document-causal mask; SwiGLU FFN or 8 experts with
@@ -6,11 +6,21 @@ softmax top-2 routing (renormalised), a switch aux loss and a router z-loss; mas
 cross-entropy; global-norm clipping; ``torch.optim.AdamW``. The experts run the usual eager way
 (HF Mixtral style): a loop over experts, each on the tokens routed to it.
 
+Two variants are timed (:func:`best_torch_step` picks the second on the machine):
+
+- **eager**: the model written plainly: attention as ``softmax(q k^T + mask) v`` with repeated k/v,
+  ``torch.optim.AdamW`` with its defaults (the per-parameter loop on CPU).
+- **best**: what a good PyTorch engineer runs on CPU: ``F.scaled_dot_product_attention`` with the
+  document-causal boolean mask and grouped k/v, ``AdamW(fused=True)`` or ``foreach=True`` (whichever
+  is faster here), and the loss ``torch.compile``-d when that is faster than eager here.
+
 Shape legend: B batch, S sequence, H hidden, N query heads, G kv heads, D head dim, T tokens, E experts, K top-k.
 """
 
 import math
+import time
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -45,8 +55,9 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, sdpa: bool):
         super().__init__()
+        self.sdpa = sdpa
         self.heads, self.kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.resolved_head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, self.heads * self.head_dim, bias=cfg.qkv_bias)
         self.k_proj = nn.Linear(cfg.hidden_size, self.kv_heads * self.head_dim, bias=cfg.qkv_bias)
@@ -63,10 +74,14 @@ class Attention(nn.Module):
         rot = cos_SR.shape[-1]
         q = torch.cat((q[..., :rot] * cos_SR + rotate_half(q[..., :rot]) * sin_SR, q[..., rot:]), -1)
         k = torch.cat((k[..., :rot] * cos_SR + rotate_half(k[..., :rot]) * sin_SR, k[..., rot:]), -1)
-        group = self.heads // self.kv_heads
-        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim) + mask_B1SS
-        out = torch.softmax(scores, -1) @ v
+        if self.sdpa:
+            # mask_B1SS is boolean here (True = may attend); k/v heads are shared by their query group.
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_B1SS, enable_gqa=True)
+        else:
+            group = self.heads // self.kv_heads
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim) + mask_B1SS
+            out = torch.softmax(scores, -1) @ v
         return self.o_proj(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
@@ -97,10 +112,10 @@ class MoE(nn.Module):
 
 
 class Layer(nn.Module):
-    def __init__(self, cfg, moe):
+    def __init__(self, cfg, moe, sdpa):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, sdpa)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.moe = moe
         self.mlp = MoE(cfg) if moe else SwiGLU(cfg.hidden_size, cfg.intermediate_size)
@@ -114,10 +129,11 @@ class Layer(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, sdpa: bool = False):
         super().__init__()
+        self.sdpa = sdpa
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg, i >= cfg.first_k_dense) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Layer(cfg, i >= cfg.first_k_dense, sdpa) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float64) / cfg.rotary_dim)
@@ -134,7 +150,7 @@ class Transformer(nn.Module):
         allowed = (doc_ids_BS[:, :, None] == doc_ids_BS[:, None, :]) & torch.ones(
             seq_len, seq_len, dtype=torch.bool
         ).tril()
-        mask = torch.where(allowed, 0.0, -1e9)[:, None]
+        mask = allowed[:, None] if self.sdpa else torch.where(allowed, 0.0, -1e9)[:, None]
         x = self.embed_tokens(input_ids_BS)
         router_loss = x.new_zeros(())
         for layer in self.layers:
@@ -143,12 +159,20 @@ class Transformer(nn.Module):
         return self.lm_head(self.norm(x)), router_loss
 
 
-class TorchTrainStep:
-    """One optimizer step of the PyTorch model per call, on the windows of :func:`bench.cases.random_windows`."""
+#: AdamW implementations: ``loop`` is the default on CPU tensors (one parameter at a time).
+OPTIMIZERS = {"loop": {}, "fused": {"fused": True}, "foreach": {"foreach": True}}
 
-    def __init__(self, size: BenchSize, kind: str):
+
+class TorchTrainStep:
+    """One optimizer step of the PyTorch model per call, on the windows of :func:`bench.cases.random_windows`.
+
+    ``sdpa``: attention by ``F.scaled_dot_product_attention``; ``optimizer``: a key of
+    :data:`OPTIMIZERS`; ``compiled``: forward + loss through ``torch.compile`` (backward by AOTAutograd).
+    """
+
+    def __init__(self, size: BenchSize, kind: str, sdpa: bool = False, optimizer: str = "loop", compiled=False):
         torch.manual_seed(0)
-        self.model = Transformer(model_config(size, kind))
+        self.model = Transformer(model_config(size, kind), sdpa=sdpa)
         params = list(self.model.parameters())
         self.optimizer = torch.optim.AdamW(
             [
@@ -158,16 +182,23 @@ class TorchTrainStep:
             lr=3e-4,
             betas=(0.9, 0.95),
             eps=1e-8,
+            **OPTIMIZERS[optimizer],
         )
         self.params = sum(p.numel() for p in params)
+        self.variant = {"attention": "sdpa" if sdpa else "matmul-softmax", "optimizer": optimizer, "compiled": compiled}
+        self.loss_fn = torch.compile(self.loss) if compiled else self.loss
+
+    def loss(self, tokens_BW, doc_ids_BW):
+        """Masked next-token cross-entropy + router losses of ``[B, S + 1]`` windows."""
+        logits, router_loss = self.model(tokens_BW[:, :-1], doc_ids_BW[:, :-1])
+        mask = (doc_ids_BW[:, 1:] == doc_ids_BW[:, :-1]).float()
+        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens_BW[:, 1:].reshape(-1), reduction="none")
+        return (nll * mask.reshape(-1)).sum() / mask.sum().clamp(min=1.0) + router_loss
 
     def __call__(self, window: dict) -> float:
         """The loss of the step on ``window`` (``input_ids``/``doc_ids`` ``[B, S + 1]``)."""
         tokens, doc_ids = torch.from_numpy(window["input_ids"]).long(), torch.from_numpy(window["doc_ids"])
-        logits, router_loss = self.model(tokens[:, :-1], doc_ids[:, :-1])
-        mask = (doc_ids[:, 1:] == doc_ids[:, :-1]).float()
-        nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1), reduction="none")
-        loss = (nll * mask.reshape(-1)).sum() / mask.sum().clamp(min=1.0) + router_loss
+        loss = self.loss_fn(tokens, doc_ids)
         self.optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -176,3 +207,52 @@ class TorchTrainStep:
         if not math.isfinite(value):
             raise RuntimeError(f"PyTorch reference step produced loss {value}")
         return value
+
+
+def _alternated_step_s(steps: dict, warmup: list, timed: list) -> dict:
+    """``{name: median step s}`` of ``steps`` run in turn on each window, so all see the same load."""
+    for window in warmup:
+        for step in steps.values():
+            step(window)
+    timings = {name: [] for name in steps}
+    for window in timed:
+        for name, step in steps.items():
+            start = time.perf_counter()
+            step(window)
+            timings[name].append(time.perf_counter() - start)
+    return {name: float(np.median(values)) for name, values in timings.items()}
+
+
+def best_torch_step(size: BenchSize, kind: str, warmup: list, timed: list) -> tuple:
+    """``(step, choice)``: the fastest PyTorch variant here, and how it was chosen (timings in s).
+
+    SDPA attention always; AdamW ``fused`` vs ``foreach`` by their median step time on ``timed``
+    (after ``warmup``, steps alternated); then that step eager vs under ``torch.compile`` (its first
+    call compiles), compiled kept only when faster. A compile that fails is reported, eager is used.
+    """
+    optimizers = {name: TorchTrainStep(size, kind, True, name) for name in ("fused", "foreach")}
+    choice = {"optimizer_step_s": _alternated_step_s(optimizers, warmup, timed)}
+    optimizer = min(choice["optimizer_step_s"], key=choice["optimizer_step_s"].get)
+    best = optimizers.pop(optimizer)
+    optimizers.clear()
+    try:
+        compiled = TorchTrainStep(size, kind, True, optimizer, compiled=True)
+        start = time.perf_counter()
+        compiled(warmup[0])
+        choice["compile_s"] = time.perf_counter() - start
+        race = _alternated_step_s({"eager": best, "compiled": compiled}, warmup[1:], timed)
+    except Exception as error:  # noqa: BLE001  (any failure of torch.compile means: run eager)
+        lines = str(error).strip().splitlines()
+        reason = f"{type(error).__name__}: {lines[0][:200]}" if lines else type(error).__name__
+        choice["torch_compile"] = f"fails here ({reason}): eager"
+    else:
+        choice["eager_step_s"], choice["compiled_step_s"] = race["eager"], race["compiled"]
+        faster = race["compiled"] < race["eager"]
+        choice["torch_compile"] = (
+            f"{'faster' if faster else 'slower'} than eager ({race['compiled']:.3g} vs {race['eager']:.3g} s"
+            f" per step): {'compiled' if faster else 'eager'}"
+        )
+        if faster:
+            best = compiled
+    choice.update(best.variant)
+    return best, choice

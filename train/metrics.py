@@ -6,6 +6,7 @@ plot of ``loss`` is never a mix of the two.
 
 import json
 import time
+from math import prod
 from pathlib import Path
 
 import numpy as np
@@ -62,14 +63,44 @@ def active_matmul_params(cfg: ModelConfig) -> int:
     )
 
 
-def train_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
-    """``6 * active matmul params + 6 * layers * seq_len * heads * head_dim``.
+def train_flops_per_token(cfg: ModelConfig, seq_len: int, params=None) -> float:
+    """Training FLOPs per token: the weight matmuls + ``6 * layers * seq_len * heads * head_dim``.
+
+    A token multiplied through a weight with ``n`` elements costs ``2 n`` forward and ``2 n`` for
+    the gradient of the weight's input; the weight's own gradient costs another ``2 n`` only when
+    it trains. ``params`` is ``{name: (shape, trained)}`` of the model (e.g. from :func:`param_table`);
+    None = every parameter of ``cfg`` trains, i.e. ``6 * active_matmul_params``. A LoRA run counts
+    4 per frozen base weight element and 6 per adapter element.
 
     The second term is causal attention: QK^T and PV cost 2*S*d each per token forward,
-    halved by the causal mask, times 3 for forward + backward.
+    halved by the causal mask, times 3 for forward + backward (no weights: only input gradients).
     """
     attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * cfg.resolved_head_dim
-    return 6.0 * active_matmul_params(cfg) + attention
+    if params is None:
+        return 6.0 * active_matmul_params(cfg) + attention
+    weights = 0.0
+    for name, (shape, trained) in params.items():
+        weights += (4 + 2 * bool(trained)) * _active_matmul_elements(cfg, name, shape)
+    return weights + attention
+
+
+def param_table(model) -> dict:
+    """``{name: (shape, trained)}`` of ``model``'s parameters, for :func:`train_flops_per_token`."""
+    return {p.name: (tuple(p.shape), bool(p.requires_grad)) for p in model.get_parameters()}
+
+
+def _active_matmul_elements(cfg: ModelConfig, name: str, shape) -> float:
+    """Elements of parameter ``name`` one token multiplies through (0 for lookups, norms, biases)."""
+    if name.endswith((".bias", "norm.weight", "e_score_correction_bias")):
+        return 0.0
+    if name == "embed_tokens.weight":
+        # A lookup; it is the LM head's matmul only when tied.
+        return float(prod(shape)) if cfg.tie_word_embeddings else 0.0
+    if ".mlp.experts." in name:
+        # Stacked routed experts (and their adapters) lead with the experts this process holds;
+        # a token passes through top_k of them.
+        return prod(shape) / shape[0] * cfg.top_k
+    return float(prod(shape))
 
 
 def measure_peak_gflops(size: int = 1024, repeats: int = 8, trials: int = 3) -> float:
@@ -133,7 +164,7 @@ def per_layer_metrics(routing_L3E: np.ndarray, layer_means_L5: np.ndarray) -> di
             key: []
             for key in (
                 "load_imbalance",
-                "dropped_tokens",
+                "dropped_assignments",
                 "layer_lock_rate",
                 "layer_flip_rate",
                 "layer_aux_loss",
@@ -144,7 +175,8 @@ def per_layer_metrics(routing_L3E: np.ndarray, layer_means_L5: np.ndarray) -> di
     column = {name: layer_means_L5[:, LAYER_STATS.index(name)] for name in LAYER_STATS}
     return {
         "load_imbalance": load_imbalance(chosen_LE),
-        "dropped_tokens": [float(d) for d in chosen_LE.sum(-1) - kept_LE.sum(-1)],
+        # (token, chosen expert) pairs over capacity: a token keeps its other top_k choices.
+        "dropped_assignments": [float(d) for d in chosen_LE.sum(-1) - kept_LE.sum(-1)],
         "layer_lock_rate": [float(v) for v in column["lock_rate"]],
         "layer_flip_rate": [float(v) for v in column["flip_rate"]],
         "layer_aux_loss": [float(v) for v in column["aux_loss"]],
