@@ -10,8 +10,9 @@ gradient of its own micro-batches, and :meth:`Distributed.grad_reducer` averages
 ranks once per optimizer step, so every rank applies the same update. The training step is
 functional (``ms.value_and_grad``), and MindSpore only inserts the gradient all-reduce by itself
 for ``nn.TrainOneStepCell``: without the reducer the ranks would silently diverge. Statistics
-that steer the next step (router load counts, the loss that decides whether a step is skipped)
-are reduced too, so all ranks take identical decisions.
+that steer a step (router load counts, the loss that decides whether a step is skipped, the
+number of scored tokens that normalises the loss) are reduced too, so all ranks take identical
+decisions.
 """
 
 import logging
@@ -92,7 +93,8 @@ class Distributed:
 
     def grad_reducer(self, params):
         """``(grads, loss) -> (grads, loss)`` of the global objective (the mean over data-parallel
-        replicas of their micro-batch loss), for use inside a jitted step.
+        replicas of their micro-batch loss; each replica's language-model term is already its share of
+        the per-token mean of the global batch, ``train.step.token_weight``), for use inside a jitted step.
 
         Replicated parameters: every rank holds its replica's full gradient (the copy into an expert
         group sums the expert paths), so the mean over all ranks is the mean over replicas. Expert
@@ -165,6 +167,18 @@ class Distributed:
         if not self.active:
             return bool(flag)
         return bool(self.sum_over_ranks(np.array([float(flag)]))[0] > 0)
+
+    def sum_count_over_replicas(self, count: int) -> int:
+        """The sum of a non-negative integer over data-parallel replicas, exactly (all ranks must call it).
+
+        The collective sums float32, exact only below 2**24: the count travels as two base-4096
+        digits, whose sums stay exact for totals below 2**36 on fewer than 4096 ranks. The ranks of
+        an expert group hold the same micro-batches, so their sum is divided by ``ep``.
+        """
+        if not self.active:
+            return int(count)
+        high, low = self.sum_over_ranks(np.array([count >> 12, count & 4095]))
+        return (int(high) * 4096 + int(low)) // self.replica_copies
 
     def sum_over_ranks(self, values: np.ndarray) -> np.ndarray:
         """Element-wise sum of a host array over all ranks (float32; identity in one process)."""

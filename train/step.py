@@ -2,17 +2,23 @@
 
 Shape legend: B micro-batch, S sequence, V vocabulary, L MoE layers, E experts.
 
-The loss of a micro-batch is ``lm_loss + aux_loss + z_loss`` where ``lm_loss`` is the mean
-next-token cross-entropy over the positions whose label is in the same document as the
-input. With accumulation the gradient is the mean over micro-batches, so one process with
-``n`` micro-batches matches ``n`` data-parallel ranks that each see one of them: under data
-parallelism (``train.distributed``) the accumulated gradient and the step's statistics are
-averaged over ranks once per step.
+The objective of a step is ``lm_loss + aux_loss + z_loss``. ``lm_loss`` is normalised by tokens:
+the sum of next-token cross-entropies over every scored label (same document as the input; SFT:
+assistant tokens) of every micro-batch on every data-parallel rank, divided by the number of
+scored labels in the global batch, so a token weighs the same whichever micro-batch holds it.
+``aux_loss`` and ``z_loss`` are per-micro-batch values averaged over the step's micro-batches.
+Both come out of one mechanism: the gradient is the mean over micro-batches and (under data
+parallelism, ``train.distributed``) over ranks, and each micro-batch's ``lm_loss`` is its
+cross-entropy sum times ``token_weight = micro-batches of the global batch / scored labels of
+the global batch``, counted on the host before the step. One process with ``n`` micro-batches
+therefore matches ``n`` data-parallel ranks that each see one of them.
 
 Everything numeric runs inside ``ms.jit`` functions (GRAPH_MODE). Functions are jitted,
 not the cells: ``ms.jit(cell)`` would freeze the parameter values it captured.
 """
 
+import dataclasses
+import math
 from dataclasses import dataclass
 
 import mindspore as ms
@@ -65,9 +71,18 @@ def split_window(batch: dict):
     )
 
 
+def token_weight(scored_tokens: int, micro_batches: int) -> float:
+    """The factor of a micro-batch's cross-entropy sum that makes the mean over the global batch's
+    ``micro_batches`` (all ranks) the sum over its ``scored_tokens`` labels divided by their number."""
+    return micro_batches / max(scored_tokens, 1)
+
+
 @dataclass
 class StepStats:
-    """Host-side results of one optimizer step (losses are means over its micro-batches)."""
+    """Host-side results of one optimizer step over the global batch.
+
+    ``lm_loss`` is per scored token; ``aux_loss``, ``z_loss`` and ``layer_stats`` are means over micro-batches.
+    """
 
     skipped: bool  # loss or gradient norm not finite: no parameter changed
     loss: float
@@ -78,23 +93,28 @@ class StepStats:
     lr: float
     routing_stats: np.ndarray  # [L, 3, E] chosen / kept / locked_kept, summed over micro-batches
     layer_stats: np.ndarray  # [L, 5] per-layer scalars (model.moe.layer.LAYER_STATS), mean over micro-batches
+    # Skipped because the loss-scaled (fp16) gradients overflowed while the loss was finite and the
+    # scale could still be halved: the step retries at a lower scale, it is not a diverging model.
+    overflow: bool = False
+    loss_scale: float | None = None  # the dynamic loss scale after the step; None without loss scaling
 
 
 def _loss_scaling(loss_scale):
     """``(scale_loss, unscale, adjust_scale, state parameters)`` for a ``train.precision.LossScale`` or None.
 
     Dynamic loss scaling (Micikevicius et al. 2018): the loss is multiplied by the scale before
-    backward so small fp16 gradients do not flush to zero; gradients and loss are divided by it
-    before clipping. A non-finite step halves the scale (not below 1), ``window`` finite steps in
-    a row double it. Without it all three are identities and no state exists.
+    backward so small fp16 gradients do not flush to zero; gradients are divided by it before
+    clipping (the loss that is reported and checked is the one before scaling). A non-finite step
+    halves the scale (not below 1), ``window`` finite steps in a row double it. Without it all
+    three are identities and no state exists.
     """
     if loss_scale is None:
 
         def scale_loss(loss):
             return loss
 
-        def unscale(grads, loss):
-            return grads, loss
+        def unscale(grads):
+            return grads
 
         def adjust_scale(finite):
             return finite
@@ -107,9 +127,9 @@ def _loss_scaling(loss_scale):
     def scale_loss(loss):
         return loss * scale
 
-    def unscale(grads, loss):
+    def unscale(grads):
         inv_scale = 1.0 / scale
-        return tuple(g * inv_scale for g in grads), loss * inv_scale
+        return tuple(g * inv_scale for g in grads)
 
     def adjust_scale(finite):
         counted = (good_steps + 1.0) * finite.astype(ms.float32)
@@ -172,11 +192,10 @@ def _compile_fused_step(grad_fn, unscale, clip_and_apply):
     """One micro-batch per step: forward, backward and update in one graph."""
 
     @ms.jit
-    def fused_step(input_ids, doc_ids, labels, loss_mask):
-        (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
-        grads, loss = unscale(grads, loss)
-        norm, lr, finite = clip_and_apply(grads, loss)
-        return loss, aux, norm, lr, finite
+    def fused_step(input_ids, doc_ids, labels, loss_mask, token_weight):
+        (_, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight)
+        norm, lr, finite = clip_and_apply(unscale(grads), aux[0])
+        return aux, norm, lr, finite
 
     return fused_step
 
@@ -187,12 +206,11 @@ def _compile_accumulation(grad_fn, unscale, clip_and_apply, buffers, accum_steps
     inv_accum = 1.0 / accum_steps
 
     @ms.jit
-    def accumulate(input_ids, doc_ids, labels, loss_mask):
-        (loss, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
-        grads, loss = unscale(grads, loss)
-        for buffer, grad in zip(buffers, grads):
+    def accumulate(input_ids, doc_ids, labels, loss_mask, token_weight):
+        (_, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight)
+        for buffer, grad in zip(buffers, unscale(grads)):
             ops.assign_add(buffer, grad * inv_accum)
-        return loss, aux
+        return aux
 
     @ms.jit
     def apply_accumulated(mean_loss):
@@ -238,8 +256,8 @@ class CompiledStep:
         params = optimizer.parameters
         scale_loss, unscale, adjust_scale, self.loss_scale_state = _loss_scaling(loss_scale)
 
-        def scaled_loss(input_ids, doc_ids, labels, loss_mask):
-            loss, aux = self._loss(input_ids, doc_ids, labels, loss_mask)
+        def scaled_loss(input_ids, doc_ids, labels, loss_mask, token_weight):
+            loss, aux = self._loss(input_ids, doc_ids, labels, loss_mask, token_weight)
             return scale_loss(loss), aux
 
         grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
@@ -251,11 +269,14 @@ class CompiledStep:
         )
         self._evaluate = _compile_evaluate(model)
 
-    def _loss(self, input_ids, doc_ids, labels, loss_mask):
+    def _loss(self, input_ids, doc_ids, labels, loss_mask, token_weight):
+        """The micro-batch's share of the step objective, and ``(loss, lm, aux, z, routing, layer)``
+        unscaled. ``token_weight`` is a graph input, not a constant: it changes every step."""
         logits, aux_loss, z_loss, routing_stats, layer_stats = self.model(input_ids, doc_ids)
-        lm_loss, _, _ = masked_cross_entropy(logits, labels, loss_mask)
+        _, nll_sum, _ = masked_cross_entropy(logits, labels, loss_mask)
+        lm_loss = nll_sum * token_weight
         loss = lm_loss + aux_loss + z_loss
-        return loss, (lm_loss, aux_loss, z_loss, routing_stats, layer_stats)
+        return loss, (loss, lm_loss, aux_loss, z_loss, routing_stats, layer_stats)
 
     def step(self, micro_batches) -> StepStats:
         """One optimizer step over ``accum_steps`` micro-batches (dicts of packed windows)."""
@@ -266,38 +287,68 @@ class CompiledStep:
         self.model.set_train(True)
         if self.router_updates is not None:
             self.router_updates.before_optimizer()
-        losses = []
+        windows = [split_window(batch) for batch in micro_batches]
+        weight = Tensor(np.float32(self._token_weight(windows)))
+        scale_before = self._loss_scale()
         if self.accum_steps == 1:
-            loss, aux, norm, lr, finite = self._fused_step(*split_window(micro_batches[0]))
-            losses.append((loss, aux))
+            aux, norm, lr, finite = self._fused_step(*windows[0], weight)
+            auxes = [aux]
         else:
-            for batch in micro_batches:
-                losses.append(self._accumulate(*split_window(batch)))
-            mean_loss = float(np.mean([loss.asnumpy() for loss, _ in losses]))
+            auxes = [self._accumulate(*window, weight) for window in windows]
+            mean_loss = float(np.mean([a[0].asnumpy() for a in auxes]))
             norm, lr, finite = self._apply_accumulated(Tensor(np.float32(mean_loss)))
         stats = self._global_stats(
             StepStats(
                 skipped=not bool(finite.asnumpy()),
-                loss=float(np.mean([loss.asnumpy() for loss, _ in losses])),
-                lm_loss=float(np.mean([a[0].asnumpy() for _, a in losses])),
-                aux_loss=float(np.mean([a[1].asnumpy() for _, a in losses])),
-                z_loss=float(np.mean([a[2].asnumpy() for _, a in losses])),
+                loss=float(np.mean([a[0].asnumpy() for a in auxes])),
+                lm_loss=float(np.mean([a[1].asnumpy() for a in auxes])),
+                aux_loss=float(np.mean([a[2].asnumpy() for a in auxes])),
+                z_loss=float(np.mean([a[3].asnumpy() for a in auxes])),
                 grad_norm=float(norm.asnumpy()),
                 lr=float(np.asarray(lr.asnumpy()).reshape(-1)[0]),
-                routing_stats=np.sum([a[3].asnumpy() for _, a in losses], axis=0),
-                layer_stats=np.mean([a[4].asnumpy() for _, a in losses], axis=0),
+                routing_stats=np.sum([a[4].asnumpy() for a in auxes], axis=0),
+                layer_stats=np.mean([a[5].asnumpy() for a in auxes], axis=0),
             )
         )
+        stats = self._with_loss_scale(stats, scale_before)
         if self.router_updates is not None and not stats.skipped:
             self.router_updates.after_optimizer(stats.routing_stats)
         return stats
+
+    def _token_weight(self, windows) -> float:
+        """:func:`token_weight` of this step: the scored labels (the loss masks are on the host) and
+        micro-batches of the global batch, one tiny host all-reduce under data parallelism."""
+        scored_tokens = sum(int(window[3].asnumpy().sum()) for window in windows)
+        micro_batches = self.accum_steps
+        if self.dist is not None and self.dist.active:
+            scored_tokens = self.dist.sum_count_over_replicas(scored_tokens)
+            micro_batches *= self.dist.dp
+        return token_weight(scored_tokens, micro_batches)
+
+    def _loss_scale(self):
+        """The dynamic loss scale now (fp16), else None."""
+        return float(self.loss_scale_state[0].asnumpy()) if self.loss_scale_state else None
+
+    def _with_loss_scale(self, stats: StepStats, scale_before) -> StepStats:
+        """``stats`` with the new loss scale and whether a skip was a loss-scale overflow.
+
+        The reported loss is computed before scaling: when it is finite, only the scaled gradients
+        overflowed. At the scale's floor of 1 halving changes nothing, so the skip is a bad step.
+        """
+        if scale_before is None:
+            return stats
+        scale = self._loss_scale()
+        overflow = stats.skipped and math.isfinite(stats.loss) and scale < scale_before
+        return dataclasses.replace(stats, overflow=overflow, loss_scale=scale)
 
     def _global_stats(self, local: StepStats) -> StepStats:
         """Means (losses, layer statistics) and sums (routing counts) over data-parallel ranks.
 
         Every rank runs the same number of micro-batches, so the mean of the rank means is the
-        global-batch mean. The ranks of an expert group share their micro-batches, so their counts
-        are counted once. The gradient norm and the skip decision are already global.
+        global-batch mean; each rank's ``lm_loss`` is its cross-entropy sum times ``dp`` over the
+        global batch's scored labels, so their mean is per token. The ranks of an expert group share
+        their micro-batches, so their counts are counted once. The gradient norm and the skip
+        decision are already global.
         """
         if self.dist is None or not self.dist.active:
             return local
@@ -308,14 +359,12 @@ class CompiledStep:
         world = self.dist.world_size
         loss, lm_loss, aux_loss, z_loss = (float(v) / world for v in total[:4])
         routing_end = 4 + routing.size
-        return StepStats(
-            skipped=local.skipped,
+        return dataclasses.replace(
+            local,
             loss=loss,
             lm_loss=lm_loss,
             aux_loss=aux_loss,
             z_loss=z_loss,
-            grad_norm=local.grad_norm,
-            lr=local.lr,
             routing_stats=total[4:routing_end].reshape(routing.shape) / self.dist.replica_copies,
             layer_stats=total[routing_end:].reshape(layer.shape) / world,
         )

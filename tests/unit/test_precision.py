@@ -2,6 +2,8 @@
 dynamic loss scaling follows its published rule and leaves updates unchanged, recompute leaves loss and
 gradients unchanged, cell reuse gives all layers of a kind one reuse key."""
 
+from dataclasses import replace
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -40,8 +42,8 @@ def batches(count, seed=0):
     ]
 
 
-def make_trainer(loss_scale=None):
-    model = MoETransformer(MODEL, seed=3)
+def make_trainer(loss_scale=None, model_cfg=MODEL):
+    model = MoETransformer(model_cfg, seed=3)
     optimizer = build_optimizer(model.trainable_params(), TrainConfig(max_steps=10, warmup_ratio=0.0))
     return model, CompiledStep(model, optimizer, grad_clip=1.0, accum_steps=1, loss_scale=loss_scale)
 
@@ -88,6 +90,7 @@ def test_power_of_two_loss_scale_leaves_every_update_unchanged_and_doubles_after
     for batch in batches(3):
         reference, stats = plain.step([batch]), scaled.step([batch])
         assert stats.loss == reference.loss and stats.grad_norm == reference.grad_norm
+        assert not stats.overflow and reference.loss_scale is None
         scales.append(float(scaled.loss_scale_state[0].asnumpy()))
     # Multiplying by 2^k and dividing again is exact in floating point: identical weights.
     for name, value in weights(plain_model).items():
@@ -96,10 +99,14 @@ def test_power_of_two_loss_scale_leaves_every_update_unchanged_and_doubles_after
 
 
 def test_overflowing_loss_scale_skips_the_step_and_halves():
-    model, trainer = make_trainer(LossScale(initial=2.0**127, window=1000))
+    # O(10) weights give gradients of O(10) (and a finite loss of O(100)): times 2**127 they
+    # overflow float32, as fp16 gradients overflow at a much smaller scale.
+    model, trainer = make_trainer(LossScale(initial=2.0**127, window=1000), replace(MODEL, initializer_range=10.0))
     before = weights(model)
     stats = trainer.step(batches(1)[:1])
-    assert stats.skipped
+    # Only the scaled gradients overflowed: the reported loss is the finite one before scaling.
+    assert stats.skipped and stats.overflow and np.isfinite(stats.loss)
+    assert stats.loss_scale == 2.0**126
     for name, value in weights(model).items():
         np.testing.assert_array_equal(value, before[name], err_msg=name)
     assert float(trainer.loss_scale_state[0].asnumpy()) == 2.0**126
