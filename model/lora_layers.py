@@ -10,6 +10,9 @@ from the plan's own generator in build order, so a plan and a seed give the same
 build. Parameter names come from the cell tree as for every other parameter: ``lora_A`` of
 ``layers.0.self_attn.q_proj`` is ``layers.0.self_attn.q_proj.lora_A``.
 
+Dropout (training only, on the adapter input) draws its masks from a :class:`DropoutStream` per adapted
+projection (:mod:`model.lora_dropout`), so a resumed run draws the masks of the uninterrupted one.
+
 The routed experts' adapters are in :mod:`model.moe.lora_experts`. Shape legend (docs/architecture.md):
 Z rows of a flattened input, R rank, F input features, O output features.
 """
@@ -19,10 +22,11 @@ from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
-from mindspore import Parameter, Tensor, ops
+from mindspore import Parameter, Tensor
 
 from mindmoe.model.linear import Linear
 from mindmoe.model.lora import EXPERT_PROJECTIONS
+from mindmoe.model.lora_dropout import DropoutStream
 
 
 @dataclass
@@ -33,6 +37,18 @@ class AdapterSpec:
     scaling: float
     dropout: float
     rng: Optional[np.random.Generator]
+    #: Seed of the dropout masks; None: the seed ``rng`` was created with (the plan's), without drawing from it.
+    seed: Optional[int] = None
+
+    def dropout_stream(self, name: str) -> Optional[DropoutStream]:
+        """The dropout draws of the adapter of parameter ``name`` (None without dropout)."""
+        if self.dropout <= 0:
+            return None
+        seed = self.seed
+        if seed is None:
+            seed = getattr(getattr(self.rng, "bit_generator", None), "seed_seq", None)
+            seed = getattr(seed, "entropy", 0) or 0
+        return DropoutStream(name, int(seed), self.dropout)
 
 
 class AdapterScope:
@@ -67,12 +83,23 @@ def lora_a_init(rng: np.random.Generator, shape) -> Tensor:
 class LoraLinear(Linear):
     """A :class:`Linear` plus ``scaling * B (A dropout(x))``."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, std: float, rng: np.random.Generator, adapter):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool,
+        std: float,
+        rng: np.random.Generator,
+        adapter,
+        name="lora",
+    ):
         super().__init__(in_features, out_features, bias, std, rng)
         self.lora_A = Parameter(lora_a_init(adapter.rng, (adapter.rank, in_features)), name="lora_A")
         self.lora_B = Parameter(Tensor(np.zeros((out_features, adapter.rank), np.float32)), name="lora_B")
         self.scaling = adapter.scaling
         self.dropout = adapter.dropout
+        # ``name``: the projection's name in the model (layers.0.self_attn.q_proj), which keys its masks.
+        self.dropout_stream = adapter.dropout_stream(name)
 
     def construct(self, x):
         shape = x.shape
@@ -81,7 +108,7 @@ class LoraLinear(Linear):
         if self.bias is not None:
             y_ZO = y_ZO + self.bias
         if self.dropout > 0 and self.training:
-            x_ZF = ops.dropout(x_ZF, p=self.dropout, training=True)
+            x_ZF = self.dropout_stream.drop(x_ZF)
         low_ZR = self.matmul(x_ZF, self.lora_A.astype(x_ZF.dtype))
         y_ZO = y_ZO + self.matmul(low_ZR, self.lora_B.astype(x_ZF.dtype)) * self.scaling
         return y_ZO.reshape(shape[:-1] + (y_ZO.shape[-1],))
@@ -92,4 +119,4 @@ def projection(in_features: int, out_features: int, bias: bool, std: float, rng,
     adapter = lora.linear(name)
     if adapter is None:
         return Linear(in_features, out_features, bias, std, rng)
-    return LoraLinear(in_features, out_features, bias, std, rng, adapter)
+    return LoraLinear(in_features, out_features, bias, std, rng, adapter, lora.child(name).prefix)

@@ -1,10 +1,12 @@
-"""Failures and recovery: which checkpoint to resume from, and stopping cleanly on a signal."""
+"""Failures and recovery: which checkpoint to resume from, the random state it continues, and stopping
+cleanly on a signal."""
 
 import logging
 import signal
 from pathlib import Path
 
 from mindmoe.conf.exit_codes import STOPPED_ON_SIGNAL, CommandExit
+from mindmoe.model.lora_dropout import dropout_draws, dropout_streams, set_dropout_state
 from mindmoe.train.checkpoint import CorruptCheckpointError, list_checkpoints, resolve_checkpoint, verify_checkpoint
 
 log = logging.getLogger("mindmoe.train")
@@ -63,3 +65,28 @@ class TrainingStopped(CommandExit):
 
     exit_code = STOPPED_ON_SIGNAL
     label = "stopped"
+
+
+#: ``state.json`` key: the draws so far of the LoRA dropout streams (:mod:`model.lora_dropout`).
+DROPOUT_DRAWS = "lora_dropout_draws"
+
+
+def dropout_checkpoint_state(model) -> dict:
+    """What ``state.json`` records of ``model``'s dropout masks: the draw count (nothing without LoRA dropout)."""
+    draws = dropout_draws(model)
+    return {} if draws is None else {DROPOUT_DRAWS: draws}
+
+
+def restore_dropout(model, dp_rank: int, state) -> None:
+    """Key the dropout masks by ``dp_rank`` and continue them where checkpoint ``state`` (None: a fresh
+    run) left them, so a resumed run draws the masks of the uninterrupted one. Before the first step."""
+    draws = 0 if state is None else state.get(DROPOUT_DRAWS)
+    if draws is None:
+        if dropout_streams(model):
+            log.warning(
+                "the checkpoint has no %s (written before dropout state was saved): LoRA dropout masks "
+                "restart from the first step's",
+                DROPOUT_DRAWS,
+            )
+        draws = 0
+    set_dropout_state(model, dp_rank, int(draws))

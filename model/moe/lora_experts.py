@@ -33,6 +33,7 @@ class LoraRoutedExperts(RoutedExperts):
         projections,
         adapter: AdapterSpec,
         held_experts: range = None,
+        name: str = "experts",
     ):
         super().__init__(num_experts, hidden_size, intermediate_size, std, rng, held_experts)
         self.scaling = adapter.scaling
@@ -54,8 +55,10 @@ class LoraRoutedExperts(RoutedExperts):
                     )
                 )
             setattr(self, f"{proj}_lora", factors)
+            # Each projection's adapter drops its own input independently (PEFT: one dropout per module).
+            setattr(self, f"{proj}_dropout", adapter.dropout_stream(f"{name}.{proj}") if factors else None)
 
-    def _project(self, x_ECF, w_EOF, factors, scale_EC):
+    def _project(self, x_ECF, w_EOF, factors, dropout, scale_EC):
         if scale_EC is None:
             y_ECO = self.bmm(x_ECF, w_EOF)
         else:
@@ -63,7 +66,7 @@ class LoraRoutedExperts(RoutedExperts):
         if factors is None:
             return y_ECO
         if self.dropout > 0 and self.training:
-            x_ECF = ops.dropout(x_ECF, p=self.dropout, training=True)
+            x_ECF = dropout.drop(x_ECF)
         lora_A_ERF = factors[0].astype(x_ECF.dtype)
         lora_B_EOR = factors[1].astype(x_ECF.dtype)
         if scale_EC is None:
@@ -73,9 +76,10 @@ class LoraRoutedExperts(RoutedExperts):
         return y_ECO + delta_ECO * self.scaling
 
     def _forward(self, x_ECH, scale_EC):
-        gate_ECI = self._project(x_ECH, self.gate_proj, self.gate_proj_lora, scale_EC)
-        up_ECI = self._project(x_ECH, self.up_proj, self.up_proj_lora, scale_EC)
-        return self._project(ops.silu(gate_ECI) * up_ECI, self.down_proj, self.down_proj_lora, scale_EC)
+        gate_ECI = self._project(x_ECH, self.gate_proj, self.gate_proj_lora, self.gate_proj_dropout, scale_EC)
+        up_ECI = self._project(x_ECH, self.up_proj, self.up_proj_lora, self.up_proj_dropout, scale_EC)
+        hidden_ECI = ops.silu(gate_ECI) * up_ECI
+        return self._project(hidden_ECI, self.down_proj, self.down_proj_lora, self.down_proj_dropout, scale_EC)
 
     def construct(self, x_ECH):
         return self._forward(x_ECH, None)
@@ -93,5 +97,5 @@ def routed_experts(
     if not projections:
         return RoutedExperts(num_experts, hidden_size, intermediate_size, std, rng, held_experts)
     return LoraRoutedExperts(
-        num_experts, hidden_size, intermediate_size, std, rng, projections, lora.spec, held_experts
+        num_experts, hidden_size, intermediate_size, std, rng, projections, lora.spec, held_experts, lora.prefix
     )

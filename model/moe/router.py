@@ -33,13 +33,65 @@ def router_scores(logits_TE, score_func: str):
     return ops.softmax(logits_TE, -1)
 
 
+# Scalings by 2**k that bring any positive finite fp32 into [1, 2) in exact steps (subnormals need 149).
+_DOWN_STEPS = (64, 32, 16, 8, 4, 2, 1)
+_UP_STEPS = (64, 64, 32, 16, 8, 4, 2, 1)
+
+
+def ordered_int(x):
+    """An int32 per element that orders like the finite fp32 ``x`` and is equal exactly where ``x`` is
+    (-0 and +0 alike): the sign times the IEEE-754 bit pattern of ``|x|``.
+
+    MindSpore 2.9 graphs have no bitcast, so the pattern is computed: ``|x|`` is scaled into [1, 2) by
+    powers of two picked by comparisons, all exact, giving exponent and mantissa bits.
+    """
+    x = x.astype(ms.float32)
+    magnitude = ops.abs(x)
+    nonzero = magnitude > 0
+    y = ops.select(nonzero, magnitude, ops.ones_like(magnitude))
+    exponent = ops.zeros_like(magnitude, dtype=ms.int32)
+    for k in _DOWN_STEPS:
+        big = y >= 2.0**k
+        y = ops.select(big, y * 2.0**-k, y)
+        exponent = exponent + big.astype(ms.int32) * k
+    for k in _UP_STEPS:
+        small = y < 2.0 ** (1 - k)
+        y = ops.select(small, y * 2.0**k, y)
+        exponent = exponent - small.astype(ms.int32) * k
+    normal_bits = (exponent + 127) * (1 << 23) + ((y - 1.0) * 2.0**23).astype(ms.int32)
+    subnormal_bits = (magnitude * 2.0**100 * 2.0**49).astype(ms.int32)
+    bits = ops.select(exponent >= -126, normal_bits, subnormal_bits)
+    bits = ops.select(nonzero, bits, ops.zeros_like(bits))
+    return ops.select(x < 0, -bits, bits)
+
+
+def selection_keys(x_TE):
+    """Unique int64 keys ``ordered_int(x) * E + (E - 1 - e)`` along the last axis: larger key, better
+    expert; among equal values the lower index has the larger key."""
+    num = x_TE.shape[-1]
+    reversed_index_E = Tensor(np.arange(num - 1, -1, -1, dtype=np.int64))
+    return ordered_int(x_TE).astype(ms.int64) * num + reversed_index_E
+
+
+def descending_order(x_TE):
+    """Indices ``[..., E]`` int32 ordering the last axis of ``x`` best first, equal values by lower index.
+
+    One sort of unique integer keys (:func:`selection_keys`): the order depends neither on a float
+    sort's precision (MindSpore documents a loss for float32 ``ops.sort``) nor on its stability.
+    """
+    _, order_TE = ops.sort(selection_keys(x_TE), -1, True)
+    return order_TE.astype(ms.int32)
+
+
 def select_experts(scores_TE, top_k: int, bias_E=None, n_group: int = 1, topk_group: int = 1):
     """Natural top-K expert indices ``[T, K]`` int32, best first, ties to the lower index.
 
     The correction bias shifts *selection* only (DeepSeek-V3 aux-loss-free balancing): it
     steers tokens towards under-loaded experts without changing how much an expert's output
     counts, which stays the router's own score. With ``n_group > 1`` a token may only pick
-    from the ``topk_group`` groups whose two best (biased) scores sum highest.
+    from the ``topk_group`` groups whose two best (biased) scores sum highest (equal sums: the lower
+    group). Ties are broken exactly (:func:`descending_order`): expert locking compares top-K sets, so
+    equal scores must resolve alike on every backend.
     """
     choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(ms.float32)
     if n_group > 1:
@@ -47,8 +99,9 @@ def select_experts(scores_TE, top_k: int, bias_E=None, n_group: int = 1, topk_gr
         per_group = num_experts // n_group
         # The last axis holds the E / J experts of one group.
         grouped_TJE = choice_TE.reshape(num_tokens, n_group, per_group)
-        group_score_TJ = ops.sort(grouped_TJE, -1, True)[0][:, :, :2].sum(-1)
-        _, group_order_TJ = ops.sort(group_score_TJ, -1, True)
+        best_two_TJ2 = descending_order(grouped_TJE)[:, :, :2]
+        group_score_TJ = ops.gather_elements(grouped_TJE, 2, best_two_TJ2).sum(-1)
+        group_order_TJ = descending_order(group_score_TJ)
         keep_TJ = (
             ops.one_hot(
                 group_order_TJ[:, :topk_group], n_group, ops.ones((), ms.float32), ops.zeros((), ms.float32)
@@ -57,10 +110,7 @@ def select_experts(scores_TE, top_k: int, bias_E=None, n_group: int = 1, topk_gr
         )
         keep_TE = ops.broadcast_to(keep_TJ.expand_dims(-1), grouped_TJE.shape).reshape(num_tokens, num_experts)
         choice_TE = ops.select(keep_TE, choice_TE, ops.full_like(choice_TE, MASKED_SCORE))
-    # A stable descending sort, not ops.topk: topk orders ties arbitrarily, and expert locking
-    # compares top-K sets, so equal scores must resolve to the lower expert index.
-    _, order_TE = ops.sort(choice_TE, -1, True)
-    return order_TE[:, :top_k].astype(ms.int32)
+    return descending_order(choice_TE)[:, :top_k]
 
 
 def gather_weights(scores_TE, topk_idx_TK, norm_topk_prob: bool, routed_scaling_factor: float):

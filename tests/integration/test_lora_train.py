@@ -1,19 +1,29 @@
 """``mindmoe-train recipe=lora_business`` for a few steps on the bundled base and SFT sample: the
 trainable-parameter report, adapters-only checkpoints with a PEFT copy, and resuming (which must
-reload the frozen base, since checkpoints do not hold it)."""
+reload the frozen base, since checkpoints do not hold it, and continue the dropout masks: a run killed
+with SIGKILL and resumed logs the losses of the uninterrupted run)."""
 
 import dataclasses
 import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
 from mindmoe.model.peft_adapter import read_adapter_config
-from mindmoe.train.checkpoint import verify_checkpoint
-from tests.helpers.runs import compose_config
+from mindmoe.train.checkpoint import list_checkpoints, verify_checkpoint
+from mindmoe.train.resume import DROPOUT_DRAWS
+from tests.helpers.runs import compose_config, losses_by_step
 
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
+# The kill test: checkpoints at 4 and 8, the kill once step 5 is logged, so steps 5.. are run again.
+KILL_STEPS, KILL_SAVE_EVERY, KILL_AFTER_LOGGED = 8, 4, 5
 
 
 def overrides(cache, steps):
@@ -82,6 +92,52 @@ def test_resuming_reloads_the_base_and_continues_the_loss_curve(lora_run, data_c
     assert set(after) >= {STEPS + 1, STEPS + 2}
     # Without the pretrained base the loss would be that of a random model (about ln(vocab) = 8.3).
     assert abs(after[STEPS + 1] - before[STEPS]) < 1.0
+
+
+def train_command(run_dir, cache):
+    # Overrides go through the real entry point; the recipe's lora.dropout (0.05) stays in force.
+    run_overrides = [o for o in overrides(cache, KILL_STEPS) if not o.startswith("train.save_every")]
+    return [
+        sys.executable,
+        "-m",
+        "mindmoe.train.cli",
+        f"hydra.run.dir={run_dir}",
+        f"train.save_every={KILL_SAVE_EVERY}",
+        *run_overrides,
+    ]
+
+
+def wait_for_logged_step(run_dir: Path, step: int, process, timeout=900):
+    start = time.time()
+    while not any(s >= step for s in (losses_by_step(run_dir) if (run_dir / "metrics.jsonl").exists() else {})):
+        assert process.poll() is None, f"training exited early:\n{process.stderr.read()}"
+        assert time.time() - start < timeout, f"step {step} never logged in {run_dir}"
+        time.sleep(0.05)
+
+
+def test_sigkill_between_checkpoints_then_resume_reproduces_the_uninterrupted_losses(tmp_path, data_cache):
+    assert compose_config(overrides(data_cache, KILL_STEPS)).lora.dropout > 0, "the test is about dropout masks"
+    uninterrupted_dir, interrupted_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    subprocess.run(train_command(uninterrupted_dir, data_cache), cwd=REPO, check=True, capture_output=True)
+    uninterrupted = losses_by_step(uninterrupted_dir)
+
+    killed = subprocess.Popen(
+        train_command(interrupted_dir, data_cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    wait_for_logged_step(interrupted_dir, KILL_AFTER_LOGGED, killed)
+    killed.send_signal(signal.SIGKILL)
+    killed.wait(timeout=60)
+    logged = max(losses_by_step(interrupted_dir))
+    saved = [int(path.name.split("_")[1]) for path in list_checkpoints(interrupted_dir / "checkpoints")]
+    assert saved and max(saved) < logged < KILL_STEPS, f"the kill must land between checkpoints: {saved}, {logged}"
+    state = json.loads((list_checkpoints(interrupted_dir / "checkpoints")[-1] / "state.json").read_text())
+    assert state[DROPOUT_DRAWS] == max(saved), "one draw per step (one micro-batch per step)"
+
+    subprocess.run(train_command(interrupted_dir, data_cache), cwd=REPO, check=True, capture_output=True)
+    resumed = losses_by_step(interrupted_dir)
+    assert sorted(resumed) == list(range(1, KILL_STEPS + 1)) == sorted(uninterrupted)
+    # Bit-identical: the resumed steps draw the dropout masks of the uninterrupted run.
+    assert resumed == uninterrupted
 
 
 def test_base_checkpoint_gives_the_architecture_and_weights_of_a_mindmoe_checkpoint(tmp_path, monkeypatch):

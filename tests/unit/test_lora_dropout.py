@@ -1,0 +1,176 @@
+"""LoRA dropout masks keyed by (seed, parameter name, data-parallel rank, draws so far), against a NumPy
+transcription of the hash in :mod:`model.lora_dropout`: the forward and the adapter gradients of a
+compiled train step use the documented mask, a fresh layer set to a saved draw count continues the same
+masks (what a resumed run does), and masks stay off in evaluation."""
+
+import zlib
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn
+
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.lora import LoraConfig
+from mindmoe.model.lora_dropout import dropout_draws, dropout_streams, set_dropout_state
+from mindmoe.model.lora_layers import AdapterSpec, LoraLinear
+from mindmoe.model.lora_plan import plan_adapters
+from mindmoe.model.transformer import MoETransformer
+
+ROWS, IN, OUT, RANK, P, SCALING = 6, 40, 7, 3, 0.3, 2.0
+
+
+U32 = np.uint64(0xFFFFFFFF)
+
+
+def np_mix32(x):
+    """lowbias32 on uint32 values, computed in uint64 and masked to 32 bits."""
+    x = np.asarray(x, np.uint64) & U32
+    x ^= x >> np.uint64(16)
+    x = (x * np.uint64(0x7FEB352D)) & U32
+    x ^= x >> np.uint64(15)
+    x = (x * np.uint64(0x846CA68B)) & U32
+    x ^= x >> np.uint64(16)
+    return x
+
+
+def np_keep(rows, cols, p, seed, name, rank, draws):
+    salt = np.uint64(zlib.crc32(f"{seed}:{name}".encode()))
+    key = np_mix32(np_mix32(np_mix32(draws) ^ np.uint64(rank)) ^ salt)
+    row = np_mix32(np.arange(rows, dtype=np.uint64) ^ key)
+    bits = np_mix32(row[:, None] ^ np.arange(cols, dtype=np.uint64)[None, :])
+    return (bits >> np.uint64(8)) >= np.uint64(round(p * 2**24))
+
+
+def make_layer(seed=11, name="layers.0.self_attn.q_proj"):
+    rng = np.random.default_rng(seed)
+    layer = LoraLinear(IN, OUT, True, 0.5, rng, AdapterSpec(RANK, SCALING, P, rng), name)
+    layer.lora_B.set_data(Tensor(rng.normal(size=(OUT, RANK)).astype(np.float32)))
+    return layer
+
+
+def train_step(layer):
+    """``(y, d lora_A, d lora_B)`` of ``sum(y * G)`` through a compiled value_and_grad (as the train step)."""
+
+    class Weighted(nn.Cell):
+        def __init__(self, inner, weight):
+            super().__init__()
+            self.inner, self.weight = inner, weight
+
+        def construct(self, x):
+            return (self.inner(x) * self.weight).sum()
+
+    weight = Tensor(np.random.default_rng(5).normal(size=(ROWS, OUT)).astype(np.float32))
+    grad_fn = ms.value_and_grad(Weighted(layer, weight), None, (layer.lora_A, layer.lora_B))
+
+    @ms.jit
+    def step(x):
+        _, grads = grad_fn(x)
+        return layer(x), grads  # a second forward: one more draw
+
+    return step, weight.asnumpy()
+
+
+def test_train_step_uses_the_documented_mask_in_forward_and_gradients_and_draws_once_per_forward():
+    layer = make_layer()
+    layer.set_train(True)
+    x = np.random.default_rng(3).normal(size=(ROWS, IN)).astype(np.float32)
+    step, weight = train_step(layer)
+    w, b = layer.weight.asnumpy(), layer.bias.asnumpy()
+    lora_A, lora_B = layer.lora_A.asnumpy(), layer.lora_B.asnumpy()
+    for call in range(3):
+        y, (grad_A, grad_B) = step(Tensor(x))
+        # The gradient's forward is draw 2 * call, the returned forward draw 2 * call + 1.
+        for draw, check in ((2 * call, "grad"), (2 * call + 1, "y")):
+            keep = np_keep(ROWS, IN, P, 11, "layers.0.self_attn.q_proj", 0, draw)
+            x_drop = x * keep / (1 - P)
+            low = x_drop @ lora_A.T
+            if check == "y":
+                expected = x @ w.T + b + SCALING * low @ lora_B.T
+                np.testing.assert_allclose(y.asnumpy(), expected, rtol=1e-5, atol=1e-5)
+            else:
+                np.testing.assert_allclose(grad_B.asnumpy(), SCALING * weight.T @ low, rtol=1e-4, atol=1e-5)
+                np.testing.assert_allclose(
+                    grad_A.asnumpy(), SCALING * (weight @ lora_B).T @ x_drop, rtol=1e-4, atol=1e-5
+                )
+        assert dropout_draws(layer) == 2 * call + 2
+
+
+def test_a_fresh_layer_set_to_the_saved_state_continues_the_masks_and_ranks_differ():
+    x = np.random.default_rng(4).normal(size=(ROWS, IN)).astype(np.float32)
+
+    @ms.jit
+    def forward(cell, x):
+        return cell(x)
+
+    first = make_layer()
+    first.set_train(True)
+    outputs = [forward(first, Tensor(x)).asnumpy() for _ in range(3)]
+    assert not np.allclose(outputs[1], outputs[2])
+    resumed = make_layer()
+    resumed.set_train(True)
+    set_dropout_state(resumed, 0, 2)  # before its graph compiles, as the trainer does on resume
+    np.testing.assert_array_equal(forward(resumed, Tensor(x)).asnumpy(), outputs[2])
+    other_rank = make_layer()
+    other_rank.set_train(True)
+    set_dropout_state(other_rank, 1, 2)
+    assert not np.allclose(forward(other_rank, Tensor(x)).asnumpy(), outputs[2])
+
+
+def test_masks_keep_one_minus_p_and_are_independent_across_draws_and_names():
+    rows, cols, p = 300, 500, 0.25
+    masks = [np_keep(rows, cols, p, 0, "a", 0, d) for d in range(3)] + [np_keep(rows, cols, p, 0, "b", 0, 0)]
+    for mask in masks:
+        assert abs(mask.mean() - (1 - p)) < 0.005
+    for other in masks[1:]:
+        agreement = (masks[0] == other).mean()  # independent masks agree with probability p^2 + (1-p)^2
+        assert abs(agreement - (p * p + (1 - p) ** 2)) < 0.005
+
+
+def test_evaluation_neither_drops_nor_draws():
+    layer = make_layer()
+    layer.set_train(False)
+    x = np.random.default_rng(6).normal(size=(ROWS, IN)).astype(np.float32)
+
+    @ms.jit
+    def forward(x):
+        return layer(x)
+
+    expected = (
+        x @ layer.weight.asnumpy().T
+        + layer.bias.asnumpy()
+        + SCALING * (x @ layer.lora_A.asnumpy().T) @ layer.lora_B.asnumpy().T
+    )
+    np.testing.assert_allclose(forward(Tensor(x)).asnumpy(), expected, rtol=1e-5, atol=1e-5)
+    assert dropout_draws(layer) == 0
+
+
+def test_every_adapted_projection_of_a_model_has_its_own_stream_outside_the_parameter_list():
+    cfg = ModelConfig(
+        vocab_size=48,
+        hidden_size=16,
+        num_layers=2,
+        first_k_dense=1,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=24,
+        num_experts=4,
+        moe_intermediate_size=8,
+        max_position_embeddings=32,
+    )
+    plan = plan_adapters(cfg, LoraConfig(enabled=True, r=2, dropout=0.1), seed=3)
+    model = MoETransformer(cfg, seed=0, lora=plan)
+    names = sorted(stream.name for stream in dropout_streams(model))
+    assert names == sorted(name.removesuffix(".weight") for name in plan.adapted)
+    assert "layers.1.mlp.experts.down_proj" in names
+    assert not any("dropout" in p.name for p in model.get_parameters())
+    model.set_train(True)
+    ids = Tensor(np.random.default_rng(0).integers(0, 48, size=(2, 8)).astype(np.int32))
+    docs = Tensor(np.zeros((2, 8), np.int32))
+
+    @ms.jit
+    def forward(ids, docs):
+        return model(ids, docs)[0]
+
+    forward(ids, docs)
+    forward(ids, docs)
+    assert dropout_draws(model) == 2
