@@ -21,6 +21,7 @@ from pathlib import Path
 
 from mindmoe.bench.report import machine_description, render_markdown
 from mindmoe.bench.specs import SIZES
+from mindmoe.conf.quiet import quiet_framework_logs
 
 BENCH_DIR = Path(__file__).resolve().parent
 RESULT_MARK = "BENCH_RESULT "
@@ -259,6 +260,7 @@ def parse_cases(text: str) -> list:
 
 
 def main(argv=None) -> int:
+    quiet_framework_logs()
     parser = argparse.ArgumentParser(prog="mindmoe-bench", description=__doc__.splitlines()[0])
     parser.add_argument(
         "--cases",

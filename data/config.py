@@ -31,6 +31,7 @@ class DataConfig:
     micro_batch_size: int = 16
     #: A sentencepiece ``.model`` file or a HF checkpoint directory (``tokenizer.json`` or ``tokenizer.model``)
     #: to use; null = the ``model.pretrained`` directory's tokenizer if set, else train one on ``train_files``.
+    #: A resumed run uses the tokenizer its checkpoint carries.
     tokenizer: Optional[str] = None
     #: Vocabulary size when the tokenizer is trained here.
     vocab_size: int = 4096

@@ -1,13 +1,13 @@
 """The files that make a tokenizer: open them as one tokenizer, list them for a cache key, copy them.
 
 A tokenizer is a sentencepiece ``.model`` file (:mod:`data.tokenizer`) or the tokenizer files of a HF
-checkpoint directory (:mod:`data.hf_tokenizer`). Training data, exports and ``mindmoe-generate`` all
-open and copy tokenizers through this module, so every one of them accepts the same files.
+checkpoint directory (:mod:`data.hf_tokenizer`). Training data, checkpoints, exports and ``mindmoe-generate``
+all open and copy tokenizers through this module, so every one of them accepts the same files.
 """
 
 import shutil
-from pathlib import Path
-from typing import List, Optional, Union
+from pathlib import Path, PurePosixPath
+from typing import Dict, List, Optional, Sequence, Union
 
 from mindmoe.data.hf_tokenizer import (
     CHAT_TEMPLATE_FILE,
@@ -79,6 +79,37 @@ def copy_tokenizer(tokenizer: Optional[Path], out: Path) -> List[str]:
     for name in copied:
         shutil.copyfile(tokenizer / name, out / name)
     return copied
+
+
+#: Where a checkpoint keeps the files of a HF tokenizer directory (a sentencepiece tokenizer is one file,
+#: ``tokenizer.model``, at its top); ``config.json`` comes along for the fallback bos/eos/pad ids.
+CHECKPOINT_TOKENIZER_DIR = "tokenizer"
+
+
+def read_tokenizer(tokenizer: Union[str, Path]) -> Dict[str, bytes]:
+    """The contents of a tokenizer as a checkpoint stores it: relative name -> bytes (read once, so a run
+    whose tokenizer lives in a checkpoint that ``train.keep_last`` prunes still writes it into the next)."""
+    tokenizer = Path(tokenizer).expanduser()
+    if tokenizer.is_file():
+        return {SENTENCEPIECE_FILE: tokenizer.read_bytes()}
+    names = [name for name in TOKENIZER_FILES + ("config.json",) if (tokenizer / name).is_file()]
+    if not names:
+        raise FileNotFoundError(f"tokenizer {tokenizer}: no tokenizer files ({', '.join(TOKENIZER_FILES[:5])})")
+    return {f"{CHECKPOINT_TOKENIZER_DIR}/{name}": (tokenizer / name).read_bytes() for name in names}
+
+
+def stored_tokenizer(directory: Path, names: Sequence[str], source: str) -> Path:
+    """What :func:`open_tokenizer` opens for the tokenizer files ``names`` (relative, already checked) stored in
+    ``directory``: the one sentencepiece file at its top, or the one directory holding HF tokenizer files."""
+    parents = {PurePosixPath(name).parent for name in names}
+    if len(names) == 1 and parents == {PurePosixPath(".")} and names[0].endswith(".model"):
+        return Path(directory) / names[0]
+    if len(parents) == 1 and PurePosixPath(".") not in parents:
+        return Path(directory) / str(parents.pop())
+    raise ValueError(
+        f"{source}: {list(names)} is neither one sentencepiece .model file nor the files of one tokenizer "
+        f"directory (e.g. ['{SENTENCEPIECE_FILE}'] or ['{CHECKPOINT_TOKENIZER_DIR}/{TOKENIZER_JSON}', ...])"
+    )
 
 
 def special_token_ids(tokenizer) -> dict:

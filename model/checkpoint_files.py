@@ -6,14 +6,23 @@ reads checkpoint directories too. Nothing here needs MindSpore.
 """
 
 import json
-from pathlib import Path
+from pathlib import Path, PurePosixPath, PureWindowsPath
+from typing import List, Optional
 
 from mindmoe.model.config import ModelConfig
 
 #: Parameters by their model names (safetensors).
 MODEL_FILE = "model.safetensors"
-#: Step, data position, seed, file hashes and ``model_config``; written last.
+#: Step, data position, seed, file hashes, ``model_config`` and ``tokenizer``; written last.
 STATE_FILE = "state.json"
+#: The run's resolved config (every key, as the run used it).
+CONFIG_FILE = "config.yaml"
+#: The ``state.json`` key naming the checkpoint's tokenizer file(s), relative to its directory.
+TOKENIZER_KEY = "tokenizer"
+
+
+class RecordedTokenizerPath(ValueError):
+    """A ``state.json`` written before checkpoints carried their tokenizer: ``tokenizer`` is a path outside."""
 
 
 def read_state(checkpoint_dir: Path) -> dict:
@@ -31,3 +40,37 @@ def checkpoint_model_config(checkpoint_dir: Path) -> ModelConfig:
     if not isinstance(state, dict) or "model_config" not in state:
         raise ValueError(f"{state_path} has no 'model_config'")
     return ModelConfig.from_dict(state["model_config"], f"{state_path} model_config")
+
+
+def checkpoint_tokenizer_names(checkpoint_dir: Path) -> Optional[List[str]]:
+    """The tokenizer files a checkpoint carries (``state.json`` ``tokenizer``), None when it records none.
+
+    Names are relative to the checkpoint directory and stay inside it: an absolute name or ``..`` is a
+    ValueError naming the file and key, so nothing outside the checkpoint is ever read (or exported) for
+    it. A string (an older checkpoint's path into the user's cache) is :class:`RecordedTokenizerPath`.
+    """
+    state_path = Path(checkpoint_dir) / STATE_FILE
+    value = read_state(checkpoint_dir).get(TOKENIZER_KEY)
+    if value is None:
+        return None
+    where = f"{state_path} {TOKENIZER_KEY!r}"
+    if isinstance(value, str):
+        raise RecordedTokenizerPath(
+            f"{where} is the path {value!r}: the checkpoint was written before checkpoints carried their "
+            f"tokenizer, and a path outside the checkpoint is not read. Pass data.tokenizer=<the tokenizer it "
+            f"was trained with>, or copy its file(s) into the checkpoint directory and list them there by "
+            f'relative name (e.g. "{TOKENIZER_KEY}": ["tokenizer.model"])'
+        )
+    if not isinstance(value, list) or not value or not all(isinstance(name, str) and name for name in value):
+        raise ValueError(f"{where} must be a non-empty list of file names relative to the checkpoint, not {value!r}")
+    for name in value:
+        if PurePosixPath(name).is_absolute() or PureWindowsPath(name).is_absolute() or PureWindowsPath(name).drive:
+            raise ValueError(f"{where}: {name!r} is an absolute path; name files relative to the checkpoint directory")
+        if ".." in PureWindowsPath(name).parts:
+            raise ValueError(f"{where}: {name!r} leaves the checkpoint directory ('..'); name files inside it")
+        path, root = (Path(checkpoint_dir) / name).resolve(), Path(checkpoint_dir).resolve()
+        if root not in path.parents:  # a symbolic link out of the checkpoint
+            raise ValueError(f"{where}: {name!r} resolves to {path}, outside the checkpoint directory")
+        if not path.is_file():
+            raise ValueError(f"{where}: {name!r} is not a file of the checkpoint {checkpoint_dir}")
+    return value

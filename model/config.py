@@ -23,8 +23,9 @@ class ModelConfig:
 
     #: A local HF checkpoint directory (config.json, *.safetensors, tokenizer files) to start from:
     #: its config.json gives the architecture, its weights the initial parameters and its tokenizer the
-    #: data's. ``model.*`` keys given on the command line may change training settings (dispatch,
-    #: capacity, balancing, locking, RoPE scaling); architecture keys must agree with config.json.
+    #: data's. ``model.*`` keys set explicitly (command line, chosen recipe or model group) may change
+    #: training settings (dispatch, capacity, balancing, locking, RoPE scaling); architecture keys must
+    #: agree with config.json.
     pretrained: Optional[str] = None
 
     #: Vocabulary size; 0 = take it from the tokenizer.

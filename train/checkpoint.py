@@ -3,7 +3,14 @@
     <run dir>/checkpoints/step_000300/
         model.safetensors       parameters by their model names (the checkpoint format)
         optimizer.safetensors   AdamW moments (``adam_m.*``, ``adam_v.*``) and ``global_step``
-        state.json              step, data position, seed, config; written last
+        tokenizer.model         the run's tokenizer: a sentencepiece file, or a HF tokenizer's
+          or tokenizer/*          files (tokenizer.json, tokenizer_config.json, ..., config.json)
+        config.yaml             the run's resolved config
+        state.json              step, data position, seed, model_config, tokenizer (the names of
+                                its files, relative to this directory), file hashes; written last
+
+A checkpoint carries its tokenizer and config so that it can be exported, evaluated or resumed on
+another machine, with the training data's cache gone.
 
 A checkpoint is assembled in a hidden temporary directory and renamed into place only when
 complete, so a crash while saving leaves the previous checkpoints untouched and never a
@@ -11,19 +18,29 @@ half-written one under a ``step_*`` name. ``state.json`` records the sha256 of t
 so a checkpoint truncated or altered afterwards is detected before it is loaded.
 """
 
+import dataclasses
 import json
 import os
 import re
 import shutil
 from pathlib import Path
+from typing import Dict, Optional
 
 from mindspore import Tensor
 from safetensors.numpy import load_file, save_file
 
 from mindmoe.data.prepare import file_sha256
+from mindmoe.data.tokenizer_files import read_tokenizer
 
 # The file names and readers are shared with model/hf, whose HF export reads checkpoint directories.
-from mindmoe.model.checkpoint_files import MODEL_FILE, STATE_FILE, checkpoint_model_config, read_state  # noqa: F401
+from mindmoe.model.checkpoint_files import (  # noqa: F401
+    CONFIG_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    TOKENIZER_KEY,
+    checkpoint_model_config,
+    read_state,
+)
 
 STEP_DIR = re.compile(r"^step_(\d{6,})$")
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -60,13 +77,44 @@ def load_parameters(params, tensors: dict, source: str) -> None:
         param.set_data(Tensor(array, dtype=param.dtype))
 
 
+@dataclasses.dataclass(frozen=True)
+class CarriedFiles:
+    """What a checkpoint carries besides its tensors so it can be used elsewhere: the tokenizer (relative
+    name -> bytes, as :func:`data.tokenizer_files.read_tokenizer` reads it) and the resolved config."""
+
+    tokenizer: Dict[str, bytes]
+    config_yaml: Optional[str] = None
+
+    @classmethod
+    def of_run(cls, tokenizer_path, config_yaml: Optional[str] = None) -> "CarriedFiles":
+        return cls(read_tokenizer(tokenizer_path), config_yaml)
+
+    def write(self, directory: Path) -> list:
+        """Write the files into ``directory``; the relative names written."""
+        files = dict(self.tokenizer)
+        if self.config_yaml is not None:
+            files[CONFIG_FILE] = self.config_yaml.encode("utf-8")
+        for name, content in files.items():
+            (directory / name).parent.mkdir(parents=True, exist_ok=True)
+            (directory / name).write_bytes(content)
+        return list(files)
+
+
 def save_checkpoint(
-    checkpoint_root: Path, step: int, model_params, optimizer_params, state: dict, keep_last: int, write_extra=None
+    checkpoint_root: Path,
+    step: int,
+    model_params,
+    optimizer_params,
+    state: dict,
+    keep_last: int,
+    write_extra=None,
+    carried: Optional[CarriedFiles] = None,
 ) -> Path:
     """Write ``step_{step:06d}`` under ``checkpoint_root`` atomically and prune to ``keep_last``.
 
     ``write_extra(directory) -> [relative file names]`` adds files (hashed like the others), e.g. a
-    LoRA run's PEFT adapter."""
+    LoRA run's PEFT adapter; ``carried`` adds the tokenizer (named in ``state.json`` ``tokenizer``) and
+    ``config.yaml``."""
     checkpoint_root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_root / f"step_{step:06d}"
     tmp = checkpoint_root / f".step_{step:06d}.tmp-{os.getpid()}"
@@ -76,6 +124,9 @@ def save_checkpoint(
     save_file(parameters_to_numpy(model_params), str(tmp / MODEL_FILE))
     save_file(parameters_to_numpy(optimizer_params), str(tmp / OPTIMIZER_FILE))
     names = [MODEL_FILE, OPTIMIZER_FILE] + (list(write_extra(tmp)) if write_extra else [])
+    if carried is not None:
+        names += carried.write(tmp)
+        state = dict(state, **{TOKENIZER_KEY: sorted(carried.tokenizer)})
     for name in names:
         _fsync(tmp / name)
     files = {name: file_sha256(tmp / name) for name in names}

@@ -44,7 +44,8 @@ class TrainConfig:
     #: Seed of parameter initialisation and data order.
     seed: int = 1234
     #: Stop with an error after this many consecutive steps with a non-finite loss or gradient
-    #: (each such step is skipped: no parameter or optimizer state changes).
+    #: (each such step is skipped: no parameter or optimizer state changes). fp16 loss-scale
+    #: overflows (finite loss, scale lowered) are skipped too but do not count.
     max_bad_steps: int = 5
     #: What resume does with a checkpoint whose files fail their hash check: ``error`` or
     #: ``previous`` (fall back to the newest older checkpoint that verifies).

@@ -41,12 +41,14 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.checkpoint import (
+    CONFIG_FILE,
     checkpoint_model_config,
     load_model_weights,
     read_state,
     resolve_checkpoint,
     verify_checkpoint,
 )
+from mindmoe.train.checkpoint_tokenizer import checkpoint_tokenizer
 from mindmoe.train.eval_config import EvalConfig, validate_eval_config
 from mindmoe.train.step import masked_cross_entropy, split_window
 
@@ -56,13 +58,17 @@ RUN_CONFIG_FILE = "resolved_config.yaml"
 
 
 def resolve_trained_length(eval_cfg: EvalConfig, checkpoint_dir: Path) -> int:
-    """``eval.trained_length``, else ``data.seq_len`` of the run that wrote ``checkpoint_dir``."""
+    """``eval.trained_length``, else ``data.seq_len`` of the run that wrote ``checkpoint_dir`` (its
+    ``config.yaml``; an older checkpoint carries none, then its run directory's)."""
     if eval_cfg.trained_length:
         return eval_cfg.trained_length
-    run_config = checkpoint_dir.parent.parent / RUN_CONFIG_FILE
+    run_config = checkpoint_dir / CONFIG_FILE
+    if not run_config.is_file():
+        run_config = checkpoint_dir.parent.parent / RUN_CONFIG_FILE
     if not run_config.is_file():
         raise ValueError(
-            f"eval.trained_length=0: {run_config} not found, so the context length checkpoint "
+            f"eval.trained_length=0: neither {checkpoint_dir / CONFIG_FILE} nor {run_config} found, so the "
+            f"context length checkpoint "
             f"{checkpoint_dir} was trained at is unknown; set eval.trained_length=<data.seq_len "
             "of its training run>"
         )
@@ -150,38 +156,40 @@ def evaluate_model(model, batches, trained_length: int, cross_document: bool) ->
     }
 
 
-def load_checkpoint_config(checkpoint: str):
-    """``(checkpoint_dir, state, model_config)``; fails naming ``checkpoint`` when it is unusable."""
+def load_checkpoint_config(checkpoint: str, data_tokenizer: str = ""):
+    """``(checkpoint_dir, state, model_config, tokenizer)``; fails naming ``checkpoint`` when it is unusable.
+
+    The tokenizer is the one the checkpoint carries (``data_tokenizer``, i.e. ``data.tokenizer``, only for
+    an older checkpoint that carries none)."""
     if not checkpoint:
         raise ValueError("checkpoint is not set: pass checkpoint=<run dir>/checkpoints/step_NNNNNN")
     checkpoint_dir = resolve_checkpoint(checkpoint)
     verify_checkpoint(checkpoint_dir)
     state = read_state(checkpoint_dir)
-    if "tokenizer" not in state:
-        raise ValueError(f"checkpoint {checkpoint_dir}: state.json has no 'tokenizer'")
     try:
         model_cfg = checkpoint_model_config(checkpoint_dir)
+        tokenizer = checkpoint_tokenizer(checkpoint_dir, data_tokenizer)
     except ValueError as err:
         raise ValueError(f"checkpoint {checkpoint_dir}: {err}") from None
+    if tokenizer is None:
+        raise ValueError(f"checkpoint {checkpoint_dir}: state.json names no 'tokenizer'; pass data.tokenizer")
     if model_cfg.rope_scaling.type != "none":
         raise ValueError(
             f"checkpoint {checkpoint_dir} was trained with model.rope_scaling.type="
             f"{model_cfg.rope_scaling.type!r}; mindmoe-eval compares scalings of a model trained "
             "with plain RoPE (type none)"
         )
-    return checkpoint_dir, state, model_cfg
+    return checkpoint_dir, state, model_cfg, str(tokenizer)
 
 
 def evaluate_checkpoint(cfg) -> dict:
     """The long-context report of ``cfg.checkpoint`` (see :mod:`train.eval_report` for its tables)."""
     eval_cfg = OmegaConf.to_object(cfg.eval)
     validate_eval_config(eval_cfg)
-    checkpoint_dir, state, model_cfg = load_checkpoint_config(cfg.checkpoint)
+    checkpoint_dir, state, model_cfg, tokenizer_path = load_checkpoint_config(cfg.checkpoint, cfg.data.tokenizer)
     trained_length = resolve_trained_length(eval_cfg, checkpoint_dir)
     if not cfg.data.valid_files:
         raise ValueError("data.valid_files is empty: mindmoe-eval measures loss on validation text")
-    # data.tokenizer overrides the recorded path, e.g. for a checkpoint copied from another machine.
-    tokenizer_path = cfg.data.tokenizer or state["tokenizer"]
     ms.set_context(mode=ms.GRAPH_MODE)
     columns, rows = [], []
     for length in eval_cfg.context_lengths:

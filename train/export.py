@@ -35,6 +35,7 @@ from mindmoe.train.checkpoint import (
     resolve_checkpoint,
     verify_checkpoint,
 )
+from mindmoe.train.checkpoint_tokenizer import checkpoint_tokenizer
 from mindmoe.train.export_config import ExportConfig, validate_export_config
 from mindmoe.train.init_model import explicit_model_keys, model_overrides
 
@@ -56,10 +57,12 @@ class ExportSource:
     notes: list = dataclasses.field(default_factory=list)
 
 
-def command_line_model_overrides(cfg, override_args) -> dict:
-    """``model.*`` keys given on the command line (``model.rope_scaling.type=...`` counts as ``rope_scaling``),
-    with their typed values from ``cfg``; ``model.pretrained`` itself is not an override."""
-    return model_overrides(OmegaConf.to_object(cfg.model), explicit_model_keys(override_args))
+def command_line_model_overrides(cfg, override_args, runtime=None) -> dict:
+    """``model.*`` keys set explicitly: on the command line (``model.rope_scaling.type=...`` counts as
+    ``rope_scaling``) or by a chosen recipe / model group (``runtime``: Hydra's ``hydra.runtime``; see
+    :func:`train.init_model.explicit_model_keys`), with their typed values from ``cfg``;
+    ``model.pretrained`` itself is not an override."""
+    return model_overrides(OmegaConf.to_object(cfg.model), explicit_model_keys(override_args, runtime))
 
 
 def resolve_source(cfg, model_overrides: dict) -> ExportSource:
@@ -107,13 +110,17 @@ def resolve_source(cfg, model_overrides: dict) -> ExportSource:
         model_cfg = apply_overrides(
             ImportedConfig("mindmoe checkpoint", model_cfg), model_overrides, str(checkpoint_dir / STATE_FILE)
         )
-    # data.tokenizer replaces the recorded path, e.g. for a checkpoint copied from another machine.
-    tokenizer = cfg.data.tokenizer or state.get("tokenizer")
+    # Only the tokenizer the checkpoint carries is read (data.tokenizer for an older one that carries none),
+    # so an export never copies a file from outside the checkpoint.
+    try:
+        tokenizer = checkpoint_tokenizer(checkpoint_dir, cfg.data.tokenizer)
+    except ValueError as err:
+        raise ValueError(f"checkpoint={checkpoint}: {err}") from None
     return ExportSource(
         "checkpoint",
         checkpoint_dir,
         model_cfg,
-        Path(tokenizer).expanduser() if tokenizer else None,
+        tokenizer,
         {MODEL_FILE: state["files"][MODEL_FILE]},
         step=state.get("step"),
     )
@@ -224,13 +231,13 @@ def build_manifest(
     }
 
 
-def run_export(cfg, run_dir: Path, override_args=None) -> Path:
+def run_export(cfg, run_dir: Path, override_args=None, runtime=None) -> Path:
     """Export as configured; returns the output directory."""
     from mindmoe.model.export.mindir import export_mindir
     from mindmoe.train.export_convert import write_conversion_files
 
     export_cfg: ExportConfig = OmegaConf.to_object(cfg.export)
-    model_overrides = command_line_model_overrides(cfg, override_args)
+    model_overrides = command_line_model_overrides(cfg, override_args, runtime)
     source = resolve_source(cfg, model_overrides)
     validate_export_config(export_cfg, source.model_config.max_position_embeddings)
     out = Path(export_cfg.out).expanduser() if export_cfg.out else Path(run_dir)

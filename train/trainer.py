@@ -17,16 +17,30 @@ from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from mindmoe.data.mindrecord import EvalLoader, WindowLoader
-from mindmoe.data.prepare import prepare_data, with_pretrained_tokenizer
-from mindmoe.train.checkpoint import load_model_weights, load_optimizer_state, read_state, save_checkpoint
+from mindmoe.data.prepare import prepare_data
+from mindmoe.train.bad_steps import BadStepCounter
+from mindmoe.train.checkpoint import (
+    CarriedFiles,
+    load_model_weights,
+    load_optimizer_state,
+    read_state,
+    save_checkpoint,
+)
+from mindmoe.train.checkpoint_tokenizer import run_data_config
 from mindmoe.train.distributed import init_distributed
 from mindmoe.train.heatmap import render_expert_load, save_png
 from mindmoe.train.init_model import build_model, planned_model_config
 from mindmoe.train.lora_setup import lora_run_for
-from mindmoe.train.metrics import MetricsWriter, measure_peak_gflops, train_flops_per_token, window_row
+from mindmoe.train.metrics import MetricsWriter, measure_peak_gflops, param_table, train_flops_per_token, window_row
 from mindmoe.train.optim import build_optimizer
 from mindmoe.train.precision import apply_precision
-from mindmoe.train.resume import StopRequest, TrainingStopped, pick_resume_checkpoint
+from mindmoe.train.resume import (
+    StopRequest,
+    TrainingStopped,
+    dropout_checkpoint_state,
+    pick_resume_checkpoint,
+    restore_dropout,
+)
 from mindmoe.train.routing import RouterStepUpdates
 from mindmoe.train.step import CompiledStep, StepStats
 
@@ -36,8 +50,9 @@ log = logging.getLogger("mindmoe.train")
 class Trainer:
     """One training run of ``cfg`` (already checked by ``train.loop.validate_run_config``) in ``run_dir``.
 
-    ``explicit_model_keys``: the ``model.*`` fields set on the command line, which are the only
-    model keys that apply on top of a ``model.pretrained`` config.json.
+    ``explicit_model_keys``: the ``model.*`` fields set explicitly (command line, chosen recipe or
+    non-default model group: :mod:`conf.explicit_keys`), the only model keys that apply on top of a
+    ``model.pretrained`` config.json.
     """
 
     def __init__(self, cfg, run_dir: Path, explicit_model_keys=()):
@@ -51,16 +66,17 @@ class Trainer:
         self.start_step = self._resume()
         self.batches = iter(self._train_loader())
         self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
-        self.flops_per_token = train_flops_per_token(self.model_cfg, cfg.data.seq_len)
+        # Frozen weights (LoRA) spend no weight-gradient FLOPs.
+        self.flops_per_token = train_flops_per_token(self.model_cfg, cfg.data.seq_len, param_table(self.model))
         self.peak_gflops = cfg.train.peak_gflops or measure_peak_gflops()
         self._log_model()
         self.metrics = MetricsWriter(self.run_dir) if self.dist.is_main else None
         if self.dist.is_main:
             OmegaConf.save(cfg, self.run_dir / "resolved_config.yaml", resolve=True)
-        # The steps since the last metrics row, and the counts of non-finite (skipped) steps.
+        # The steps since the last metrics row, and the counts of skipped (non-finite or fp16 overflow) steps.
         self.window, self.window_seconds = [], 0.0
         self.first_loss = None
-        self.bad_steps_in_row = self.skipped_steps = 0
+        self.bad_steps = BadStepCounter(cfg.train.max_bad_steps)
 
     def _build_model(self, explicit_model_keys):
         """The process layout, the data (its tokenizer sets the vocabulary), then the model, parallelized.
@@ -79,10 +95,13 @@ class Trainer:
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
         ms.set_seed(cfg.train.seed)
-        self.data = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
         self.resume_from = pick_resume_checkpoint(
             cfg.train.resume, self.checkpoint_root, cfg.train.on_corrupt_checkpoint
         )
+        # A resumed run (or a lora.base_checkpoint) reads the tokenizer its checkpoint carries.
+        self.data = prepare_data(run_data_config(cfg, self.resume_from))
+        # Read once: a resumed run's tokenizer lives in a checkpoint that train.keep_last may prune.
+        self.carried = CarriedFiles.of_run(self.data.tokenizer_path, OmegaConf.to_yaml(cfg, resolve=True))
         # A LoRA checkpoint holds only the adapters: its base is loaded again when resuming.
         model_cfg, model = build_model(
             cfg,
@@ -120,6 +139,9 @@ class Trainer:
 
     def _resume(self) -> int:
         """Load the checkpoint chosen by ``train.resume`` into model and optimizer; the step it was taken at."""
+        restore_dropout(
+            self.model, self.dist.dp_rank, None if self.resume_from is None else read_state(self.resume_from)
+        )
         if self.resume_from is None:
             return 0
         load_model_weights(self.model_state, self.resume_from)
@@ -176,30 +198,14 @@ class Trainer:
         return self._finish(val_loss, base_val_loss)
 
     def train_step(self, step: int) -> StepStats:
-        """One optimizer step over the next global batch; raises once ``train.max_bad_steps`` in a row were skipped."""
+        """One optimizer step over the next global batch; raises once ``train.max_bad_steps`` in a row were bad."""
         step_start = time.perf_counter()
         stats = self.compiled_step.step([next(self.batches) for _ in range(self.compiled_step.accum_steps)])
         # Step time only: validation and checkpoint writes are not training throughput.
         self.window_seconds += time.perf_counter() - step_start
         self.window.append(stats)
         self.first_loss = stats.lm_loss if self.first_loss is None else self.first_loss
-        self.bad_steps_in_row = self.bad_steps_in_row + 1 if stats.skipped else 0
-        self.skipped_steps += int(stats.skipped)
-        if stats.skipped:
-            log.warning(
-                "step %d: non-finite loss %.4g or gradient norm %.4g; update skipped (%d in a row)",
-                step,
-                stats.loss,
-                stats.grad_norm,
-                self.bad_steps_in_row,
-            )
-        max_bad_steps = self.cfg.train.max_bad_steps
-        if self.bad_steps_in_row >= max_bad_steps:
-            raise FloatingPointError(
-                f"{self.bad_steps_in_row} consecutive steps up to step {step} had a non-finite loss or gradient "
-                f"(train.max_bad_steps={max_bad_steps}); last loss {stats.loss}, gradient norm "
-                f"{stats.grad_norm}. Lower train.lr, check the data, or resume from an earlier checkpoint."
-            )
+        self.bad_steps.record(step, stats)
         return stats
 
     def log(self, step: int) -> dict:
@@ -211,7 +217,7 @@ class Trainer:
             self.tokens_per_step,
             self.flops_per_token,
             self.peak_gflops,
-            self.skipped_steps,
+            self.bad_steps.skipped,
         )
         if self.metrics is not None:
             if self.moe_layer_ids:
@@ -262,8 +268,8 @@ class Trainer:
         state = {
             "data_seed": self.cfg.train.seed,
             "tokens_seen": step * self.tokens_per_step,
-            "tokenizer": self.data.tokenizer_path,
             "model_config": dataclasses.asdict(self.model_cfg),
+            **dropout_checkpoint_state(self.model),
         }
         return save_checkpoint(
             self.checkpoint_root,
@@ -273,6 +279,7 @@ class Trainer:
             state,
             self.cfg.train.keep_last,
             None if self.lora_run is None else self.lora_run.write_adapter,
+            self.carried,
         )
 
     def _save_or_stop(self, step: int, stop: StopRequest) -> None:

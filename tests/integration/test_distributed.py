@@ -441,3 +441,60 @@ def test_cluster_script_gives_every_node_its_rank_the_master_and_the_same_overri
             "data.global_batch_size=48",
             "data.train_files=[a.jsonl,b c.jsonl]",
         } <= set(words)
+
+
+@pytest.mark.msrun
+def test_four_workers_with_ep2_dp2_reproduce_the_single_process_losses(single_process, tmp_path, data_cache, processes):
+    """Two expert groups of two ranks: each group reads its own micro-batch (dp 2, accumulation 1), its ranks
+    gather expert outputs (the CPU fallback of the allgather dispatcher), expert gradients are averaged over
+    the 2 ranks holding the same experts, and the checkpoint still gathers full expert tensors."""
+    from safetensors.numpy import load_file
+
+    run_dir = tmp_path / "ep2dp2"
+    launcher = start(
+        processes,
+        launch_command(
+            run_dir,
+            data_cache,
+            "launch.procs_per_node=4",
+            "parallel.ep=2",
+            "parallel.dp=2",
+            f"launch.master_port={free_port()}",
+        ),
+    )
+    # Four MindSpore processes compile on a shared 2-core machine: slow, hence the generous timeout.
+    code, stdout, stderr = finish(launcher, timeout=2400)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "data parallel 2, accumulation 1" in stdout
+    losses = losses_by_step(run_dir)
+    assert sorted(losses) == list(range(1, 11))
+    assert_same_losses(losses, single_process, range(1, 11))
+    checkpoint = run_dir / "checkpoints" / "step_000010"
+    assert load_file(str(checkpoint / "model.safetensors"))["layers.1.mlp.experts.gate_proj"].shape == (4, 32, 64)
+
+
+@pytest.mark.msrun
+def test_workers_that_fail_at_start_are_reported_with_their_error_and_no_resume_hint(tmp_path, data_cache, processes):
+    """A config error only the workers see (the context is longer than the model's positions, found once
+    the model is built): the launcher quotes the failing worker's own error line from its log and, with
+    no checkpoint written, does not suggest resuming."""
+    run_dir = tmp_path / "bad_start"
+    launcher = start(
+        processes,
+        launch_command(
+            run_dir,
+            data_cache,
+            "launch.procs_per_node=2",
+            "launch.node_timeout=5",
+            "model.max_position_embeddings=32",
+            f"launch.master_port={free_port()}",
+        ),
+    )
+    code, stdout, stderr = finish(launcher, timeout=600)
+    assert code == 1, stdout[-3000:] + stderr[-3000:]
+    assert "its first error: mindmoe-train: error: data.seq_len=64 exceeds the model's max_position_embeddings=32" in (
+        stderr
+    ), stderr[-3000:]
+    assert str(run_dir / "msrun" / "worker_") in stderr
+    assert "train.resume" not in stderr and "continue from the last checkpoint" not in stderr
+    assert not (run_dir / "checkpoints").exists()

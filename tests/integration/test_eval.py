@@ -8,6 +8,7 @@ RoPE scaling the table claims, run eagerly (PyNative), not through the compiled 
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +28,7 @@ from mindmoe.data.prepare import prepare_data
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.checkpoint import load_model_weights, save_checkpoint
+from mindmoe.train.checkpoint import CarriedFiles, load_model_weights, save_checkpoint
 from mindmoe.train.eval_config import EvalConfig, validate_eval_config
 from mindmoe.train.eval_report import markdown
 from mindmoe.train.evaluate import context_offsets, evaluate_checkpoint, evaluate_model
@@ -78,8 +79,9 @@ def tiny_run(tmp_path_factory, data_cache, english_valid):
     )
     model = MoETransformer(model_cfg, seed=3)
     run_dir = tmp_path_factory.mktemp("run")
-    state = {"model_config": dataclasses.asdict(model_cfg), "tokenizer": prepared.tokenizer_path}
-    checkpoint = save_checkpoint(run_dir / "checkpoints", 7, list(model.get_parameters()), [], state, keep_last=1)
+    state = {"model_config": dataclasses.asdict(model_cfg)}
+    carried = CarriedFiles.of_run(prepared.tokenizer_path)  # no config.yaml: the run dir's is read
+    checkpoint = save_checkpoint(run_dir / "checkpoints", 7, list(model.get_parameters()), [], state, 1, None, carried)
     OmegaConf.save(OmegaConf.create({"data": {"seq_len": TRAINED}}), run_dir / "resolved_config.yaml")
     return checkpoint, model_cfg, prepared.tokenizer_path
 
@@ -177,6 +179,48 @@ def test_loss_per_length_and_type_matches_numpy_log_softmax_on_independently_pac
             assert row["loss_beyond"] is None and row["beyond_tokens"] == 0
         else:
             assert row["loss_beyond"] == pytest.approx(loss_beyond, abs=2e-5), row
+
+
+def test_a_copied_checkpoint_evaluates_with_its_own_tokenizer_and_config(report, tiny_run, english_valid, tmp_path):
+    """Copied elsewhere, with its run directory and its tokenizer's cache deleted, a checkpoint still
+    evaluates: tokenizer and trained length come from the files it carries."""
+    checkpoint, model_cfg, tokenizer_path = tiny_run
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    shutil.copyfile(tokenizer_path, cache / "spm.model")
+    model = MoETransformer(model_cfg, seed=5)
+    load_model_weights(list(model.get_parameters()), checkpoint)
+    carried = CarriedFiles.of_run(cache / "spm.model", f"data:\n  seq_len: {TRAINED}\n")
+    saved = save_checkpoint(
+        tmp_path / "run" / "checkpoints",
+        7,
+        list(model.get_parameters()),
+        [],
+        {"model_config": dataclasses.asdict(model_cfg)},
+        1,
+        None,
+        carried,
+    )
+    copied = shutil.copytree(saved, tmp_path / "elsewhere" / saved.name)
+    shutil.rmtree(tmp_path / "run")
+    shutil.rmtree(cache)
+    cfg = compose_config(
+        [
+            f"checkpoint={copied}",
+            f"data.train_files=[{english_valid}]",
+            f"data.valid_files=[{english_valid}]",
+            f"data.cache_dir={tmp_path / 'data_cache'}",
+            "data.num_proc=1",
+            f"eval.context_lengths=[{TRAINED}]",
+            "eval.scaling_types=[none]",
+            f"eval.max_windows={MAX_WINDOWS}",
+            "eval.batch_size=2",
+        ]
+    )
+    copied_report = evaluate_checkpoint(cfg)
+    assert copied_report["trained_length"] == TRAINED  # from the checkpoint's config.yaml
+    expected = [row["loss"] for row in report["rows"] if (row["scaling"], row["length"]) == ("none", TRAINED)]
+    assert [row["loss"] for row in copied_report["rows"]] == pytest.approx(expected, abs=1e-6)
 
 
 def test_dynamic_ntk_equals_none_up_to_the_trained_length_and_differs_beyond(report):

@@ -9,6 +9,7 @@ exported once through the command line; the graphs are loaded back with ``mindsp
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.export.runner import ExportedModel, sample_next
 from mindmoe.model.moe import lock_routing
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.checkpoint import MODEL_FILE, load_model_weights, save_checkpoint
+from mindmoe.train.checkpoint import MODEL_FILE, CarriedFiles, load_model_weights, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "data" / "samples" / "corpus_train.jsonl"
@@ -60,21 +61,36 @@ def run_cli(module: str, *args: str):
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    """A training checkpoint (capacity dispatch, as trained) with its sentencepiece tokenizer."""
-    work = tmp_path_factory.mktemp("export_source")
+def tokenizer_bytes(tmp_path_factory):
+    """The sentencepiece tokenizer the checkpoint is written with: ``(path in its cache, its bytes)``."""
+    work = tmp_path_factory.mktemp("tokenizer_cache")
     texts = [json.loads(line)["text"] for line in SAMPLES.read_text(encoding="utf-8").splitlines()[:300]]
     tokenizer = train_sentencepiece(
         ["".join(c for c in text if c.isascii()) for text in texts], VOCAB, work / "tokenizer"
     )
+    return tokenizer, Path(tokenizer).read_bytes()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, tokenizer_bytes):
+    """A training checkpoint (capacity dispatch, as trained) carrying its sentencepiece tokenizer, copied to
+    another directory; the run directory and the tokenizer's cache are deleted, so every export below reads
+    the copy alone."""
+    work = tmp_path_factory.mktemp("export_source")
+    tokenizer, _ = tokenizer_bytes
     model = MoETransformer(CONFIG, seed=3)
     for layer in model.layers:  # not a slice: slicing a CellList renames the parameters
         if not layer.is_moe:
             continue
         bias = layer.mlp.router.e_score_correction_bias
         bias.set_data(Tensor(np.random.default_rng(1).normal(0, 0.05, bias.shape).astype(np.float32)))
-    state = {"model_config": dataclasses.asdict(CONFIG), "tokenizer": str(tokenizer)}
-    return save_checkpoint(work / "checkpoints", 5, list(model.get_parameters()), [], state, keep_last=1)
+    state = {"model_config": dataclasses.asdict(CONFIG)}
+    carried = CarriedFiles.of_run(tokenizer, "data:\n  seq_len: 64\n")
+    saved = save_checkpoint(work / "run" / "checkpoints", 5, list(model.get_parameters()), [], state, 1, None, carried)
+    copied = shutil.copytree(saved, work / "elsewhere" / saved.name)
+    shutil.rmtree(work / "run")
+    shutil.rmtree(Path(tokenizer).parent)
+    return copied
 
 
 @pytest.fixture(scope="module")
@@ -173,7 +189,7 @@ def test_decoding_step_by_step_locks_like_full_sequence_lock_routing(exported, t
     assert locked_MBS.any() and not locked_MBS.all()  # the sequence exercises both cases
 
 
-def test_manifest_describes_graphs_source_and_tokenizer(export_dir, checkpoint):
+def test_manifest_describes_graphs_source_and_tokenizer(export_dir, checkpoint, tokenizer_bytes):
     manifest = json.loads((export_dir / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["mindspore_version"] == ms.__version__
     assert manifest["source"]["sha256"][MODEL_FILE] == file_sha256(checkpoint / MODEL_FILE)
@@ -187,8 +203,9 @@ def test_manifest_describes_graphs_source_and_tokenizer(export_dir, checkpoint):
     assert all(entry["mindir_name"].endswith(":" + entry["name"]) for entry in prefill["inputs"] + decode["inputs"])
     assert (export_dir / prefill["file"]).is_file() and prefill["weight_files"] == []
     state = json.loads((checkpoint / "state.json").read_text(encoding="utf-8"))
+    assert state["tokenizer"] == ["tokenizer.model"] and not Path(tokenizer_bytes[0]).exists()
     assert manifest["tokenizer_files"] == ["tokenizer.model"]
-    assert (export_dir / "tokenizer.model").read_bytes() == Path(state["tokenizer"]).read_bytes()
+    assert (export_dir / "tokenizer.model").read_bytes() == tokenizer_bytes[1]
     guide = (export_dir / "CONVERT.md").read_text(encoding="utf-8")
     assert "converter_lite --fmk=MINDIR" in guide and "--optimize=ascend_oriented" in guide
     assert 'ge.dynamicDims="1,16;1,64;4,16;4,64;8,16;8,64"' in (export_dir / "prefill_ascend.ini").read_text()
@@ -240,11 +257,11 @@ def hf_dir(checkpoint, tmp_path_factory):
     return out
 
 
-def test_export_format_hf_from_checkpoint_loads_in_transformers(hf_dir, checkpoint):
+def test_export_format_hf_from_checkpoint_loads_in_transformers(hf_dir, checkpoint, tokenizer_bytes):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM
 
-    assert (hf_dir / "tokenizer.model").is_file()
+    assert (hf_dir / "tokenizer.model").read_bytes() == tokenizer_bytes[1]  # from the copied checkpoint
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager").eval()
     ids = np.random.default_rng(4).integers(0, VOCAB, (2, 9)).astype(np.int32)
     with torch.no_grad():

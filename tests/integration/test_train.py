@@ -60,12 +60,13 @@ def test_metrics_rows_carry_required_fields(short_run):
         "tokens_per_s",
         "mfu",
         "load_imbalance",
-        "dropped_tokens",
+        "dropped_assignments",
     }
     for row in train_rows:
         assert required <= set(row)
         assert len(row["load_imbalance"]) == 3  # tiny_moe: 4 layers, first one dense
         assert all(value >= 1.0 for value in row["load_imbalance"])
+        assert len(row["dropped_assignments"]) == 3 and all(value >= 0 for value in row["dropped_assignments"])
         assert 0 < row["mfu"] < 1
     assert val_rows and all("loss" not in row for row in val_rows)
 

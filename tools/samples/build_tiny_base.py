@@ -69,9 +69,9 @@ def main() -> None:
 def export(checkpoint: Path, out: Path) -> None:
     from mindmoe.data.tokenizer import load_tokenizer
     from mindmoe.model.hf import export_hf
-    from mindmoe.train.checkpoint import read_state
+    from mindmoe.train.checkpoint_tokenizer import carried_tokenizer
 
-    tokenizer = load_tokenizer(read_state(checkpoint)["tokenizer"])
+    tokenizer = load_tokenizer(carried_tokenizer(checkpoint))
     export_hf(checkpoint, out_dir=out)
     shutil.copyfile(tokenizer.path, out / "tokenizer.model")
     for path in out.glob("*.safetensors"):
