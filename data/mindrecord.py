@@ -16,6 +16,7 @@ and sharding are not used because they cannot resume mid-epoch.
 """
 
 import logging
+import re
 from pathlib import Path
 from typing import Dict, Iterator, List, Sequence
 
@@ -23,7 +24,9 @@ import mindspore.dataset as msd
 import numpy as np
 from mindspore.mindrecord import FileWriter
 
+from mindmoe.data.cache_entry import MANIFEST, entry_damage
 from mindmoe.data.packing import PackedWindows
+from mindmoe.data.reader import DataInputError
 
 logger = logging.getLogger(__name__)
 
@@ -64,8 +67,27 @@ def write_shards(windows: PackedWindows, out_dir: Path, prefix: str, shard_windo
     return names
 
 
+def unreadable_shards(shard_files: Sequence[str], error: RuntimeError) -> DataInputError:
+    """The error for shards MindSpore failed on, naming the damaged file when the cache entry's
+    ``files.json`` tells which (MindSpore's own message often names none)."""
+    # The "Dataset Pipeline Error Message" part, without MindSpore's banners and C++ call stack.
+    reason = re.search(r"\[ERROR\] (?:\[Internal ERROR\] )?(.*?)(?:\n-{10}|\Z)", str(error), re.S)
+    reason = " ".join((reason.group(1) if reason else str(error)).split())
+    entry = Path(shard_files[0]).parent
+    if not (entry / MANIFEST).is_file():
+        return DataInputError(f"MindRecord shards {', '.join(map(str, shard_files))} cannot be read: {reason}")
+    damage = entry_damage(entry)
+    return DataInputError(
+        f"MindRecord shards of the data cache entry {entry} cannot be read ({reason})"
+        + (f": {damage}; the next run rebuilds the entry" if damage else f"; delete {entry} to have it rebuilt")
+    )
+
+
 def count_windows(shard_files: Sequence[str]) -> int:
-    return msd.MindDataset(list(shard_files), columns_list=COLUMNS, shuffle=False).get_dataset_size()
+    try:
+        return msd.MindDataset(list(shard_files), columns_list=COLUMNS, shuffle=False).get_dataset_size()
+    except RuntimeError as err:
+        raise unreadable_shards(shard_files, err) from None
 
 
 def _read(
@@ -75,17 +97,24 @@ def _read(
     if len(indices) == 0:
         return
     # One worker keeps memory low; order is fixed by the sampler either way.
-    dataset = msd.MindDataset(
-        list(shard_files), columns_list=columns, num_parallel_workers=1, sampler=msd.SubsetSampler(indices.tolist())
-    )
-    dataset = dataset.batch(batch_size, drop_remainder=False)
-    for row in dataset.create_tuple_iterator(output_numpy=True, num_epochs=1):
-        yield dict(zip(columns, row))
+    try:
+        dataset = msd.MindDataset(
+            list(shard_files), columns_list=columns, num_parallel_workers=1, sampler=msd.SubsetSampler(indices.tolist())
+        )
+        dataset = dataset.batch(batch_size, drop_remainder=False)
+        # A shard cut short opens fine and fails here, with a message naming no file.
+        for row in dataset.create_tuple_iterator(output_numpy=True, num_epochs=1):
+            yield dict(zip(columns, row))
+    except RuntimeError as err:
+        raise unreadable_shards(shard_files, err) from None
 
 
 def shard_columns(shard_files: Sequence[str]) -> List[str]:
     """``COLUMNS``, plus ``loss_mask`` for shards of SFT data."""
-    names = msd.MindDataset(list(shard_files), shuffle=False).get_col_names()
+    try:
+        names = msd.MindDataset(list(shard_files), shuffle=False).get_col_names()
+    except RuntimeError as err:
+        raise unreadable_shards(shard_files, err) from None
     return COLUMNS + ([LOSS_MASK] if LOSS_MASK in names else [])
 
 

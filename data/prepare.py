@@ -2,36 +2,46 @@
 
 Cache layout (``data.cache_dir``, else ``$MINDMOE_CACHE``, else ``~/.cache/mindmoe``)::
 
-    tokenizer/<key>/spm.model, meta.json       key: training files' content, text_field, vocab_size
-    data/<key>/train-*.mindrecord, valid-*.mindrecord, meta.json
-                                                key: files' content, text_field, seq_len, weights,
-                                                     shard_windows, the tokenizer files' content
+    tokenizer/<key>/spm.model, files.json, meta.json
+                            key: training files' content and reader, text_field, vocab_size
+    data/<key>/train-*.mindrecord, valid-*.mindrecord, files.json, meta.json
+                            key: files' content and reader, text_field, seq_len, weights,
+                                 shard_windows, the tokenizer files' content
 
 Keys hash file *contents*, so moving a file keeps its cache and editing it in
-place does not reuse a stale one. An entry is built in a staging directory
-beside it and renamed into place with its ``meta.json`` written last, under a
-``FileLock``; concurrent processes (all ``msrun`` workers call this) wait for
-the first one and reuse its result. An entry with a ``meta.json`` is complete.
+place does not reuse a stale one. They also hold the reader each file's suffix
+selects (:func:`data.reader.reader_name`): the same bytes named ``.jsonl`` and
+``.txt`` are different documents. How an entry is built once across processes
+and checked on reuse: :mod:`data.cache_entry`. Temporary directories of dead
+processes are removed first: :mod:`data.scratch`.
 """
 
 import hashlib
 import json
 import logging
 import os
-import shutil
 import tempfile
 from dataclasses import asdict, dataclass, replace
 from functools import partial
 from pathlib import Path
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional
 
 import numpy as np
-from filelock import FileLock
 
+from mindmoe.data.cache_entry import build_once
 from mindmoe.data.config import DataConfig, validate_data_config
 from mindmoe.data.mindrecord import write_shards
 from mindmoe.data.packing import PackedWindows, mix_sources, mixture_counts, pack_documents, unigram_loss
-from mindmoe.data.reader import DataInputError, Source, checked_file, concatenate, read_source, tokenize_documents
+from mindmoe.data.reader import (
+    DataInputError,
+    Source,
+    checked_file,
+    concatenate,
+    read_source,
+    reader_name,
+    tokenize_documents,
+)
+from mindmoe.data.scratch import remove_stale_scratch, scratch_prefix
 from mindmoe.data.sft import build_sft_windows
 from mindmoe.data.tokenizer import Tokenizer, train_sentencepiece
 from mindmoe.data.tokenizer_files import open_tokenizer, tokenizer_files
@@ -39,7 +49,8 @@ from mindmoe.data.tokenizer_files import open_tokenizer, tokenizer_files
 logger = logging.getLogger(__name__)
 
 # Bump when the content or layout of a cache entry changes, so old entries are not reused.
-FORMAT_VERSION = 1
+# 2: entries carry files.json; keys hold each file's reader.
+FORMAT_VERSION = 2
 # The mixture belongs to the prepared data, not to a run: it must not change with train.seed.
 MIXTURE_SEED = 1234
 
@@ -81,38 +92,6 @@ def _weights(cfg: DataConfig) -> Optional[List[float]]:
     return None if cfg.weights is None else [float(w) for w in cfg.weights]
 
 
-def build_once(entry: Path, build: Callable[[Path], Dict]) -> Dict:
-    """The ``meta.json`` of cache ``entry``, calling ``build(staging_dir) -> meta`` if absent.
-
-    Safe across processes: the builder holds a file lock, later callers wait on it
-    and find the finished entry.
-    """
-    meta_path = entry / "meta.json"
-    if meta_path.exists():
-        logger.info("cache hit: %s", entry)
-        return json.loads(meta_path.read_text())
-    entry.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(entry) + ".lock"):
-        if meta_path.exists():
-            logger.info("cache hit (built by another process): %s", entry)
-            return json.loads(meta_path.read_text())
-        logger.info("cache miss, building: %s", entry)
-        # Staging directories of a crashed builder; only the lock holder creates them.
-        for stale in entry.parent.glob(f".{entry.name}.*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{entry.name}.", dir=entry.parent))
-        try:
-            meta = build(staging)
-            (staging / "meta.json").write_text(json.dumps(meta, indent=2, ensure_ascii=False))
-            if entry.exists():  # left without meta.json, e.g. partly deleted by hand
-                shutil.rmtree(entry)
-            os.rename(staging, entry)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-    return meta
-
-
 class _Corpus:
     """Reads each configured file at most once per ``prepare_data`` call, on first use."""
 
@@ -144,20 +123,25 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     validate_data_config(cfg)
     train = {f"data.train_files[{i}]": checked_file(p, f"data.train_files[{i}]") for i, p in enumerate(cfg.train_files)}
     valid = {f"data.valid_files[{i}]": checked_file(p, f"data.valid_files[{i}]") for i, p in enumerate(cfg.valid_files)}
-    hashes = {key: file_sha256(path) for key, path in {**train, **valid}.items()}
+    # What a file holds is its bytes and the reader its suffix selects (SFT files are all read as conversations).
+    file_ids = {
+        key: [file_sha256(path), "sft" if cfg.format == "sft" else reader_name(path)]
+        for key, path in {**train, **valid}.items()
+    }
     root = cache_root(cfg)
     root.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".read-", dir=root) as work_dir:
+    remove_stale_scratch([root, root / "data", root / "tokenizer"])
+    with tempfile.TemporaryDirectory(prefix=scratch_prefix(".read-"), dir=root) as work_dir:
         corpus = _Corpus(cfg, Path(work_dir))
         if cfg.tokenizer:
             open_tokenizer(cfg.tokenizer)  # fails here, naming data.tokenizer, if it cannot be loaded
             tokenizer_path = str(Path(cfg.tokenizer).expanduser().resolve())
         else:
-            tokenizer_path = _cached_tokenizer(root, cfg, train, hashes, corpus)
+            tokenizer_path = _cached_tokenizer(root, cfg, train, file_ids, corpus)
         fields = {
             "format": FORMAT_VERSION,
-            "train": [hashes[k] for k in train],
-            "valid": [hashes[k] for k in valid],
+            "train": [file_ids[k] for k in train],
+            "valid": [file_ids[k] for k in valid],
             "seq_len": cfg.seq_len,
             "shard_windows": cfg.shard_windows,
             "tokenizer": [file_sha256(path) for path in tokenizer_files(tokenizer_path)],
@@ -194,12 +178,12 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
 
 
 def _cached_tokenizer(
-    root: Path, cfg: DataConfig, train: Dict[str, Path], hashes: Dict[str, str], corpus: _Corpus
+    root: Path, cfg: DataConfig, train: Dict[str, Path], file_ids: Dict[str, List[str]], corpus: _Corpus
 ) -> str:
     key = _key(
         {
             "format": FORMAT_VERSION,
-            "train": [hashes[k] for k in train],
+            "train": [file_ids[k] for k in train],
             "text_field": cfg.text_field,
             "vocab_size": cfg.vocab_size,
         }

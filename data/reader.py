@@ -29,6 +29,7 @@ import numpy as np
 # Read before ``datasets`` is imported: this pipeline never touches the Hub at run time.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 import datasets  # noqa: E402
+import pyarrow as pa  # noqa: E402
 import pyarrow.parquet as pq  # noqa: E402
 from datasets.exceptions import DatasetGenerationError  # noqa: E402
 
@@ -36,7 +37,9 @@ from mindmoe.data.tokenizer import Tokenizer  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
+#: The reader each supported suffix selects: the same bytes are other documents under another suffix.
+READERS = {".jsonl": "jsonl", ".json": "json", ".parquet": "parquet", ".txt": "txt"}
+SUPPORTED_SUFFIXES = tuple(READERS)
 TEXT_FEATURES = datasets.Features({"text": datasets.Value("string")})
 IDS_FEATURES = datasets.Features({"ids": datasets.Sequence(datasets.Value("int32"))})
 
@@ -82,6 +85,11 @@ def checked_file(path: str, config_key: str) -> Path:
             f"(use one of {', '.join(SUPPORTED_SUFFIXES)})"
         )
     return resolved
+
+
+def reader_name(path: Path) -> str:
+    """The reader :func:`read_source` uses for ``path`` (a checked file); part of the cache keys."""
+    return READERS[path.suffix.lower()]
 
 
 def read_source(path: str, text_field: str, config_key: str, work_dir: Path) -> Source:
@@ -215,7 +223,14 @@ def _field_text(row, text_field: str, where: str):
 
 
 def _read_parquet(path: Path, text_field: str, config_key: str, work_dir: Path, stats: SourceStats) -> datasets.Dataset:
-    schema = pq.read_schema(path)
+    try:
+        schema = pq.read_schema(path)
+    except (pa.ArrowInvalid, OSError) as err:
+        others = ", ".join(suffix for suffix in SUPPORTED_SUFFIXES if suffix != ".parquet")
+        raise DataInputError(
+            f"{config_key}: {path} is not a readable Parquet file ({str(err).rstrip('.')}); its "
+            f"'{path.suffix}' suffix selects the Parquet reader: give it the suffix of what it holds ({others})"
+        ) from None
     if text_field not in schema.names:
         raise DataInputError(
             f"{config_key}: {path} has no column '{text_field}' (columns: "

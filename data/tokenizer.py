@@ -30,7 +30,8 @@ import sentencepiece as spm
 logger = logging.getLogger(__name__)
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
-# Longest training "sentence" in bytes; longer documents are fed in line-aligned chunks.
+# Longest training "sentence" in bytes (the trainer's max_sentence_length); longer documents are
+# fed in line-aligned chunks, longer lines in pieces.
 MAX_SENTENCE_BYTES = 16384
 # Sentences sampled for training; bounds time and memory on large corpora.
 INPUT_SENTENCE_SIZE = 1_000_000
@@ -84,8 +85,9 @@ def load_tokenizer(path: Union[str, Path], config_key: str = "data.tokenizer") -
 
 def _training_sentences(texts: Iterable[str]) -> Iterator[str]:
     """Whole documents, so pieces learn how text looks after a newline as well as
-    at a document start; documents over MAX_SENTENCE_BYTES are cut at line ends
-    because the trainer silently drops longer sentences."""
+    at a document start. The trainer silently drops sentences over MAX_SENTENCE_BYTES
+    (and fails when none is left, e.g. on a corpus of single-line documents), so longer
+    documents are cut at line ends, and longer lines into pieces of their own."""
     for text in texts:
         if len(text.encode("utf-8")) <= MAX_SENTENCE_BYTES:
             yield text
@@ -97,9 +99,29 @@ def _training_sentences(texts: Iterable[str]) -> Iterator[str]:
             if chunk and size + line_bytes > MAX_SENTENCE_BYTES:
                 yield "\n".join(chunk)
                 chunk, size = [], 0
+            if line_bytes > MAX_SENTENCE_BYTES:
+                yield from _line_pieces(line)
+                continue
             chunk.append(line)
             size += line_bytes
-        yield "\n".join(chunk)
+        if chunk:
+            yield "\n".join(chunk)
+
+
+def _line_pieces(line: str) -> Iterator[str]:
+    """``line`` in pieces of at most MAX_SENTENCE_BYTES, each cut before a space in its second
+    half if there is one (so words stay whole), else between two characters."""
+    data = line.encode("utf-8")
+    start = 0
+    while len(data) - start > MAX_SENTENCE_BYTES:
+        end = start + MAX_SENTENCE_BYTES
+        while data[end] & 0xC0 == 0x80:  # a UTF-8 continuation byte: inside a character
+            end -= 1
+        space = data.rfind(b" ", start + MAX_SENTENCE_BYTES // 2, end)
+        end = space if space > start else end
+        yield data[start:end].decode("utf-8")
+        start = end
+    yield data[start:].decode("utf-8")
 
 
 def train_sentencepiece(texts: Iterable[str], vocab_size: int, out_prefix: Union[str, Path]) -> Path:
