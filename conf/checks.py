@@ -16,6 +16,7 @@ from typing import Optional
 
 from mindmoe.conf.explicit_keys import explicit_keys, model_fields
 from mindmoe.conf.key_effects import warn_keys_without_effect
+from mindmoe.conf.ranges import check_ranges
 from mindmoe.data.config import validate_batch_sizes
 from mindmoe.launch.config import validate_launch_config, world_size
 from mindmoe.model.config import validate_model_config
@@ -50,8 +51,10 @@ def validate_run_config(cfg, device_target: Optional[str]) -> None:
     """The checks of a whole run config that need neither the data nor the model's vocabulary.
 
     ``device_target``: MindSpore's ``device_target`` ("CPU", "Ascend"); None skips the checks that
-    depend on it (the workers repeat them once MindSpore runs).
+    depend on it (the workers repeat them once MindSpore runs). Every numeric ``train.*`` / ``data.*``
+    value outside its domain is reported first, all in one error (:mod:`conf.ranges`).
     """
+    check_ranges(cfg)
     validate_batch_sizes(cfg.data)
     validate_train_config(cfg.train)
     validate_precision(cfg.train, device_target)

@@ -37,6 +37,7 @@ from mindmoe.train.checkpoint import (
 )
 from mindmoe.train.checkpoint_tokenizer import checkpoint_tokenizer
 from mindmoe.train.export_config import ExportConfig, validate_export_config
+from mindmoe.train.export_target import ExportTarget, check_export_target, export_sources, staged_export
 from mindmoe.train.init_model import explicit_model_keys, model_overrides
 
 log = logging.getLogger("mindmoe.export")
@@ -231,39 +232,61 @@ def build_manifest(
     }
 
 
-def run_export(cfg, run_dir: Path, override_args=None, runtime=None) -> Path:
-    """Export as configured; returns the output directory."""
-    from mindmoe.model.export.mindir import export_mindir
-    from mindmoe.train.export_convert import write_conversion_files
+def export_target(cfg, export_cfg: ExportConfig, source: ExportSource, adapter, run_dir: Path) -> ExportTarget:
+    """``export.out`` checked against everything the export reads (:func:`train.export_target.check_export_target`)."""
+    source_key = "checkpoint" if source.kind == "checkpoint" else "model.pretrained"
+    tokenizer_key = "data.tokenizer" if cfg.data.tokenizer else f"the tokenizer of {source_key}"
+    sources = export_sources(
+        [(source_key, source.path), (tokenizer_key, source.tokenizer), ("export.adapter", adapter)]
+    )
+    return check_export_target(export_cfg.out, sources, export_cfg.overwrite, run_dir)
 
+
+def run_export(cfg, run_dir: Path, override_args=None, runtime=None) -> Path:
+    """Export as configured; returns the output directory. The export is written into a hidden sibling
+    of it and renamed into place once complete (:func:`train.export_target.staged_export`)."""
     export_cfg: ExportConfig = OmegaConf.to_object(cfg.export)
     model_overrides = command_line_model_overrides(cfg, override_args, runtime)
     source = resolve_source(cfg, model_overrides)
     validate_export_config(export_cfg, source.model_config.max_position_embeddings)
-    out = Path(export_cfg.out).expanduser() if export_cfg.out else Path(run_dir)
     adapter, model_type = _adapter_of(cfg, source)
-    if export_cfg.format == "hf":
-        if source.kind == "checkpoint" and adapter is None:
-            notes = export_hf_with_tokenizer(source.path, out, source.model_config, source.tokenizer)
-        else:
-            model = merge_adapters(build_serving_model(source, model_overrides), adapter, model_type)
-            notes = export_hf_with_tokenizer(model, out, tokenizer_dir=source.tokenizer)
-        for note in notes:
-            log.info("note: %s", note)
-        return out
-    if model_overrides.get("dispatch", "dropless") != "dropless":
+    if export_cfg.format == "mindir" and model_overrides.get("dispatch", "dropless") != "dropless":
         raise ValueError(
             f"model.dispatch={model_overrides['dispatch']!r}: exported graphs always use dropless "
             "dispatch (under a capacity a token's logits would depend on the rest of the batch)"
         )
+    target = export_target(cfg, export_cfg, source, adapter, run_dir)
+    with staged_export(target) as staging:
+        if export_cfg.format == "hf":
+            notes = write_hf_export(source, model_overrides, adapter, model_type, staging)
+        else:
+            notes = write_mindir_export(source, model_overrides, adapter, model_type, export_cfg, staging)
+    for note in notes:
+        log.info("note: %s", note)
+    return target.out
+
+
+def write_hf_export(source: ExportSource, model_overrides: dict, adapter, model_type: str, out: Path) -> list:
+    """``export.format=hf`` into the (empty) directory ``out``; returns the notes."""
+    if source.kind == "checkpoint" and adapter is None:
+        return export_hf_with_tokenizer(source.path, out, source.model_config, source.tokenizer)
+    model = merge_adapters(build_serving_model(source, model_overrides), adapter, model_type)
+    return export_hf_with_tokenizer(model, out, tokenizer_dir=source.tokenizer)
+
+
+def write_mindir_export(
+    source: ExportSource, model_overrides: dict, adapter, model_type: str, export_cfg: ExportConfig, out: Path
+) -> list:
+    """``export.format=mindir`` into the (empty) directory ``out``: graphs, tokenizer, manifest, converter
+    files; returns the notes."""
+    from mindmoe.model.export.mindir import export_mindir
+    from mindmoe.train.export_convert import write_conversion_files
+
     ms.set_context(mode=ms.GRAPH_MODE)
     model = merge_adapters(build_serving_model(source, model_overrides), adapter, model_type)
-    model_config = model.config
     graphs = export_mindir(model, out, export_cfg.dtype)
     tokenizer_files = copy_tokenizer(source.tokenizer, out)
-    manifest = build_manifest(source, model_config, export_cfg, graphs, tokenizer_files)
+    manifest = build_manifest(source, model.config, export_cfg, graphs, tokenizer_files)
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     write_conversion_files(out, manifest, export_cfg)
-    for note in source.notes:
-        log.info("note: %s", note)
-    return out
+    return source.notes

@@ -13,8 +13,12 @@ class ExportConfig:
 
     #: mindir (prefill.mindir + decode.mindir for serving) or hf (a transformers-loadable directory).
     format: str = "mindir"
-    #: Output directory (created; must not already hold an export); null = the Hydra run dir.
+    #: Output directory, written whole or not at all (staged in a hidden sibling, then renamed); it must be
+    #: absent or empty, and neither hold nor lie inside the source. null = the Hydra run dir.
     out: Optional[str] = None
+    #: Replace a non-empty ``export.out`` as a whole (its old files are deleted once the new export is
+    #: complete); false = refuse, listing the files already there.
+    overwrite: bool = False
     #: A PEFT LoRA adapter directory (``adapter_model.safetensors`` + ``adapter_config.json``, e.g.
     #: ``<run>/checkpoints/step_N/adapter``) merged into the base weights before export; null = none.
     adapter: Optional[str] = None

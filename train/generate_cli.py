@@ -27,24 +27,41 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
+def prompt_ids(tokenizer, prompts) -> list:
+    """Token ids of each prompt, BOS first (as training documents start)."""
+    return [([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(prompt) for prompt in prompts]
+
+
+def check_lengths(prompts, ids, max_new_tokens: int, max_positions: int) -> None:
+    """Every prompt with ``--max-new-tokens`` must fit the model's positions; checked for all prompts
+    before any is generated, naming the prompt and how many new tokens would fit."""
+    from mindmoe.model.export.runner import length_problem
+
+    for prompt, prompt_ids_S in zip(prompts, ids):
+        problem = length_problem(len(prompt_ids_S), max_new_tokens, max_positions, "--max-new-tokens")
+        if problem:
+            shown = prompt if len(prompt) <= 40 else prompt[:37] + "..."
+            raise ValueError(f"--prompt {shown!r} ({len(prompt_ids_S)} tokens): {problem}")
+
+
 @reports_errors("mindmoe-generate")
 def main(argv=None) -> None:
     quiet_framework_logs()
     args = parse_args(argv)
     import mindspore as ms
 
+    from mindmoe.data.tokenizer_files import open_export_tokenizer
     from mindmoe.model.export.runner import ExportedModel
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
     exported = ExportedModel(args.export_dir)
-    from mindmoe.data.tokenizer_files import open_export_tokenizer
-
     tokenizer = open_export_tokenizer(args.export_dir)
-    for prompt in args.prompt:
-        ids = ([tokenizer.bos_id] if tokenizer.bos_id >= 0 else []) + tokenizer.encode(prompt)
+    ids = prompt_ids(tokenizer, args.prompt)
+    check_lengths(args.prompt, ids, args.max_new_tokens, exported.max_positions)
+    for prompt, prompt_ids_S in zip(args.prompt, ids):
         new_ids = exported.generate(
-            [ids], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, tokenizer.eos_id
+            [prompt_ids_S], args.max_new_tokens, args.temperature, args.top_k, args.top_p, args.seed, tokenizer.eos_id
         )[0].tolist()
         if tokenizer.eos_id in new_ids:
             new_ids = new_ids[: new_ids.index(tokenizer.eos_id)]

@@ -6,7 +6,12 @@ a norm gain or a bias towards zero only fights the model.
 
 import os
 
+from mindmoe.conf.ranges import raise_range_errors, section_range_errors
 from mindmoe.train.config import TrainConfig
+
+# Checked here too (mindmoe-train checks every key earlier, conf.checks.validate_run_config), so a direct
+# caller gets the train.* key named rather than mindformers' own argument names (beta1, weight_decay).
+OPTIMIZER_KEYS = ("lr", "warmup_ratio", "min_lr_ratio", "weight_decay", "betas", "eps", "max_steps")
 
 
 def _import_mindformers():
@@ -36,6 +41,7 @@ def build_lr_schedule(cfg: TrainConfig):
 
 def build_optimizer(params, cfg: TrainConfig):
     """mindformers AdamW (fused update, train/fused_adamw.py) over ``params`` with two weight-decay groups."""
+    raise_range_errors(section_range_errors("train", cfg, OPTIMIZER_KEYS))
     _, AdamW = _import_mindformers()
     params = list(params)
     decay = [p for p in params if decays(p)]

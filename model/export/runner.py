@@ -45,6 +45,27 @@ def sample_next(
     return np.array([rng.choice(probs_BV.shape[-1], p=row) for row in probs_BV], np.int32)
 
 
+def length_problem(
+    prompt_len: int, max_new_tokens: int, max_positions: int, new_tokens_key: str = "max_new_tokens"
+) -> str:
+    """Why ``prompt_len`` prompt tokens plus ``max_new_tokens`` cannot be generated within ``max_positions``
+    (the model's ``max_position_embeddings``), or "" if they can. ``new_tokens_key``: how the caller names
+    ``max_new_tokens`` (``--max-new-tokens`` on the command line)."""
+    if max_new_tokens < 1:
+        return f"{new_tokens_key}={max_new_tokens} must be >= 1"
+    if prompt_len >= max_positions:
+        return (
+            f"the prompt is {prompt_len} tokens long, but the model's max_position_embeddings={max_positions} "
+            f"leaves no room for a new token: shorten the prompt to at most {max_positions - 1} tokens"
+        )
+    if prompt_len + max_new_tokens > max_positions:
+        return (
+            f"{new_tokens_key}={max_new_tokens}: the prompt is {prompt_len} tokens long and the model's "
+            f"max_position_embeddings={max_positions}, so at most {max_positions - prompt_len} new tokens fit"
+        )
+    return ""
+
+
 class ExportedModel:
     """The two graphs of an export directory, with the manifest that describes them."""
 
@@ -62,6 +83,11 @@ class ExportedModel:
         self.decode = nn.GraphCell(ms.load(str(self.directory / graphs["decode"]["file"])))
         self.carries_lock_state = any(entry["name"] == "lock_state" for entry in graphs["decode"]["inputs"])
 
+    @property
+    def max_positions(self) -> int:
+        """Prompt plus new tokens of one sequence fit in this many positions (``max_position_embeddings``)."""
+        return int(self.manifest["model_config"]["max_position_embeddings"])
+
     def generate(
         self,
         prompt_ids_BS,
@@ -77,12 +103,9 @@ class ExportedModel:
         prompt_ids_BS = np.asarray(prompt_ids_BS, np.int32)
         if prompt_ids_BS.ndim != 2 or prompt_ids_BS.shape[1] < 1:
             raise ValueError(f"prompt ids must be [batch, length >= 1], got shape {list(prompt_ids_BS.shape)}")
-        max_positions = self.manifest["model_config"]["max_position_embeddings"]
-        if max_new_tokens < 1 or prompt_ids_BS.shape[1] + max_new_tokens > max_positions:
-            raise ValueError(
-                f"max_new_tokens={max_new_tokens}: must be >= 1 and leave prompt + new tokens within "
-                f"the model's max_position_embeddings={max_positions}"
-            )
+        problem = length_problem(prompt_ids_BS.shape[1], max_new_tokens, self.max_positions)
+        if problem:
+            raise ValueError(problem)
         if temperature < 0 or not 0 < top_p <= 1 or top_k < 0:
             raise ValueError(f"temperature={temperature} (>= 0), top_k={top_k} (>= 0), top_p={top_p} (in (0, 1])")
         rng = np.random.default_rng(seed)
