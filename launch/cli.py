@@ -9,22 +9,22 @@ that the world divides as configured and prepares the tokenizer and MindRecord s
 so the workers find them). Every worker gets the same overrides and the same run dir. When a
 worker dies, msrun stops the others; this command then exits non-zero naming the failed rank's
 log and quoting its first error line (:mod:`launch.worker_failure`; resuming is suggested only when
-a checkpoint exists to resume from). Framework noise is hidden in the workers too: they inherit the
+a checkpoint exists to resume from). SIGTERM/SIGINT to this command reach every worker of the node,
+which stop together after the checkpoint of their step; nothing of the job outlives this command
+(:mod:`launch.supervise`). Framework noise is hidden in the workers too: they inherit the
 environment :func:`conf.quiet.quiet_framework_logs` sets here.
-Exit codes (:mod:`conf.exit_codes`): 0 done (a dry run always), 1 a worker failed, 2 configuration error.
+Exit codes (:mod:`conf.exit_codes`): 0 done (a dry run always), 1 a worker failed, 2 configuration error
+(also a busy ``launch.master_port``), 3 stopped by SIGTERM/SIGINT.
 """
 
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from mindmoe.conf.checks import check_launch_config
-from mindmoe.conf.exit_codes import CONFIG_ERRORS, WORKER_FAILED, CommandExit, reports_errors
+from mindmoe.conf.exit_codes import CONFIG_ERRORS, reports_errors
 from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 from mindmoe.launch.config import validate_launch_config
@@ -34,85 +34,12 @@ from mindmoe.launch.msrun import (
     is_local_address,
     log_dir,
     msrun_command,
-    process_environment,
     render,
 )
-from mindmoe.launch.worker_failure import FAILED_WORKER, failure_message
+from mindmoe.launch.scheduler import check_port_free
+from mindmoe.launch.supervise import WorkerFailed, run_direct, run_msrun  # noqa: F401 (WorkerFailed: this command's)
 
 register_configs()
-
-
-class WorkerFailed(CommandExit):
-    """The job stopped because a worker exited with an error."""
-
-    exit_code = WORKER_FAILED
-
-
-def run_msrun(command, env, logs: Path, run_dir: Path) -> int:
-    """Run msrun, echoing its output; on failure raise :class:`WorkerFailed` naming the rank's log."""
-    process = subprocess.Popen(
-        command,
-        env=process_environment(env),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        errors="replace",
-    )
-    first_failure = None
-    try:
-        for line in process.stdout:
-            sys.stdout.write(line)
-            found = FAILED_WORKER.search(line)
-            if found and first_failure is None:
-                first_failure = int(found.group(1)), int(found.group(2))
-        code = process.wait()
-    except KeyboardInterrupt:
-        # msrun stops its workers and scheduler on SIGINT.
-        process.send_signal(signal.SIGINT)
-        process.wait()
-        raise
-    sys.stdout.flush()
-    if code == 0:
-        return 0
-    if first_failure is not None:
-        raise WorkerFailed(failure_message(logs, run_dir, *first_failure))
-    raise WorkerFailed(f"msrun exited with code {code}; logs: {logs}")
-
-
-def run_direct(workers, env, run_dir: Path) -> int:
-    """Run this node's workers without msrun (see ``launch.msrun.direct_workers``) and watch them."""
-    processes = []
-    for worker in workers:
-        worker["log"].parent.mkdir(parents=True, exist_ok=True)
-        print(f"start worker rank {worker['rank']}, log file: {worker['log']}", flush=True)
-        with open(worker["log"], "w", encoding="utf-8") as log_file:
-            processes.append(
-                subprocess.Popen(
-                    worker["command"],
-                    env=process_environment(dict(env, **worker["env"])),
-                    stdout=log_file,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-    try:
-        while True:
-            codes = [p.poll() for p in processes]
-            failed = [(p, c) for p, c in zip(processes, codes) if c not in (None, 0)]
-            if failed:
-                for other in processes:
-                    if other.poll() is None:
-                        other.kill()
-                process, code = failed[0]
-                raise WorkerFailed(failure_message(workers[0]["log"].parent, run_dir, process.pid, code))
-            if all(c == 0 for c in codes):
-                return 0
-            time.sleep(0.5)
-    finally:
-        for process in processes:
-            if process.poll() is None:
-                process.kill()
-            process.wait()
 
 
 def _device_target() -> str:
@@ -139,16 +66,20 @@ def launch(cfg) -> int:
             print(f"mindmoe-launch: warning: the launch would stop here: {error}", file=sys.stderr)
         return 0
     check_launch_config(cfg, list(hydra_cfg.overrides.hydra), overrides, _device_target(), hydra_cfg.runtime)
+    hosts_scheduler = is_local_address(cfg.launch.master_addr)
+    if hosts_scheduler and cfg.launch.node_rank == 0:
+        # Before the data is prepared: a busy port would otherwise show only once msrun runs.
+        check_port_free(cfg.launch.master_addr, cfg.launch.master_port)
     from mindmoe.data.prepare import prepare_data, with_pretrained_tokenizer
 
     prepared = prepare_data(with_pretrained_tokenizer(cfg.data, cfg.model.pretrained))
     print(f"data ready: {prepared.num_train_windows} training windows, tokenizer {prepared.tokenizer_path}", flush=True)
     logs = log_dir(cfg.launch, run_dir)
     logs.mkdir(parents=True, exist_ok=True)
-    if cfg.launch.node_rank > 0 and is_local_address(cfg.launch.master_addr):
+    if cfg.launch.node_rank > 0 and hosts_scheduler:
         return run_direct(direct_workers(cfg.launch, run_dir, overrides), env, run_dir)
     print(render(command, env, cfg.launch), flush=True)
-    return run_msrun(command, env, logs, run_dir)
+    return run_msrun(command, env, cfg.launch, logs, run_dir)
 
 
 @hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")

@@ -1,5 +1,5 @@
 """What ``mindmoe-launch`` says when a worker failed: which rank, its log, the error it printed, and
-whether running the command again would resume.
+whether running the command again would resume; and what the workers said when a signal stopped the job.
 
 msrun reports a failed worker by pid; every worker prints :data:`launch.msrun.WORKER_BANNER` first, so
 the pid leads to its ``worker_<rank>.log``. The first error line of that log is quoted (a worker that
@@ -27,6 +27,8 @@ ERROR_LINE = re.compile(
 )
 #: Longest quoted error line (a message may embed a whole config).
 MAX_QUOTED = 600
+#: A worker's last word after the checkpoint a stop signal asked for (``train.resume.TrainingStopped``).
+STOPPED_LINE = re.compile(r"^mindmoe-train: stopped: (.+)$")
 #: Checkpoint directories as ``train.checkpoint`` names them (``step_000300``).
 CHECKPOINT_DIR = re.compile(r"^step_\d{6,}$")
 
@@ -83,3 +85,36 @@ def failure_message(logs: Path, run_dir: Path, pid: int, code: int) -> str:
     else:
         lines.append(f"No checkpoint was written (none in {checkpoints}): fix the error and start the run again.")
     return "\n".join(lines)
+
+
+def rank_logs(logs: Path):
+    """``(rank, path)`` of each ``worker_<rank>.log`` in ``logs``, by rank."""
+    found = []
+    for path in logs.glob("worker_*.log"):
+        suffix = path.stem[len("worker_") :]
+        if suffix.isdigit():
+            found.append((int(suffix), path))
+    return sorted(found)
+
+
+def stopped_line(logs: Path) -> Optional[Tuple[int, str]]:
+    """The lowest rank that reported stopping after its checkpoint, and what it said."""
+    for rank, path in rank_logs(logs):
+        with open(path, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                found = STOPPED_LINE.match(line.rstrip("\n"))
+                if found:
+                    return rank, found.group(1)
+    return None
+
+
+def stop_message(logs: Path, signal_name: str, killed: bool) -> str:
+    """The report of a job stopped by a signal to the launcher: the checkpoint the workers wrote, if any."""
+    stopped = stopped_line(logs)
+    if stopped is None:
+        what = f"the workers stopped before writing a checkpoint of this run (logs: {logs})"
+    else:
+        what = f"rank {stopped[0]} reported: {stopped[1]}"
+    if killed:
+        what += "; workers still running after that were killed"
+    return f"received {signal_name}; {what}. Nothing of the job is left running on this node."

@@ -4,7 +4,7 @@ and a resume hint only when a checkpoint exists and the worker did not reject it
 import pytest
 
 from mindmoe.launch.msrun import WORKER_BANNER
-from mindmoe.launch.worker_failure import FAILED_WORKER, failure_message, first_error_line
+from mindmoe.launch.worker_failure import FAILED_WORKER, failure_message, first_error_line, stop_message
 
 IMPORT_FAILURE = """Traceback (most recent call last):
   File "<frozen runpy>", line 198, in _run_module_as_main
@@ -79,3 +79,21 @@ def test_a_half_written_checkpoint_is_not_one_to_resume_from(tmp_path):
     logs = write_logs(tmp_path, IMPORT_FAILURE)
     (tmp_path / "checkpoints" / ".step_000004.tmp-77").mkdir(parents=True)
     assert "train.resume" not in failure_message(logs, tmp_path, 101, 1)
+
+
+STOPPED = "mindmoe-train: stopped: received SIGTERM: checkpoint of step 7 written to /run/checkpoints/step_000007"
+
+
+def test_a_stop_quotes_the_lowest_rank_that_said_which_checkpoint_it_wrote(tmp_path):
+    logs = write_logs(tmp_path, "step 7\n" + STOPPED + "\n")
+    (logs / "worker_10.log").write_text(STOPPED.replace("SIGTERM", "a stop signal on another rank") + "\n")
+    message = stop_message(logs, "SIGINT", killed=False)
+    assert message.startswith(f"received SIGINT; rank 1 reported: {STOPPED[len('mindmoe-train: stopped: ') :]}")
+    assert "killed" not in message
+
+
+def test_a_stop_before_any_checkpoint_says_so_and_that_late_workers_were_killed(tmp_path):
+    logs = write_logs(tmp_path, "compiling\n")
+    message = stop_message(logs, "SIGTERM", killed=True)
+    assert "the workers stopped before writing a checkpoint of this run" in message and str(logs) in message
+    assert "workers still running after that were killed" in message
