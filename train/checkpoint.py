@@ -14,14 +14,15 @@ another machine, with the training data's cache gone.
 
 A checkpoint is assembled in a hidden temporary directory and renamed into place only when
 complete, so a crash while saving leaves the previous checkpoints untouched and never a
-half-written one under a ``step_*`` name. ``state.json`` records the sha256 of the other files,
-so a checkpoint truncated or altered afterwards is detected before it is loaded.
+half-written one under a ``step_*`` name. ``state.json`` records the size and sha256 of the other
+files, so a checkpoint truncated or altered afterwards is detected before it is loaded. Which
+``step_*`` directories belong to the run writing them is :mod:`train.lineage`'s concern.
 """
 
 import dataclasses
 import json
+import logging
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Dict, Optional
@@ -41,9 +42,13 @@ from mindmoe.model.checkpoint_files import (  # noqa: F401
     checkpoint_model_config,
     read_state,
 )
+from mindmoe.train.lineage import move_aside, step_dirs, step_of, temporary_dir
 
-STEP_DIR = re.compile(r"^step_(\d{6,})$")
 OPTIMIZER_FILE = "optimizer.safetensors"
+#: ``state.json`` key: the size in bytes of each file of ``files``, checked without hashing.
+SIZES_KEY = "file_sizes"
+
+log = logging.getLogger("mindmoe.train")
 
 
 def parameters_to_numpy(params) -> dict:
@@ -110,14 +115,17 @@ def save_checkpoint(
     write_extra=None,
     carried: Optional[CarriedFiles] = None,
 ) -> Path:
-    """Write ``step_{step:06d}`` under ``checkpoint_root`` atomically and prune to ``keep_last``.
+    """Write ``step_{step:06d}`` under ``checkpoint_root`` atomically and prune to ``keep_last``
+    (:func:`prune_checkpoints`).
 
     ``write_extra(directory) -> [relative file names]`` adds files (hashed like the others), e.g. a
     LoRA run's PEFT adapter; ``carried`` adds the tokenizer (named in ``state.json`` ``tokenizer``) and
-    ``config.yaml``."""
+    ``config.yaml``. A ``step_*`` directory of the same name (which :func:`train.lineage.settle_lineage`
+    makes impossible in a training run) is moved aside, never deleted."""
     checkpoint_root.mkdir(parents=True, exist_ok=True)
     final = checkpoint_root / f"step_{step:06d}"
-    tmp = checkpoint_root / f".step_{step:06d}.tmp-{os.getpid()}"
+    # The name carries this process's pid: one left by an earlier process with the same pid is stale.
+    tmp = temporary_dir(checkpoint_root, step)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -130,16 +138,45 @@ def save_checkpoint(
     for name in names:
         _fsync(tmp / name)
     files = {name: file_sha256(tmp / name) for name in names}
+    sizes = {name: (tmp / name).stat().st_size for name in names}
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
-        json.dump(dict(state, step=step, files=files), handle, indent=2, sort_keys=True)
+        json.dump(dict(state, step=step, files=files, **{SIZES_KEY: sizes}), handle, indent=2, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
     if final.exists():
-        shutil.rmtree(final)
+        move_aside(checkpoint_root, [final], f"a checkpoint of step {step} is being written again")
     os.replace(tmp, final)
-    for old in list_checkpoints(checkpoint_root)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old)
+    prune_checkpoints(checkpoint_root, keep_last, final)
     return final
+
+
+def prune_checkpoints(checkpoint_root: Path, keep_last: int, newest: Path) -> list:
+    """Delete the oldest checkpoints before ``newest`` (the one just written) so that ``keep_last``
+    remain, ``newest`` included; the deleted directories. ``keep_last`` <= 0 keeps all.
+
+    Only checkpoints that pass :func:`check_complete` count and only they are deleted: an incomplete or
+    truncated one is reported and left in place, so a corrupt checkpoint never pushes a good one out.
+    Hashes are not recomputed here (that would re-read every kept checkpoint at each save); they are
+    checked when a checkpoint is resumed, and :func:`train.lineage.settle_lineage` has moved aside the
+    newer ones that failed then. ``newest`` and everything after it are never deleted: the step
+    directories that remain older than ``newest`` are its lineage (:mod:`train.lineage`).
+    """
+    if keep_last <= 0:
+        return []
+    older_complete = []
+    for path in step_dirs(checkpoint_root):
+        if step_of(path) >= step_of(newest):
+            continue
+        try:
+            check_complete(path)
+        except CorruptCheckpointError as error:
+            log.warning("%s; not counted toward train.keep_last and not deleted", error)
+            continue
+        older_complete.append(path)
+    doomed = older_complete[: max(0, len(older_complete) - (keep_last - 1))]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
 
 
 def _fsync(path: Path) -> None:
@@ -148,36 +185,55 @@ def _fsync(path: Path) -> None:
 
 
 class CorruptCheckpointError(ValueError):
-    """A checkpoint whose files do not match the hashes recorded when it was written."""
+    """A checkpoint that is incomplete (no ``state.json``, a listed file missing) or whose files do not
+    match the sizes or hashes recorded when it was written."""
+
+
+def check_complete(checkpoint_dir: Path) -> dict:
+    """What can be checked without hashing: ``state.json`` is there and readable, and every file it lists
+    exists with its recorded size (when recorded: checkpoints written before sizes were have only names).
+    Raise :class:`CorruptCheckpointError` naming the checkpoint and every problem; the recorded hashes."""
+    if not (checkpoint_dir / STATE_FILE).is_file():
+        raise CorruptCheckpointError(
+            f"checkpoint {checkpoint_dir} is incomplete: it has no {STATE_FILE} (written last: its save did not "
+            "finish, or the directory was copied in part)"
+        )
+    try:
+        state = read_state(checkpoint_dir)
+        expected, sizes = dict(state["files"]), dict(state.get(SIZES_KEY, {}))
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise CorruptCheckpointError(f"checkpoint {checkpoint_dir}: unreadable {STATE_FILE} ({error})") from error
+    problems = []
+    for name in sorted(expected):
+        path = checkpoint_dir / name
+        if not path.is_file():
+            problems.append(f"{name} (listed in {STATE_FILE}) is missing")
+        elif name in sizes and path.stat().st_size != sizes[name]:
+            problems.append(
+                f"{name} does not match its recorded size ({path.stat().st_size} bytes, {sizes[name]} recorded: "
+                "truncated or modified)"
+            )
+    if problems:
+        raise CorruptCheckpointError(f"checkpoint {checkpoint_dir}: " + "; ".join(problems))
+    return expected
 
 
 def verify_checkpoint(checkpoint_dir: Path) -> None:
-    """Raise :class:`CorruptCheckpointError` naming every file that is missing or altered."""
-    try:
-        expected = read_state(checkpoint_dir)["files"]
-    except (OSError, ValueError, KeyError) as error:
-        raise CorruptCheckpointError(f"checkpoint {checkpoint_dir}: unreadable {STATE_FILE} ({error})") from error
-    problems = []
-    for name, digest in sorted(expected.items()):
-        path = checkpoint_dir / name
-        if not path.is_file():
-            problems.append(f"{name} is missing")
-        elif file_sha256(path) != digest:
-            problems.append(f"{name} does not match its recorded sha256 (truncated or modified)")
+    """Raise :class:`CorruptCheckpointError` naming every file that is missing or altered (sizes, then hashes)."""
+    expected = check_complete(checkpoint_dir)
+    problems = [
+        f"{name} does not match its recorded sha256 (truncated or modified)"
+        for name, digest in sorted(expected.items())
+        if file_sha256(checkpoint_dir / name) != digest
+    ]
     if problems:
         raise CorruptCheckpointError(f"checkpoint {checkpoint_dir}: " + "; ".join(problems))
 
 
 def list_checkpoints(checkpoint_root: Path) -> list:
-    """Complete checkpoints under ``checkpoint_root``, oldest first."""
-    if not checkpoint_root.is_dir():
-        return []
-    found = [
-        path
-        for path in checkpoint_root.iterdir()
-        if path.is_dir() and STEP_DIR.match(path.name) and (path / STATE_FILE).is_file()
-    ]
-    return sorted(found, key=lambda path: int(STEP_DIR.match(path.name).group(1)))
+    """The ``step_*`` directories under ``checkpoint_root`` that have a ``state.json``, oldest first
+    (:func:`train.lineage.step_dirs` lists the incomplete ones too)."""
+    return [path for path in step_dirs(checkpoint_root) if (path / STATE_FILE).is_file()]
 
 
 def resolve_checkpoint(path: str) -> Path:

@@ -1,12 +1,23 @@
 """Training section of the run config (``train.*`` keys)."""
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import List
 
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.hf.config_map import OVERRIDABLE_FIELDS
+
 #: ``train.dtype`` values; :mod:`train.precision` maps each to its MindSpore dtype.
 COMPUTE_DTYPE_NAMES = ("fp32", "bf16", "fp16")
 ON_CORRUPT_CHECKPOINT = ("error", "previous")
+#: Model fields that define what the weights mean: all but the pretrained path and the training settings
+#: a pretrained import may change too (``max_position_embeddings``, ``rope_scaling``, balancing, ...).
+ARCHITECTURE_FIELDS = tuple(
+    f.name for f in dataclasses.fields(ModelConfig) if f.name != "pretrained" and f.name not in OVERRIDABLE_FIELDS
+)
+#: What ``train.resume_allow_changes`` may list (:mod:`train.resume_checks` checks these on resume).
+ALLOWABLE_CHANGES = ("data.seq_len", "train.seed", *(f"model.{name}" for name in ARCHITECTURE_FIELDS))
 
 
 @dataclass
@@ -37,18 +48,27 @@ class TrainConfig:
     eval_batches: int = 0
     #: Checkpoint interval in steps (a checkpoint is always written at the last step).
     save_every: int = 100
-    #: Checkpoints kept in ``<run dir>/checkpoints``; older ones are deleted.
+    #: Complete checkpoints of the current lineage kept in ``<run dir>/checkpoints``; older ones are deleted
+    #: (incomplete or truncated ones are neither counted nor deleted; :mod:`train.lineage`).
     keep_last: int = 2
-    #: ``auto`` (newest complete checkpoint of this run dir), ``none`` or a checkpoint directory.
+    #: ``auto`` (newest ``step_*`` checkpoint of this run dir, never one under ``abandoned-*``), ``none`` or a
+    #: checkpoint directory. Checkpoints of this run dir that the run does not continue are moved to
+    #: ``checkpoints/abandoned-<UTC time>/``, never deleted.
     resume: str = "auto"
+    #: Keys a resumed run may change from what its checkpoint's ``state.json`` records, e.g.
+    #: ``[data.seq_len,model.rope_theta]`` for a long-context continuation: ``data.seq_len``, ``train.seed``
+    #: or an architecture key ``model.<name>``. Any other difference is an error naming the key and both
+    #: values; the tokenizer (checked by the sha256 of its files) never changes on resume.
+    resume_allow_changes: List[str] = field(default_factory=list)
     #: Seed of parameter initialisation and data order.
     seed: int = 1234
     #: Stop with an error after this many consecutive steps with a non-finite loss or gradient
     #: (each such step is skipped: no parameter or optimizer state changes). fp16 loss-scale
     #: overflows (finite loss, scale lowered) are skipped too but do not count.
     max_bad_steps: int = 5
-    #: What resume does with a checkpoint whose files fail their hash check: ``error`` or
-    #: ``previous`` (fall back to the newest older checkpoint that verifies).
+    #: What resume does with a checkpoint that is incomplete (no ``state.json``, a listed file missing or of
+    #: the wrong size) or fails its hash check: ``error`` or ``previous`` (fall back to the newest older
+    #: checkpoint that verifies, with a warning).
     on_corrupt_checkpoint: str = "error"
     #: Peak fp32 GFLOP/s used for MFU; 0 = measure a large MatMul at start-up.
     peak_gflops: float = 0.0
@@ -82,3 +102,9 @@ def validate_train_config(train: TrainConfig) -> None:
         raise ValueError(f"train.on_corrupt_checkpoint={train.on_corrupt_checkpoint!r} must be 'error' or 'previous'")
     if train.resume not in ("auto", "none") and not Path(train.resume).expanduser().exists():
         raise ValueError(f"train.resume={train.resume!r}: not 'auto', 'none' or an existing checkpoint directory")
+    for entry in train.resume_allow_changes:
+        if entry not in ALLOWABLE_CHANGES:
+            raise ValueError(
+                f"train.resume_allow_changes: {entry!r} is not a key resume checks (the tokenizer never changes); "
+                "allowed: data.seq_len, train.seed or an architecture key model.<name> (e.g. model.rope_theta)"
+            )

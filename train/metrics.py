@@ -1,10 +1,15 @@
 """Run metrics: ``metrics.jsonl`` + TensorBoard, model FLOPs and MFU.
 
 Training rows carry ``loss``; validation rows carry ``val_loss`` and never ``loss``, so a
-plot of ``loss`` is never a mix of the two.
+plot of ``loss`` is never a mix of the two. Every line is strict JSON: a non-finite value is written
+as ``null`` and the row lists the keys that had one in ``nonfinite`` (``"nonfinite": ["loss"]``).
+A resumed run first drops the rows past the step it resumes from, which it writes again.
 """
 
 import json
+import logging
+import math
+import os
 import time
 from math import prod
 from pathlib import Path
@@ -15,19 +20,84 @@ from mindspore import Tensor, ops
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe.layer import LAYER_STATS
 
+log = logging.getLogger("mindmoe.train")
+
+METRICS_FILE = "metrics.jsonl"
+#: Where a resumed run moves the rows past its checkpoint's step (appended, never overwritten).
+ABANDONED_FILE = "metrics.abandoned.jsonl"
+#: The key of a row that lists its keys whose value (or an element of it) was NaN or infinite.
+NONFINITE_KEY = "nonfinite"
+
+
+def strict_row(row: dict) -> dict:
+    """``row`` with each non-finite float (also inside a list) as None, and :data:`NONFINITE_KEY` naming them."""
+    clean, nonfinite = {}, []
+    for key, value in row.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            clean[key] = None
+            nonfinite.append(key)
+        elif isinstance(value, list) and any(isinstance(v, float) and not math.isfinite(v) for v in value):
+            clean[key] = [None if isinstance(v, float) and not math.isfinite(v) else v for v in value]
+            nonfinite.append(key)
+        else:
+            clean[key] = value
+    if nonfinite:
+        clean[NONFINITE_KEY] = sorted(nonfinite)
+    return clean
+
+
+def truncate_rows(path: Path, last_step: int) -> int:
+    """Move the rows of ``path`` past ``last_step`` to :data:`ABANDONED_FILE` (``path`` rewritten atomically);
+    the number moved.
+
+    A run that crashed after logging steps its last checkpoint does not hold is resumed from that
+    checkpoint and logs those steps again; without this they would appear twice. A torn last line
+    (a kill mid-write) is dropped too."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            step = json.loads(line).get("step")
+        except (json.JSONDecodeError, AttributeError):
+            step = None  # torn or foreign: not a row
+        (kept if isinstance(step, int) and step <= last_step else dropped).append(line)
+    if dropped:
+        # Nothing is lost: the rows of the abandoned steps move to a sibling file, oldest first.
+        abandoned = path.with_name(ABANDONED_FILE)
+        with open(abandoned, "a", encoding="utf-8") as handle:
+            handle.write("".join(line + "\n" for line in dropped))
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+        os.replace(tmp, path)
+        log.info(
+            "%s: moved %d rows past step %d, the step this run resumes from, to %s",
+            path,
+            len(dropped),
+            last_step,
+            abandoned.name,
+        )
+    return len(dropped)
+
 
 class MetricsWriter:
-    """Appends one JSON object per row to ``metrics.jsonl`` and mirrors scalars to TensorBoard."""
+    """Appends one JSON object per row to ``metrics.jsonl`` and mirrors scalars to TensorBoard.
 
-    def __init__(self, run_dir: Path):
+    ``resumed_step``: the step the run starts after (0 for a fresh run); rows past it are dropped first.
+    """
+
+    def __init__(self, run_dir: Path, resumed_step: int = 0):
         from tensorboardX import SummaryWriter
 
-        self.path = Path(run_dir) / "metrics.jsonl"
+        self.path = Path(run_dir) / METRICS_FILE
+        truncate_rows(self.path, resumed_step)
         self.tensorboard = SummaryWriter(str(Path(run_dir) / "tensorboard"))
 
     def write(self, row: dict) -> None:
+        line = json.dumps(strict_row(row), sort_keys=True, allow_nan=False)
         with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row, sort_keys=True) + "\n")
+            handle.write(line + "\n")
+        # TensorBoard plots NaN and inf as such: it gets the values as measured.
         step = row["step"]
         for key, value in row.items():
             if key != "step" and isinstance(value, (int, float)):

@@ -7,16 +7,20 @@ from pathlib import Path
 
 from mindmoe.conf.exit_codes import STOPPED_ON_SIGNAL, CommandExit
 from mindmoe.model.lora_dropout import dropout_draws, dropout_streams, set_dropout_state
-from mindmoe.train.checkpoint import CorruptCheckpointError, list_checkpoints, resolve_checkpoint, verify_checkpoint
+from mindmoe.train.checkpoint import CorruptCheckpointError, resolve_checkpoint, verify_checkpoint
+from mindmoe.train.lineage import step_dirs
 
 log = logging.getLogger("mindmoe.train")
 
 
 def pick_resume_checkpoint(resume: str, checkpoint_root: Path, on_corrupt: str):
-    """The checkpoint to resume from (verified against its recorded hashes), or None.
+    """The checkpoint to resume from (verified against its recorded sizes and hashes), or None.
 
-    ``auto`` takes the newest complete checkpoint of the run dir; one that fails its hashes is
-    an error, or with ``on_corrupt="previous"`` is skipped for the next older one.
+    ``auto`` takes the newest ``step_*`` directory directly under ``checkpoint_root`` (never one under
+    ``abandoned-*``: :mod:`train.lineage`). One that is incomplete (no ``state.json``, a listed file
+    missing) or fails its hashes is an error naming it, or with ``on_corrupt="previous"`` is skipped with
+    a warning for the next older one. Nothing is moved or deleted here: every rank of a job calls this,
+    then :func:`train.lineage.settle_lineage` moves aside what the chosen checkpoint does not continue.
     """
     if resume == "none":
         return None
@@ -24,7 +28,7 @@ def pick_resume_checkpoint(resume: str, checkpoint_root: Path, on_corrupt: str):
         chosen = resolve_checkpoint(resume)
         verify_checkpoint(chosen)
         return chosen
-    for candidate in reversed(list_checkpoints(checkpoint_root)):
+    for candidate in reversed(step_dirs(checkpoint_root)):
         try:
             verify_checkpoint(candidate)
             return candidate
@@ -32,9 +36,11 @@ def pick_resume_checkpoint(resume: str, checkpoint_root: Path, on_corrupt: str):
             if on_corrupt != "previous":
                 raise CorruptCheckpointError(
                     f"{error}; set train.on_corrupt_checkpoint=previous to resume "
-                    "from the newest older checkpoint instead"
+                    "from the newest older checkpoint instead (it is moved aside, not deleted)"
                 ) from error
-            log.warning("%s; trying the previous checkpoint", error)
+            log.warning("%s; trying the previous checkpoint (train.on_corrupt_checkpoint=previous)", error)
+    if step_dirs(checkpoint_root):
+        log.warning("no checkpoint of %s verifies: starting from step 0", checkpoint_root)
     return None
 
 

@@ -30,6 +30,7 @@ from mindmoe.train.checkpoint_tokenizer import run_data_config
 from mindmoe.train.distributed import init_distributed
 from mindmoe.train.heatmap import render_expert_load, save_png
 from mindmoe.train.init_model import build_model, planned_model_config
+from mindmoe.train.lineage import settle_lineage
 from mindmoe.train.lora_setup import lora_run_for
 from mindmoe.train.metrics import MetricsWriter, measure_peak_gflops, param_table, train_flops_per_token, window_row
 from mindmoe.train.optim import build_optimizer
@@ -41,6 +42,7 @@ from mindmoe.train.resume import (
     pick_resume_checkpoint,
     restore_dropout,
 )
+from mindmoe.train.resume_checks import TOKENIZER_LABEL, architecture, check_resume, run_state
 from mindmoe.train.routing import RouterStepUpdates
 from mindmoe.train.step import CompiledStep, StepStats
 
@@ -52,12 +54,14 @@ class Trainer:
 
     ``explicit_model_keys``: the ``model.*`` fields set explicitly (command line, chosen recipe or
     non-default model group: :mod:`conf.explicit_keys`), the only model keys that apply on top of a
-    ``model.pretrained`` config.json.
+    ``model.pretrained`` config.json. ``run_lock``: the :class:`train.run_lock.RunLock` of ``run_dir``, taken
+    by rank 0 once the process layout is known, before anything is written (None: no lock).
     """
 
-    def __init__(self, cfg, run_dir: Path, explicit_model_keys=()):
+    def __init__(self, cfg, run_dir: Path, explicit_model_keys=(), run_lock=None):
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        self.run_lock = run_lock
         self.checkpoint_root = self.run_dir / "checkpoints"
         ms.set_context(mode=ms.GRAPH_MODE)
         self.model_cfg, self.model = self._build_model(explicit_model_keys)
@@ -70,7 +74,7 @@ class Trainer:
         self.flops_per_token = train_flops_per_token(self.model_cfg, cfg.data.seq_len, param_table(self.model))
         self.peak_gflops = cfg.train.peak_gflops or measure_peak_gflops()
         self._log_model()
-        self.metrics = MetricsWriter(self.run_dir) if self.dist.is_main else None
+        self.metrics = MetricsWriter(self.run_dir, self.start_step) if self.dist.is_main else None
         if self.dist.is_main:
             OmegaConf.save(cfg, self.run_dir / "resolved_config.yaml", resolve=True)
         # The steps since the last metrics row, and the counts of skipped (non-finite or fp16 overflow) steps.
@@ -86,6 +90,12 @@ class Trainer:
         """
         cfg = self.cfg
         planned = planned_model_config(cfg, explicit_model_keys)
+        if cfg.data.seq_len > planned.max_position_embeddings:
+            # Known before the tokenizer is trained and the data packed, which take long on a real corpus.
+            raise ValueError(
+                f"data.seq_len={cfg.data.seq_len} exceeds max_position_embeddings={planned.max_position_embeddings} "
+                f"of {_positions_source(cfg)}"
+            )
         self.dist = init_distributed(
             cfg.parallel,
             planned.num_experts,
@@ -94,10 +104,17 @@ class Trainer:
             planned.num_moe_layers > 0,
         )
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.dist.is_main and self.run_lock is not None:
+            self.run_lock.acquire()  # rank 0 writes the run dir: one run at a time
         ms.set_seed(cfg.train.seed)
         self.resume_from = pick_resume_checkpoint(
             cfg.train.resume, self.checkpoint_root, cfg.train.on_corrupt_checkpoint
         )
+        if self.resume_from is not None:  # before anything in the run dir changes for it
+            current = {"data.seq_len": cfg.data.seq_len, "train.seed": cfg.train.seed, **architecture(planned)}
+            check_resume(self.resume_from, read_state(self.resume_from), current, cfg.train.resume_allow_changes)
+        # Rank 0 moves aside the step_* directories this run does not continue, after every rank chose.
+        settle_lineage(self.checkpoint_root, self.resume_from, self.dist)
         # A resumed run (or a lora.base_checkpoint) reads the tokenizer its checkpoint carries.
         self.data = prepare_data(run_data_config(cfg, self.resume_from))
         # Read once: a resumed run's tokenizer lives in a checkpoint that train.keep_last may prune.
@@ -111,11 +128,6 @@ class Trainer:
             expert_dispatcher=self.dist.expert_dispatcher,
         )
         self.lora_run = lora_run_for(cfg, model_cfg, model)
-        if cfg.data.seq_len > model_cfg.max_position_embeddings:
-            raise ValueError(
-                f"data.seq_len={cfg.data.seq_len} exceeds the model's max_position_embeddings="
-                f"{model_cfg.max_position_embeddings}"
-            )
         self.dist.track_expert_shards(model)
         return model_cfg, model
 
@@ -139,6 +151,15 @@ class Trainer:
 
     def _resume(self) -> int:
         """Load the checkpoint chosen by ``train.resume`` into model and optimizer; the step it was taken at."""
+        # What state.json records for the next resume to check (seed and architecture are recorded anyway).
+        self.run_state = run_state(self.cfg.data.seq_len, self.data.tokenizer_path)
+        if self.resume_from is not None:
+            # The rest was checked before the data was prepared; the vocabulary is known only now.
+            current = {
+                TOKENIZER_LABEL: self.run_state["tokenizer_sha256"],
+                "model.vocab_size": self.model_cfg.vocab_size,
+            }
+            check_resume(self.resume_from, read_state(self.resume_from), current, self.cfg.train.resume_allow_changes)
         restore_dropout(
             self.model, self.dist.dp_rank, None if self.resume_from is None else read_state(self.resume_from)
         )
@@ -269,6 +290,7 @@ class Trainer:
             "data_seed": self.cfg.train.seed,
             "tokens_seen": step * self.tokens_per_step,
             "model_config": dataclasses.asdict(self.model_cfg),
+            **self.run_state,
             **dropout_checkpoint_state(self.model),
         }
         return save_checkpoint(
@@ -335,3 +357,15 @@ class Trainer:
             )
         print(f"run dir: {self.run_dir}")
         return summary
+
+
+def _positions_source(cfg) -> str:
+    """Where the run's ``max_position_embeddings`` comes from, and what the user can change."""
+    if cfg.lora.enabled and cfg.lora.base_checkpoint:
+        return f"lora.base_checkpoint={cfg.lora.base_checkpoint} (its state.json); lower data.seq_len"
+    if cfg.model.pretrained:
+        return (
+            f"model.pretrained={cfg.model.pretrained} (its config.json); lower data.seq_len or set "
+            "model.max_position_embeddings (with model.rope_scaling for longer contexts)"
+        )
+    return "model.max_position_embeddings; lower data.seq_len or raise model.max_position_embeddings"
