@@ -5,8 +5,10 @@ code    meaning
 ======  ==================================================================================
 0       done (``mindmoe-launch launch.dry_run=true`` too, whatever it warns about)
 1       ``mindmoe-launch``: a worker of the job failed; the message names its rank and log
-2       usage or configuration error: a key, a file or the input is wrong (the message names it)
-3       ``mindmoe-train`` stopped by SIGTERM/SIGINT after writing the checkpoint of that step
+2       usage or configuration error: a key, a file or the input is wrong (the message names it);
+        also a run dir held by another run, a busy ``launch.master_port``
+3       ``mindmoe-train`` stopped by SIGTERM/SIGINT after writing the checkpoint of that step, and
+        ``mindmoe-launch`` after forwarding such a signal to its workers
 ======  ==================================================================================
 
 Hydra itself rejects an unknown key or a value of the wrong type before a command runs (exit 1).
@@ -20,7 +22,8 @@ OK = 0
 #: ``mindmoe-launch``: msrun stopped the job because one of its workers exited with an error.
 WORKER_FAILED = 1
 CONFIG_ERROR = 2
-#: ``mindmoe-train`` after a SIGTERM/SIGINT checkpoint; ``mindmoe-launch`` reads it in a worker's status.
+#: ``mindmoe-train`` after a SIGTERM/SIGINT checkpoint; ``mindmoe-launch`` reads it in a worker's status
+#: and exits with it after forwarding a signal it received.
 STOPPED_ON_SIGNAL = 3
 
 #: What a wrong key, file or input raises; the message names it and what would be right.
