@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
+from mindmoe.train.lineage import pid_is_running
+
 log = logging.getLogger("mindmoe.export")
 
 #: Files Hydra writes into its run dir, kept when the run dir itself is the export (``export.out=null``).
@@ -110,22 +112,12 @@ def staging_dir(out: Path) -> Path:
     return out.parent / f".{out.name}.tmp-{os.getpid()}"
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_staging(out: Path) -> None:
     """Delete ``.<name>.tmp-<pid>`` siblings of ``out`` left by exports that died (their pid is gone)."""
     pattern = re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)")
     for path in out.parent.iterdir() if out.parent.is_dir() else []:
         match = pattern.fullmatch(path.name)
-        if match and int(match.group(1)) != os.getpid() and not _pid_alive(int(match.group(1))):
+        if match and int(match.group(1)) != os.getpid() and not pid_is_running(int(match.group(1))):
             log.warning("removing %s, left by an interrupted export (process %s is gone)", path, match.group(1))
             shutil.rmtree(path, ignore_errors=True)
 
