@@ -16,6 +16,10 @@ every MoE layer's experts:
       -> all-gather y_ECH         backward: this rank's rows of the (identical) upstream gradient
       -> the local dispatcher's combine
 
+With the grouped ``dropless`` dispatcher (rows sorted by expert, a data-dependent number per expert)
+every rank runs its experts on the whole sorted buffer, the other experts' groups with zero weights, and
+the outputs are summed over the group (each row is produced by exactly one rank) instead of gathered.
+
 Capacity, dropping and the aux loss therefore stay per micro-batch, exactly as in one process.
 Expert memory (weights, gradients, AdamW moments) is divided by ``ep``; attention and the router
 run on every rank of a group. CPU has AllGather and AllReduce but no ReduceScatter (AllGather's
@@ -90,10 +94,27 @@ class GatherFromGroup(nn.Cell):
         return (dout[self.first : self.last],)
 
 
+class SumOverGroup(nn.Cell):
+    """All-reduce (sum) forward; backward passes the gradient through: it is the same on every rank of
+    the group (same tokens, same loss), and each summed row came from one rank's experts."""
+
+    def __init__(self, group: str):
+        super().__init__()
+        self.all_reduce = ops.AllReduce(group=group)
+
+    def construct(self, y):
+        return self.all_reduce(y)
+
+    def bprop(self, y, out, dout):
+        return (dout,)
+
+
 class AllGatherDispatcher(nn.Cell):
     """A local dispatcher whose expert rows are split over the expert group: this rank runs rows
     ``first_expert .. first_expert + e - 1`` of its buffer, and the results are all-gathered before
-    the local combine. Dropping, capacity and statistics are the local dispatcher's, unchanged."""
+    the local combine. Dropping, capacity and statistics are the local dispatcher's, unchanged.
+    A grouped local dispatcher (``group_sizes`` not None) keeps the whole sorted buffer on every rank
+    (the experts run only their own groups) and its outputs are summed over the group."""
 
     def __init__(self, local, first_expert: int, num_local: int, rank_in_group: int, ep: int, group: str):
         super().__init__()
@@ -102,16 +123,26 @@ class AllGatherDispatcher(nn.Cell):
         self.last_expert = first_expert + num_local
         self.copy_in = CopyToGroup(group)
         self.gather_out = GatherFromGroup(group, rank_in_group, num_local, ep)
+        self.sum_out = SumOverGroup(group)
 
     def dispatch(self, x_TH, routing):
         x_ECH, state = self.local.dispatch(x_TH, routing)
+        if self.local.group_sizes(state) is not None:
+            return self.copy_in(x_ECH), state
         return self.copy_in(x_ECH)[self.first_expert : self.last_expert], state
 
     def combine(self, y_eCH, state):
+        if self.local.group_sizes(state) is not None:
+            return self.local.combine(self.sum_out(y_eCH), state)
         return self.local.combine(self.gather_out(y_eCH), state)
 
     def row_scale(self, scale_T, state):
+        if self.local.group_sizes(state) is not None:
+            return self.local.row_scale(scale_T, state)
         return self.local.row_scale(scale_T, state)[self.first_expert : self.last_expert]
+
+    def group_sizes(self, state):
+        return self.local.group_sizes(state)
 
     def kept(self, state):
         return self.local.kept(state)

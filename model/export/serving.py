@@ -20,14 +20,17 @@ keys/values are kept instead of recomputed, and MoE routing can be overridden by
   (the prefill cache padded with zeros).
 
 Every prompt is one document and the prompts of a batch have one length (no padding). MoE layers
-run with the :class:`~model.moe.token_dispatcher.DroplessDispatcher` whatever ``model.dispatch`` is:
-which tokens an expert drops under a capacity would depend on the other requests in the batch, and a
-served token's logits must not. It is exact, has static shapes and gives one graph for any token count.
+run with the (grouped) :class:`~model.moe.token_dispatcher.DroplessDispatcher` whatever ``model.dispatch``
+is: which tokens an expert drops under a capacity would depend on the other requests in the batch, and a
+served token's logits must not. It is exact and gives one graph for any token count: its block size is
+fixed when the graph is built (``tokens_hint``: a typical prompt batch, or one token per sequence), and
+the rows of its sorted buffer follow the token count.
 """
 
 import mindspore as ms
 from mindspore import nn, ops
 
+from mindmoe.model import kernels
 from mindmoe.model.attention import MASK_VALUE, document_causal_mask
 from mindmoe.model.export.lock_state import decode_lock_step, prefill_lock_state
 from mindmoe.model.moe.token_dispatcher import DroplessDispatcher
@@ -45,6 +48,9 @@ def stack_layers(tensors):
 
 
 class _ServingGraph(nn.Cell):
+    #: Tokens per call the grouped dispatcher's block size is chosen for.
+    tokens_hint = 1024
+
     def __init__(self, model):
         super().__init__()
         cfg = model.config
@@ -54,7 +60,8 @@ class _ServingGraph(nn.Cell):
         self.expert_lock = carries_lock_state(cfg)
         self.lock_run_length = cfg.lock_run_length
         self.lock_span = cfg.lock_span
-        self.dispatcher = DroplessDispatcher(cfg.num_experts)
+        block = kernels.grouped_alignment()(self.tokens_hint * cfg.top_k, cfg.num_experts)
+        self.dispatcher = DroplessDispatcher(cfg.num_experts, alignment=block)
 
 
 class PrefillGraph(_ServingGraph):
@@ -98,6 +105,8 @@ class DecodeGraph(_ServingGraph):
     sequence's position are masked out, so each step has the same shapes and a converter for Ascend
     only has to compile batch sizes, not every cache length.
     """
+
+    tokens_hint = 1
 
     def step(self, input_ids_B1, kv_cache, position_B, lock_state_MBW):
         model = self.model

@@ -1,7 +1,9 @@
 """Ascend implementations: each is the MindSpore 2.9 op call and nothing else (the logic around it is shared
 with the CPU path in the model). Shape legend as in :mod:`mindmoe.model.kernels.cpu`."""
 
+import mindspore as ms
 from mindspore import nn, ops
+from mindspore.ops.function.math_func import gmm
 
 
 class AscendRMSNorm(nn.Cell):
@@ -13,3 +15,43 @@ class AscendRMSNorm(nn.Cell):
 
     def construct(self, x_ZH, weight_H):
         return ops.rms_norm(x_ZH, weight_H, self.eps)[0]
+
+
+def alignment(num_rows: int, num_groups: int) -> int:
+    """GroupedMatmul takes groups of any size: no padding rows."""
+    return 1
+
+
+class AscendGroupedMatmul(nn.Cell):
+    """``gmm`` (GroupedMatmul, grouped on the row axis; its backward is MindSpore's).
+
+    ``(x [N, 1, F], weight [E, O, F], group_sizes [E] int32) -> [N, 1, O]``; with alignment 1 the N
+    rows are exactly the groups' rows (GroupedMatmul requires their sum to equal the rows of x).
+    """
+
+    def rows(self, x_NbF):
+        return x_NbF.reshape(-1, x_NbF.shape[-1])
+
+    def construct(self, x_NbF, w_EOF, group_sizes_E):
+        group_list = group_sizes_E.astype(ms.int64)
+        y_XO = gmm([self.rows(x_NbF)], [w_EOF.transpose(0, 2, 1)], group_list=group_list, group_list_type=1)[0]
+        return y_XO.reshape(x_NbF.shape[:-1] + (w_EOF.shape[1],))
+
+
+class AscendRowScaledGroupedMatmul(AscendGroupedMatmul):
+    """:class:`AscendGroupedMatmul` whose weight gradient scales row r by ``scale [N, 1]``: the input
+    gradient is ``gmm`` of the output gradient with the weights, the weight gradient ``gmm`` grouped on
+    the reduction axis (``group_type=2``: per group, the transposed scaled output gradient times x)."""
+
+    def construct(self, x_NbF, w_EOF, group_sizes_E, scale_Nb):
+        group_list = group_sizes_E.astype(ms.int64)
+        y_XO = gmm([self.rows(x_NbF)], [w_EOF.transpose(0, 2, 1)], group_list=group_list, group_list_type=1)[0]
+        return y_XO.reshape(x_NbF.shape[:-1] + (w_EOF.shape[1],))
+
+    def bprop(self, x_NbF, w_EOF, group_sizes_E, scale_Nb, out, dout_NbO):
+        group_list = group_sizes_E.astype(ms.int64)
+        dout_XO = self.rows(dout_NbO)
+        dx_XF = gmm([dout_XO], [w_EOF], group_list=group_list, group_list_type=1)[0]
+        scaled_OX = (dout_XO * scale_Nb.reshape(-1, 1).astype(dout_XO.dtype)).transpose(1, 0)
+        dw_EOF = gmm([scaled_OX], [self.rows(x_NbF)], group_list=group_list, group_type=2, group_list_type=1)[0]
+        return dx_XF.reshape(x_NbF.shape), dw_EOF, ops.zeros_like(group_sizes_E), ops.zeros_like(scale_Nb)

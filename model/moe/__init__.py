@@ -18,6 +18,7 @@ from mindmoe.model.moe.router import (
     z_loss,
 )
 from mindmoe.model.moe.token_dispatcher import (
+    AllExpertsDispatcher,
     CapacityDispatcher,
     DroplessDispatcher,
     ExpertPlacement,
@@ -25,6 +26,7 @@ from mindmoe.model.moe.token_dispatcher import (
 )
 
 __all__ = [
+    "AllExpertsDispatcher",
     "CapacityDispatcher",
     "DroplessDispatcher",
     "ExpertPlacement",

@@ -10,9 +10,12 @@ token's K choices in rank order), the first C of each expert get a slot, the res
 dropped. Slots are filled by *gathering* token rows and results are combined by
 *gathering* slot rows, so forward and backward are plain gathers / segment sums.
 
-``dropless``: every expert runs on every token and the outputs are combined with a
-``[T, E]`` weight matrix that is zero off the chosen experts. Exact and static, at
-E/K times the routed FLOPs; the grouped-matmul path belongs to Ascend.
+``dropless`` (grouped): the same per-expert ranks place every assignment in its expert's group of
+a sorted buffer; each group is padded with zero rows to a multiple of the grouped matmul's block
+size b, so the buffer has a static ``floor((A + E * (b - 1)) / b) * b`` rows (:func:`grouped_rows`).
+Nothing is dropped and the experts run on about the routed rows.
+
+:func:`dense_combine_weights` is the ``[T, E]`` weight matrix of the all-experts reference.
 """
 
 import math
@@ -28,15 +31,34 @@ def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_fact
     return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
 
 
+def expert_ranks(topk_idx_TK, num_experts: int):
+    """``(expert_A, rank_A, count_E)`` int32: each assignment's expert and its rank among that expert's
+    assignments in token order (a token's K choices in rank order), and each expert's assignments."""
+    expert_A = topk_idx_TK.reshape(-1)
+    one_hot_AE = ops.one_hot(expert_A, num_experts, ops.ones((), ms.int32), ops.zeros((), ms.int32))
+    rank_A = (ops.cumsum(one_hot_AE, 0) * one_hot_AE).sum(-1) - 1
+    return expert_A, rank_A, one_hot_AE.sum(0)
+
+
+def grouped_rows(topk_idx_TK, num_experts: int, block: int):
+    """``(row_A int32, group_sizes_E int32, num_rows)``: each assignment's row in the expert-sorted buffer
+    (stable: token order within an expert), each expert's group size (its assignments rounded up to a
+    multiple of ``block``) and the buffer's static row count, a multiple of ``block``."""
+    num_assignments = topk_idx_TK.shape[0] * topk_idx_TK.shape[1]
+    expert_A, rank_A, count_E = expert_ranks(topk_idx_TK, num_experts)
+    group_sizes_E = (count_E + (block - 1)) // block * block
+    starts_E = ops.cumsum(group_sizes_E, 0) - group_sizes_E
+    row_A = ops.gather(starts_E, expert_A, 0) + rank_A
+    num_rows = (num_assignments + num_experts * (block - 1)) // block * block
+    return row_A.astype(ms.int32), group_sizes_E.astype(ms.int32), num_rows
+
+
 def capacity_slots(topk_idx_TK, num_experts: int, capacity: int):
     """Slot of each assignment in the ``[E * C]`` buffer, or ``E * C`` when dropped.
 
     Returns ``(slot_A int32, kept_A bool)`` for the assignments in token-major order.
     """
-    expert_A = topk_idx_TK.reshape(-1)
-    one_hot_AE = ops.one_hot(expert_A, num_experts, ops.ones((), ms.int32), ops.zeros((), ms.int32))
-    # Rank of each assignment among those of its expert, counted in token order.
-    rank_A = (ops.cumsum(one_hot_AE, 0) * one_hot_AE).sum(-1) - 1
+    expert_A, rank_A, _ = expert_ranks(topk_idx_TK, num_experts)
     kept_A = rank_A < capacity
     slot_A = ops.select(
         kept_A, expert_A * capacity + rank_A, ops.fill(ms.int32, expert_A.shape, num_experts * capacity)
@@ -46,25 +68,36 @@ def capacity_slots(topk_idx_TK, num_experts: int, capacity: int):
 
 def gather_to_slots(x_TH, slot_A, num_experts: int, capacity: int):
     """Fill the ``[E, C, H]`` expert input buffer; empty slots read a zero row."""
+    return gather_rows(x_TH, slot_A, num_experts * capacity).reshape(num_experts, capacity, x_TH.shape[1])
+
+
+def gather_rows(x_TH, slot_A, num_slots):
+    """``[num_slots, H]``: slot ``slot_A[a]`` holds the row of assignment a's token; empty slots are zero;
+    ``slot_A[a] == num_slots`` drops assignment a."""
     num_tokens, hidden = x_TH.shape
     top_k = slot_A.shape[0] // num_tokens
     token_A = ops.arange(slot_A.shape[0], dtype=ms.int32) // top_k
-    num_slots = num_experts * capacity
     # 1 + token index per filled slot (0 = empty); the extra last slot collects drops.
     token_plus_one_X = ops.scatter_nd(slot_A.expand_dims(-1), token_A + 1, (num_slots + 1,))[:num_slots]
     source_X = ops.select(
         token_plus_one_X > 0, token_plus_one_X - 1, ops.fill(ms.int32, token_plus_one_X.shape, num_tokens)
     )
     x_padded = ops.concat((x_TH, ops.zeros((1, hidden), x_TH.dtype)), 0)
-    return ops.gather(x_padded, source_X, 0).reshape(num_experts, capacity, hidden)
+    return ops.gather(x_padded, source_X, 0)
 
 
 def combine_from_slots(y_ECH, slot_A, weight_TK):
     """``out_t = sum_k weight_tk * y[slot(t, k)]``; dropped assignments contribute zero."""
-    num_experts, capacity, hidden = y_ECH.shape
-    num_tokens, top_k = weight_TK.shape
+    hidden = y_ECH.shape[-1]
     y_padded = ops.concat((y_ECH.reshape(-1, hidden), ops.zeros((1, hidden), y_ECH.dtype)), 0)
-    y_TKH = ops.gather(y_padded, slot_A, 0).reshape(num_tokens, top_k, hidden)
+    return combine_rows(y_padded, slot_A, weight_TK)
+
+
+def combine_rows(y_XH, row_A, weight_TK):
+    """``out_t = sum_k weight_tk * y[row(t, k)]`` for the rows of a 2-D buffer."""
+    hidden = y_XH.shape[-1]
+    num_tokens, top_k = weight_TK.shape
+    y_TKH = ops.gather(y_XH, row_A, 0).reshape(num_tokens, top_k, hidden)
     # [1, K] x [K, H] per token: as a batched MatMul this ran (forward + backward) 2x faster on CPU
     # than a multiply and a ReduceSum over K, whose backward sums over H.
     return _BMM(weight_TK.astype(y_TKH.dtype).expand_dims(1), y_TKH).squeeze(1)

@@ -5,12 +5,15 @@ Weights use the per-expert HF layout ``[E, out, in]`` (``gate_proj``/``up_proj``
 is row e of the stacked tensor.
 
 Shape legend: E experts (``e`` when a process holds a share of them), C rows per expert (capacity
-slots or all tokens), H hidden, I expert width, F / O input / output features of one projection.
+slots or all tokens), N blocks of b expert-sorted rows (grouped dispatch), H hidden, I expert width,
+F / O input / output features of one projection.
 """
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
+from mindmoe.model import kernels
 from mindmoe.model.linear import normal_init
 
 
@@ -45,7 +48,8 @@ def _held_rows(weight_EOF, held_experts):
 
 
 class RoutedExperts(nn.Cell):
-    """Applies expert e to row-block e of ``x [E, C, H]`` (one batched matmul per projection).
+    """Applies expert e to row-block e of ``x [E, C, H]`` (one batched matmul per projection), or, in
+    :meth:`grouped`, to group e of expert-sorted rows (one grouped matmul per projection).
 
     ``held_experts`` (a range of expert indices, default all): the experts this process holds. The
     initial weights are drawn for all ``num_experts`` and sliced, so a process holding a share starts
@@ -64,6 +68,8 @@ class RoutedExperts(nn.Cell):
     ):
         super().__init__()
         self.first_expert = 0 if held_experts is None else held_experts.start
+        self.num_experts = num_experts
+        self.num_held = num_experts if held_experts is None else len(held_experts)
         self.gate_proj = Parameter(
             _held_rows(normal_init((num_experts, intermediate_size, hidden_size), std, rng), held_experts),
             name="gate_proj",
@@ -78,13 +84,48 @@ class RoutedExperts(nn.Cell):
         )
         self.bmm = ops.BatchMatMul(transpose_b=True)
         self.scaled_bmm = RowScaledWeightGradMatmul()
+        self.gmm = kernels.grouped_matmul()
+        self.scaled_gmm = kernels.grouped_matmul_row_scaled()
+
+    def expert_matmul(self, x, w_EOF, scale, group_sizes):
+        """``x @ w_e^T`` per expert: on an ``[E, C, F]`` buffer (``group_sizes`` None) or on grouped rows;
+        ``scale`` (or None) scales each row's share of the weight gradient."""
+        if group_sizes is None:
+            if scale is None:
+                return self.bmm(x, w_EOF)
+            return self.scaled_bmm(x, w_EOF, scale)
+        if self.num_held < self.num_experts:
+            # Zero weights for the groups of the experts other processes hold (see held_groups).
+            zeros_1OF = ops.zeros((1,) + w_EOF.shape[1:], w_EOF.dtype)
+            w_EOF = ops.concat((zeros_1OF, w_EOF, zeros_1OF), 0)
+        if scale is None:
+            return self.gmm(x, w_EOF, group_sizes)
+        return self.scaled_gmm(x, w_EOF, group_sizes, scale)
+
+    def held_groups(self, group_sizes_E):
+        """Group sizes over this process's experts: with a share, the rows of the experts before and after
+        it become one group each (run with zero weights, so their outputs are zero here)."""
+        if self.num_held == self.num_experts:
+            return group_sizes_E
+        expert_E = ops.arange(self.num_experts, dtype=ms.int32)
+        last = self.first_expert + self.num_held
+        before = (group_sizes_E * (expert_E < self.first_expert).astype(ms.int32)).sum(keepdims=True)
+        after = (group_sizes_E * (expert_E >= last).astype(ms.int32)).sum(keepdims=True)
+        return ops.concat((before, group_sizes_E[self.first_expert : last], after), 0)
+
+    def _forward(self, x, scale, group_sizes):
+        gate = self.expert_matmul(x, self.gate_proj, scale, group_sizes)
+        hidden = ops.silu(gate) * self.expert_matmul(x, self.up_proj, scale, group_sizes)
+        return self.expert_matmul(hidden, self.down_proj, scale, group_sizes)
 
     def construct(self, x_ECH):
-        hidden_ECI = ops.silu(self.bmm(x_ECH, self.gate_proj)) * self.bmm(x_ECH, self.up_proj)
-        return self.bmm(hidden_ECI, self.down_proj)
+        return self._forward(x_ECH, None, None)
 
     def with_weight_grad_scale(self, x_ECH, scale_EC):
         """Same forward; row c contributes ``scale[e, c]`` times its gradient to the weights."""
-        gate_ECI = self.scaled_bmm(x_ECH, self.gate_proj, scale_EC)
-        up_ECI = self.scaled_bmm(x_ECH, self.up_proj, scale_EC)
-        return self.scaled_bmm(ops.silu(gate_ECI) * up_ECI, self.down_proj, scale_EC)
+        return self._forward(x_ECH, scale_EC, None)
+
+    def grouped(self, x_NbH, group_sizes_E, scale_Nb=None):
+        """The experts on expert-sorted rows ``[N, b, H]`` in groups of ``group_sizes [E]`` (of all E experts;
+        a process holding a share runs only its own); ``scale_Nb`` as in :meth:`with_weight_grad_scale`."""
+        return self._forward(x_NbH, scale_Nb, self.held_groups(group_sizes_E))

@@ -80,12 +80,17 @@ class MoELayer(nn.Cell):
         The serving graphs call this with their own (dropless) dispatcher.
         """
         expert_inputs, state = dispatcher.dispatch(x_TH, routing)
+        group_sizes = dispatcher.group_sizes(state)
         if self.isolate_token_grad and grad_scale_T is not None:
-            expert_outputs = self.experts.with_weight_grad_scale(
-                expert_inputs, dispatcher.row_scale(grad_scale_T, state)
-            )
-        else:
+            row_scale = dispatcher.row_scale(grad_scale_T, state)
+            if group_sizes is None:
+                expert_outputs = self.experts.with_weight_grad_scale(expert_inputs, row_scale)
+            else:
+                expert_outputs = self.experts.grouped(expert_inputs, group_sizes, row_scale)
+        elif group_sizes is None:
             expert_outputs = self.experts(expert_inputs)
+        else:
+            expert_outputs = self.experts.grouped(expert_inputs, group_sizes)
         out_TH = dispatcher.combine(expert_outputs, state)
         if self.has_shared:
             out_TH = out_TH + self.shared_experts(x_TH)

@@ -58,34 +58,24 @@ class LoraRoutedExperts(RoutedExperts):
             # Each projection's adapter drops its own input independently (PEFT: one dropout per module).
             setattr(self, f"{proj}_dropout", adapter.dropout_stream(f"{name}.{proj}") if factors else None)
 
-    def _project(self, x_ECF, w_EOF, factors, dropout, scale_EC):
-        if scale_EC is None:
-            y_ECO = self.bmm(x_ECF, w_EOF)
-        else:
-            y_ECO = self.scaled_bmm(x_ECF, w_EOF, scale_EC)
+    def _project(self, x_ECF, w_EOF, factors, dropout, scale_EC, group_sizes=None):
+        # group_sizes: None on an [E, C, F] buffer, else grouped rows (RoutedExperts.expert_matmul).
+        y_ECO = self.expert_matmul(x_ECF, w_EOF, scale_EC, group_sizes)
         if factors is None:
             return y_ECO
         if self.dropout > 0 and self.training:
             x_ECF = dropout.drop(x_ECF)
         lora_A_ERF = factors[0].astype(x_ECF.dtype)
         lora_B_EOR = factors[1].astype(x_ECF.dtype)
-        if scale_EC is None:
-            delta_ECO = self.bmm(self.bmm(x_ECF, lora_A_ERF), lora_B_EOR)
-        else:
-            delta_ECO = self.scaled_bmm(self.scaled_bmm(x_ECF, lora_A_ERF, scale_EC), lora_B_EOR, scale_EC)
+        low_ECR = self.expert_matmul(x_ECF, lora_A_ERF, scale_EC, group_sizes)
+        delta_ECO = self.expert_matmul(low_ECR, lora_B_EOR, scale_EC, group_sizes)
         return y_ECO + delta_ECO * self.scaling
 
-    def _forward(self, x_ECH, scale_EC):
-        gate_ECI = self._project(x_ECH, self.gate_proj, self.gate_proj_lora, self.gate_proj_dropout, scale_EC)
-        up_ECI = self._project(x_ECH, self.up_proj, self.up_proj_lora, self.up_proj_dropout, scale_EC)
+    def _forward(self, x_ECH, scale_EC, groups=None):
+        gate_ECI = self._project(x_ECH, self.gate_proj, self.gate_proj_lora, self.gate_proj_dropout, scale_EC, groups)
+        up_ECI = self._project(x_ECH, self.up_proj, self.up_proj_lora, self.up_proj_dropout, scale_EC, groups)
         hidden_ECI = ops.silu(gate_ECI) * up_ECI
-        return self._project(hidden_ECI, self.down_proj, self.down_proj_lora, self.down_proj_dropout, scale_EC)
-
-    def construct(self, x_ECH):
-        return self._forward(x_ECH, None)
-
-    def with_weight_grad_scale(self, x_ECH, scale_EC):
-        return self._forward(x_ECH, scale_EC)
+        return self._project(hidden_ECI, self.down_proj, self.down_proj_lora, self.down_proj_dropout, scale_EC, groups)
 
 
 def routed_experts(

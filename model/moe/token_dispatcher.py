@@ -3,14 +3,17 @@
 Shape legend: T tokens, H hidden, E experts, K experts per token, A = T * K assignments,
 C rows per expert in the expert buffer, X = E * C slots.
 
-A dispatcher is a parameter-free cell with four methods, called by :class:`model.moe.layer.MoELayer`
+A dispatcher is a parameter-free cell with five methods, called by :class:`model.moe.layer.MoELayer`
 inside its (compiled) ``construct``:
 
 - ``dispatch(x_TH, routing) -> (expert_inputs, state)``: ``routing = (topk_idx [T, K], weight [T, K])``;
-  ``expert_inputs`` is the ``[E, C, H]`` buffer the experts run on;
+  ``expert_inputs`` is the buffer the experts run on: ``[E, C, H]`` (row-block e for expert e), or for
+  a grouped dispatcher the expert-sorted rows ``[N, b, H]`` (:func:`model.kernels.grouped_matmul`);
+- ``group_sizes(state)``: ``None`` for an ``[E, C, H]`` buffer, else the ``[E]`` int32 group sizes of
+  the sorted rows (the experts then run the grouped matmul);
 - ``combine(expert_outputs, state) -> y_TH``: the weighted sum of each token's expert outputs;
-- ``row_scale(scale_T, state) -> scale_EC``: a per-token factor moved to the buffer's rows (gradient
-  isolation scales the expert weight gradient of locked tokens' rows);
+- ``row_scale(scale_T, state)``: a per-token factor moved to the buffer's rows, ``[E, C]`` or ``[N, b]``
+  (gradient isolation scales the expert weight gradient of locked tokens' rows);
 - ``kept(state) -> kept_A`` fp32: 1 for each assignment an expert processed, 0 for a dropped one.
 
 Which dispatcher a layer uses is fixed when the model is built (a compiled graph has one data path):
@@ -22,12 +25,16 @@ the local dispatcher (expert parallelism, ``mindmoe.train.expert_parallel``).
 import mindspore as ms
 from mindspore import nn, ops
 
+from mindmoe.model import kernels
 from mindmoe.model.moe.dispatch import (
     capacity_slots,
     combine_from_slots,
+    combine_rows,
     dense_combine_weights,
     expert_capacity,
+    gather_rows,
     gather_to_slots,
+    grouped_rows,
 )
 
 
@@ -68,9 +75,65 @@ class CapacityDispatcher(nn.Cell):
     def kept(self, state):
         return state[1].astype(ms.float32)
 
+    def group_sizes(self, state):
+        return None
+
 
 class DroplessDispatcher(nn.Cell):
-    """Every expert runs on every token (``C = T``) and the outputs are combined with a ``[T, E]`` weight
+    """Grouped dropless dispatch: every assignment is kept. The T * K assignments are placed in an
+    expert-sorted buffer (stable: token order within an expert), each expert's group padded with zero
+    rows to a multiple of the grouped matmul's block size b (:func:`model.kernels.grouped_alignment`),
+    so the buffer has a static ``floor((T * K + E * (b - 1)) / b) * b`` rows in blocks ``[N, b, H]``;
+    the experts run one grouped matmul per projection and the outputs are combined per token. Padding
+    rows are never combined.
+
+    ``alignment`` fixes b (the serving graphs, whose token count is not known when they compile);
+    by default it is chosen per call from the static number of assignments.
+    """
+
+    def __init__(self, num_experts: int, alignment: int = None, device_target: str = None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.alignment = alignment
+        self.block_rule = kernels.grouped_alignment(device_target)
+
+    def block(self, num_assignments):
+        if self.alignment is None:
+            return self.block_rule(num_assignments, self.num_experts)
+        return self.alignment
+
+    def dispatch(self, x_TH, routing):
+        topk_idx_TK, weight_TK = routing
+        block = self.block(topk_idx_TK.shape[0] * topk_idx_TK.shape[1])
+        row_A, group_sizes_E, num_rows = grouped_rows(topk_idx_TK, self.num_experts, block)
+        x_XH = gather_rows(x_TH, row_A, num_rows)
+        return x_XH.reshape(-1, block, x_TH.shape[1]), (row_A, group_sizes_E, weight_TK)
+
+    def combine(self, y_NbH, state):
+        row_A, _, weight_TK = state
+        return combine_rows(y_NbH.reshape(-1, y_NbH.shape[-1]), row_A, weight_TK)
+
+    def row_scale(self, scale_T, state):
+        row_A, _, weight_TK = state
+        num_tokens, top_k = weight_TK.shape
+        block = self.block(num_tokens * top_k)
+        num_rows = (num_tokens * top_k + self.num_experts * (block - 1)) // block * block
+        scale_A = ops.broadcast_to(scale_T.expand_dims(-1), (num_tokens, top_k)).reshape(-1)
+        # Rows are unique per assignment; padding rows keep 1 (they are zero and carry no gradient).
+        scale_X = 1.0 + ops.scatter_nd(row_A.expand_dims(-1), scale_A - 1.0, (num_rows,))
+        return scale_X.reshape(-1, block)
+
+    def group_sizes(self, state):
+        return state[1]
+
+    def kept(self, state):
+        weight_TK = state[2]
+        return ops.ones((weight_TK.shape[0] * weight_TK.shape[1],), ms.float32)
+
+
+class AllExpertsDispatcher(nn.Cell):
+    """The all-experts reference of dropless dispatch (tests only; no ``model.dispatch`` selects it):
+    every expert runs on every token (``C = T``) and the outputs are combined with a ``[T, E]`` weight
     matrix that is zero off the chosen experts: exact and static, at E / K times the routed FLOPs."""
 
     def __init__(self, num_experts: int):
@@ -93,6 +156,9 @@ class DroplessDispatcher(nn.Cell):
     def kept(self, state):
         topk_idx_TK = state[0]
         return ops.ones((topk_idx_TK.shape[0] * topk_idx_TK.shape[1],), ms.float32)
+
+    def group_sizes(self, state):
+        return None
 
 
 def local_dispatcher(cfg):

@@ -13,7 +13,13 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.moe import CapacityDispatcher, DroplessDispatcher, RoutedExperts, local_dispatcher
+from mindmoe.model.moe import (
+    AllExpertsDispatcher,
+    CapacityDispatcher,
+    DroplessDispatcher,
+    RoutedExperts,
+    local_dispatcher,
+)
 
 TOKENS, HIDDEN, EXPERTS, TOP_K = 10, 6, 4, 2
 
@@ -83,10 +89,11 @@ def test_capacity_dispatcher_keeps_each_experts_first_assignments_and_combines_l
         assert not kept_TK.all()  # the problem exercises drops
 
 
-def test_dropless_dispatcher_runs_every_expert_on_every_token_and_combines_like_the_per_token_loop():
+def test_all_experts_reference_runs_every_expert_on_every_token_and_combines_like_the_per_token_loop():
+    # The grouped DroplessDispatcher is checked against this reference in test_grouped_dropless.py.
     problem = routing_problem(1)
     out_TH, kept_TK, _ = np_dispatch_loop(*problem[:4])
-    y_TH, kept_A, scale_ET = run(DroplessDispatcher(EXPERTS), problem)
+    y_TH, kept_A, scale_ET = run(AllExpertsDispatcher(EXPERTS), problem)
     np.testing.assert_allclose(y_TH, out_TH, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(kept_A, np.ones(TOKENS * TOP_K, np.float32))
     np.testing.assert_array_equal(scale_ET, np.broadcast_to(problem[4], (EXPERTS, TOKENS)))
@@ -119,6 +126,6 @@ def test_expert_parallel_ranks_hold_contiguous_shares_that_start_from_the_single
 
 
 def test_dispatchers_hold_no_parameters():
-    for dispatcher in (CapacityDispatcher(EXPERTS, 1.0), DroplessDispatcher(EXPERTS)):
+    for dispatcher in (CapacityDispatcher(EXPERTS, 1.0), DroplessDispatcher(EXPERTS), AllExpertsDispatcher(EXPERTS)):
         assert not list(dispatcher.get_parameters())
     assert ms.get_context("mode") == ms.GRAPH_MODE

@@ -1,0 +1,148 @@
+"""``kernels.grouped_matmul``: the CPU implementation against NumPy (values) and a torch transcription
+(gradients), and the Ascend one against the MindSpore 2.9 op it calls (GroupedMatmul has no CPU kernel,
+so only its existence and arguments are checked here)."""
+
+import ast
+import inspect
+import re
+
+import mindspore as ms
+import numpy as np
+import pytest
+import torch
+from mindspore import Tensor
+
+from mindmoe.model import kernels
+from mindmoe.model.kernels import ascend, cpu_grouped
+
+IN_FEATURES, OUT_FEATURES = 7, 5
+
+
+def problem(group_blocks, block, padding_blocks, seed=0):
+    """Sorted rows ``[N, b, F]`` whose groups have ``group_blocks[e] * b`` rows (each group's last rows
+    zero, as the dispatcher pads them), ``padding_blocks`` zero blocks after the last group, whose output
+    is never combined (zero upstream gradient)."""
+    rng = np.random.default_rng(seed)
+    sizes = np.array(group_blocks, np.int32) * block
+    rows = int(sizes.sum()) + padding_blocks * block
+    x = rng.normal(size=(rows, IN_FEATURES)).astype(np.float32)
+    x[sizes.sum() :] = 0
+    weight = rng.normal(size=(len(sizes), OUT_FEATURES, IN_FEATURES)).astype(np.float32)
+    upstream = rng.normal(size=(rows, OUT_FEATURES)).astype(np.float32)
+    upstream[sizes.sum() :] = 0
+    scale = rng.uniform(0.1, 1.0, size=rows).astype(np.float32)
+    return x, weight, sizes, upstream, scale
+
+
+def np_grouped(x, weight, sizes):
+    out = np.zeros((x.shape[0], weight.shape[1]), np.float64)
+    start = 0
+    for e, size in enumerate(sizes):
+        out[start : start + size] = x[start : start + size].astype(np.float64) @ weight[e].T
+        start += size
+    return out
+
+
+def torch_grads(x, weight, sizes, upstream, scale):
+    """``(dx, dweight)`` of ``sum(out * upstream)``; row r's weight-gradient term times ``scale_r``."""
+    x_t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    w_t = torch.tensor(weight, dtype=torch.float64, requires_grad=True)
+    up = torch.tensor(upstream, dtype=torch.float64)
+    s = torch.tensor(scale, dtype=torch.float64).unsqueeze(1)
+    start, loss = 0, 0.0
+    for e, size in enumerate(sizes):
+        rows = slice(start, start + int(size))
+        # value x w^T, input gradient unscaled; weight gradient from the scaled upstream rows
+        loss = loss + ((x_t[rows] @ w_t[e].detach().T) * up[rows]).sum()
+        loss = loss + ((x_t[rows].detach() @ w_t[e].T) * up[rows] * s[rows]).sum()
+        start += int(size)
+    loss.backward()
+    return x_t.grad.numpy(), w_t.grad.numpy()
+
+
+def run(kernel, x, weight, sizes, upstream, block, scale=None):
+    x_NbF = Tensor(x.reshape(-1, block, IN_FEATURES))
+    extra = () if scale is None else (Tensor(scale.reshape(-1, block)),)
+
+    def weighted(x_in, w_in):
+        out = kernel(x_in, w_in, Tensor(sizes), *extra)
+        return (out * Tensor(upstream.reshape(out.shape))).sum(), out
+
+    (_, out), (dx, dw) = ms.jit(ms.value_and_grad(weighted, (0, 1), has_aux=True))(x_NbF, Tensor(weight))
+    return out.asnumpy().reshape(-1, OUT_FEATURES), dx.asnumpy().reshape(x.shape), dw.asnumpy()
+
+
+@pytest.mark.parametrize(
+    "group_blocks,block,padding_blocks",
+    [([2, 0, 3, 1], 4, 2), ([0, 0, 5], 2, 0), ([1, 2, 1, 1, 3], 1, 3)],
+)
+def test_cpu_grouped_matmul_matches_numpy_and_torch_gradients(group_blocks, block, padding_blocks):
+    """Empty groups, all rows in one group, trailing padding blocks; then the row-scaled variant, whose
+    weight gradient takes each row's share times its scale and whose input gradient is unscaled."""
+    x, weight, sizes, upstream, scale = problem(group_blocks, block, padding_blocks)
+    out, dx, dw = run(kernels.grouped_matmul("CPU"), x, weight, sizes, upstream, block)
+    np.testing.assert_allclose(out, np_grouped(x, weight, sizes), rtol=1e-5, atol=1e-5)
+    assert not out[sizes.sum() :].any()
+    expected_dx, expected_dw = torch_grads(x, weight, sizes, upstream, np.ones_like(scale))
+    np.testing.assert_allclose(dx, expected_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw, expected_dw, rtol=1e-5, atol=1e-5)
+    assert not dw[np.array(group_blocks) == 0].any()
+
+    out_s, dx_s, dw_s = run(kernels.grouped_matmul_row_scaled("CPU"), x, weight, sizes, upstream, block, scale)
+    _, expected_dw_s = torch_grads(x, weight, sizes, upstream, scale)
+    np.testing.assert_allclose(out_s, out, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dx_s, dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw_s, expected_dw_s, rtol=1e-5, atol=1e-5)
+    assert not np.allclose(dw_s, dw, rtol=1e-3)
+
+
+def test_cpu_block_size_keeps_padding_near_an_eighth_and_is_one_for_few_rows():
+    rule = kernels.grouped_alignment("CPU")
+    assert rule(8, 64) == 1 and rule(64 * 8 * 2 - 1, 64) == 1  # decode steps, few rows per expert
+    assert rule(16384, 64) == 32  # 64 experts top-8 at 2048 tokens: 256 rows per expert on average
+    for rows, experts in ((16384, 64), (4096, 8), (100_000, 256)):
+        block = rule(rows, experts)
+        assert block in (1,) + cpu_grouped.BLOCK_SIZES and experts * (block - 1) <= rows / 8
+
+
+def test_ascend_target_gets_the_grouped_matmul_op_with_no_padding():
+    assert isinstance(kernels.grouped_matmul("Ascend"), ascend.AscendGroupedMatmul)
+    assert isinstance(kernels.grouped_matmul_row_scaled("Ascend"), ascend.AscendRowScaledGroupedMatmul)
+    assert kernels.grouped_alignment("Ascend")(16384, 64) == 1
+    assert isinstance(kernels.grouped_matmul(), cpu_grouped.BlockGroupedMatmul)  # this machine: CPU
+
+
+def documented_parameters(function) -> set:
+    """Parameter names of the signature line that opens ``function``'s docstring (``gmm(*args, **kwargs)``
+    is an overload dispatcher whose Python signature says nothing)."""
+    first_line = inspect.getdoc(function).splitlines()[0]
+    match = re.fullmatch(r"\w+\((.*)\)\s*->.*", first_line)
+    assert match, first_line
+    return {part.split("=")[0].strip() for part in match.group(1).split(",")}
+
+
+def test_the_ascend_kernels_call_mindspore_2_9_gmm_with_arguments_it_takes():
+    """GroupedMatmul fails on CPU, so the call cannot run here: check that the op exists in the installed
+    MindSpore, that every ``gmm`` call in ``kernels/ascend.py`` passes only parameters it documents, and
+    that the row-grouped and reduction-grouped modes used exist."""
+    from mindspore.ops.auto_generate import GroupedMatmul, grouped_matmul
+    from mindspore.ops.function import math_func
+
+    assert ms.__version__.startswith("2.9")
+    assert ascend.gmm is math_func.gmm
+    params = documented_parameters(math_func.gmm)
+    assert {"x", "weight", "group_list", "group_type", "group_list_type"} <= params
+    doc = inspect.getdoc(math_func.gmm)
+    assert "If `group_type` is 2" in doc and "If `group_list_type` is 1" in doc
+    assert {"split_item", "group_type", "transpose_b"} <= set(inspect.signature(GroupedMatmul.__init__).parameters)
+    assert "group_list" in inspect.signature(grouped_matmul).parameters
+    calls = [
+        node
+        for node in ast.walk(ast.parse(inspect.getsource(ascend)))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "gmm"
+    ]
+    assert len(calls) == 4
+    for call in calls:
+        assert len(call.args) == 2 and all(isinstance(arg, ast.List) for arg in call.args)  # x, weight lists
+        assert {keyword.arg for keyword in call.keywords} <= params
+        assert {"group_list", "group_list_type"} <= {keyword.arg for keyword in call.keywords}
