@@ -8,10 +8,30 @@ kernel. So each adapted projection owns a :class:`DropoutStream`, and the mask o
 function of (seed, parameter name, data-parallel rank, draws so far)::
 
     key     = mix32(mix32(mix32(draws) ^ rank) ^ salt)         salt = crc32("<seed>:<parameter name>")
-    bits_ZF = mix32(mix32(row_Z ^ key)[:, None] ^ col_F)       keep where bits >> 8 >= round(p * 2**24)
+    row_Z   = mix32(z ^ key) | 1                               z < Z: the rows of the flattened input
+    col_F   = mix32(f ^ key ^ 0x80000000) | 1                  f < F: its features
+    h_ZF    = row_Z[:, None] * col_F[None, :]
+    keep_ZF = h_ZF * h_ZF + h_ZF >= round(p * 2**31) * 2 - 2**31
 
-in exact int32 arithmetic (the same bits on every backend; ``mix32`` is the lowbias32 integer hash). The
-only state is the draw counter, advanced in the graph once per training forward; it is saved in the
+in exact int32 arithmetic (products wrap; the comparison is signed), so the bits are the same on every
+backend; ``mix32`` is the lowbias32 integer hash. The hash runs on the Z + F row and column indices only:
+per element there are two multiplications, one addition and one comparison, because MindSpore's CPU
+shift kernel and its bitwise kernels with a broadcast operand are 10-50 times slower than its
+multiplication (a full hash per element cost more than the rest of a LoRA train step). Why the masks are
+still good dropout masks:
+
+- the row and column factors are lowbias32 of distinct inputs (the 0x80000000 keeps the column inputs
+  apart from the row inputs), forced odd: as good as independent and uniform over the odd int32 values;
+- the product of a uniform odd factor and a fixed odd factor is uniform over the odd values, and
+  ``h * h + h = h * (h + 1)`` maps the odd values one-to-one onto the even ones, so each element is
+  dropped with probability exactly ``round(p * 2**31) / 2**31`` (KEEP_BITS of resolution);
+- elements of one column differ by their row factor and of one row by their column factor; the
+  polynomial finaliser breaks the one regularity the plain product has (rows whose factors have a small
+  ratio t would drop alike: ``h' = t * h``); only rows (or columns) of one draw whose factors are equal,
+  a chance of 2**-31 per pair, drop alike;
+- draws, ranks and projections get unrelated keys, hence unrelated row and column factors.
+
+The only state is the draw counter, advanced in the graph once per training forward; it is saved in the
 checkpoint's ``state.json`` and restored on resume (:mod:`train.resume`). The data-parallel rank keys the
 stream, so data-parallel ranks drop independently while the ranks of one expert group, which run the same
 micro-batch, drop alike. Shape legend (docs/architecture.md): Z rows of a flattened input, F features.
@@ -23,8 +43,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, ops
 
-#: Bits of the hash compared against the dropout probability (exact in int32 and in fp32).
-KEEP_BITS = 24
+#: Resolution of the dropout probability: p is rounded to a multiple of 2**-KEEP_BITS.
+KEEP_BITS = 31
 
 
 def _int32(value: int) -> int:
@@ -35,6 +55,8 @@ def _int32(value: int) -> int:
 
 _MUL_1 = _int32(0x7FEB352D)
 _MUL_2 = _int32(0x846CA68B)
+#: Xored into the key of the column factors: their hash inputs have the top bit set, the rows' do not.
+_COLUMNS = _int32(0x80000000)
 
 
 def _shift_right(x, bits: int):
@@ -49,11 +71,22 @@ def mix32(x):
     return ops.bitwise_xor(x, _shift_right(x, 16))
 
 
+def drop_threshold(p: float) -> int:
+    """The signed int32 below which an (even) finalised hash drops its element: a fraction p of them."""
+    return int(round(p * (1 << KEEP_BITS))) * 2 - (1 << 31)
+
+
+def _odd_hash(count: int, key):
+    """``mix32(arange(count) ^ key) | 1``: the factors of ``count`` rows or columns."""
+    return ops.bitwise_or(mix32(ops.bitwise_xor(ops.arange(0, count, dtype=ms.int32), key)), Tensor(1, ms.int32))
+
+
 def keep_mask(rows: int, cols: int, p: float, key):
     """``[rows, cols]`` bool: True where the draw of int32 scalar ``key`` keeps the element."""
-    row_Z = mix32(ops.bitwise_xor(ops.arange(0, rows, dtype=ms.int32), key))
-    bits_ZF = mix32(ops.bitwise_xor(row_Z.expand_dims(-1), ops.arange(0, cols, dtype=ms.int32)))
-    return _shift_right(bits_ZF, 32 - KEEP_BITS) >= int(round(p * (1 << KEEP_BITS)))
+    row_Z = _odd_hash(rows, key)
+    col_F = _odd_hash(cols, ops.bitwise_xor(key, Tensor(_COLUMNS, ms.int32)))
+    h_ZF = row_Z.expand_dims(-1) * col_F  # uniform odd; the only per-element work is below
+    return h_ZF * h_ZF + h_ZF >= drop_threshold(p)
 
 
 @ms.jit_class
@@ -78,7 +111,8 @@ class DropoutStream:
         cols = x.shape[-1]
         keep = keep_mask(x.size // cols, cols, self.p, key).reshape(x.shape)
         ops.assign_add(self.draws, Tensor(1, ms.int32))
-        return x * keep.astype(x.dtype) * (1.0 / (1.0 - self.p))
+        # One scaled mask: the backward then multiplies by it once.
+        return x * (keep.astype(x.dtype) * (1.0 / (1.0 - self.p)))
 
 
 def dropout_streams(model) -> list:

@@ -11,7 +11,7 @@ from mindspore import Tensor, nn
 
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lora import LoraConfig
-from mindmoe.model.lora_dropout import dropout_draws, dropout_streams, set_dropout_state
+from mindmoe.model.lora_dropout import DropoutStream, dropout_draws, dropout_streams, set_dropout_state
 from mindmoe.model.lora_layers import AdapterSpec, LoraLinear
 from mindmoe.model.lora_plan import plan_adapters
 from mindmoe.model.transformer import MoETransformer
@@ -20,6 +20,7 @@ ROWS, IN, OUT, RANK, P, SCALING = 6, 40, 7, 3, 0.3, 2.0
 
 
 U32 = np.uint64(0xFFFFFFFF)
+SIGN = np.uint64(0x80000000)
 
 
 def np_mix32(x):
@@ -33,12 +34,24 @@ def np_mix32(x):
     return x
 
 
-def np_keep(rows, cols, p, seed, name, rank, draws):
+def np_factors(rows, cols, seed, name, rank, draws):
+    """The odd row and column factors of one draw (uint64 products wrap mod 2**64, a multiple of 2**32)."""
     salt = np.uint64(zlib.crc32(f"{seed}:{name}".encode()))
     key = np_mix32(np_mix32(np_mix32(draws) ^ np.uint64(rank)) ^ salt)
-    row = np_mix32(np.arange(rows, dtype=np.uint64) ^ key)
-    bits = np_mix32(row[:, None] ^ np.arange(cols, dtype=np.uint64)[None, :])
-    return (bits >> np.uint64(8)) >= np.uint64(round(p * 2**24))
+    row = np_mix32(np.arange(rows, dtype=np.uint64) ^ key) | np.uint64(1)
+    col = np_mix32(np.arange(cols, dtype=np.uint64) ^ key ^ SIGN) | np.uint64(1)
+    return row, col
+
+
+def np_drops(h, p):
+    """Drop where ``h * h + h`` (mod 2**32), read as a signed int32, is below round(p * 2**31) * 2 - 2**31."""
+    g = (h * h + h) & U32
+    return (g ^ SIGN) < np.uint64(round(p * 2**31) * 2)
+
+
+def np_keep(rows, cols, p, seed, name, rank, draws):
+    row, col = np_factors(rows, cols, seed, name, rank, draws)
+    return ~np_drops((row[:, None] * col[None, :]) & U32, p)
 
 
 def make_layer(seed=11, name="layers.0.self_attn.q_proj"):
@@ -116,14 +129,67 @@ def test_a_fresh_layer_set_to_the_saved_state_continues_the_masks_and_ranks_diff
     assert not np.allclose(forward(other_rank, Tensor(x)).asnumpy(), outputs[2])
 
 
-def test_masks_keep_one_minus_p_and_are_independent_across_draws_and_names():
-    rows, cols, p = 300, 500, 0.25
-    masks = [np_keep(rows, cols, p, 0, "a", 0, d) for d in range(3)] + [np_keep(rows, cols, p, 0, "b", 0, 0)]
-    for mask in masks:
-        assert abs(mask.mean() - (1 - p)) < 0.005
-    for other in masks[1:]:
-        agreement = (masks[0] == other).mean()  # independent masks agree with probability p^2 + (1-p)^2
-        assert abs(agreement - (p * p + (1 - p) ** 2)) < 0.005
+def set_dropout_state_of(streams, rank, draws):
+    for stream in streams:
+        stream.rank.set_data(Tensor(np.int32(rank)))
+        stream.draws.set_data(Tensor(np.int32(draws)))
+
+
+def test_a_stream_drops_a_3d_input_by_the_documented_mask_at_any_rank_and_draw_count():
+    """The routed experts' [E, C, F] inputs: rows are the flattened E * C; the layer tests use rank 0 and
+    a few draws, so this one also covers keys built from a large count and another rank."""
+    stream = DropoutStream("layers.1.mlp.experts.gate_proj", 7, 0.2)
+    set_dropout_state_of([stream], rank=3, draws=123_456_789)
+
+    @ms.jit
+    def drop(x):
+        return stream.drop(x)
+
+    x = np.ones((4, 5, 24), np.float32)
+    for draw in (123_456_789, 123_456_790):
+        keep = np_keep(20, 24, 0.2, 7, "layers.1.mlp.experts.gate_proj", 3, draw).reshape(x.shape)
+        np.testing.assert_array_equal(drop(Tensor(x)).asnumpy(), np.float32(keep * np.float32(1 / 0.8)))
+
+
+def assert_independent(a, b, p):
+    """Two independent masks agree with probability p^2 + (1-p)^2 (within 5 standard errors)."""
+    expected = p * p + (1 - p) ** 2
+    tolerance = 5 * np.sqrt(expected * (1 - expected) / a.size)
+    assert abs((a == b).mean() - expected) < tolerance, ((a == b).mean(), expected)
+
+
+def test_masks_keep_one_minus_p_and_are_independent_across_elements_draws_ranks_and_names():
+    rows, cols = 2048, 512
+    for p in (0.05, 0.5):
+        mask = np_keep(rows, cols, p, 0, "a", 0, 0)
+        assert abs(mask.mean() - (1 - p)) < 5 * np.sqrt(p * (1 - p) / mask.size)
+        assert_independent(mask[1:], mask[:-1], p)  # neighbouring rows
+        assert_independent(mask[:, 1:], mask[:, :-1], p)  # neighbouring features
+        square, upper = mask[:cols, :cols], np.triu_indices(cols, 1)
+        assert_independent(square[upper], square.T[upper], p)  # (z, f) vs (f, z): rows and columns hash apart
+        # A 2x2 block of independent elements has an odd number of drops with probability (1 - (1-2p)^4) / 2.
+        parity = mask[:-1, :-1] ^ mask[1:, :-1] ^ mask[:-1, 1:] ^ mask[1:, 1:]
+        expected = (1 - (1 - 2 * p) ** 4) / 2
+        assert abs(parity.mean() - expected) < 5 * np.sqrt(expected * (1 - expected) / parity.size)
+        others = {
+            "next draw": np_keep(rows, cols, p, 0, "a", 0, 1),
+            "other rank": np_keep(rows, cols, p, 0, "a", 1, 0),
+            "other projection": np_keep(rows, cols, p, 0, "b", 0, 0),
+            "other seed": np_keep(rows, cols, p, 1, "a", 0, 0),
+        }
+        for other in others.values():
+            assert_independent(mask, other, p)
+
+
+def test_the_finaliser_drops_exactly_p_and_decorrelates_rows_whose_factors_have_a_small_ratio():
+    # h -> h * h + h maps the odd values one-to-one onto the even ones (checked mod 2**20 exhaustively),
+    # so a uniform odd product is dropped with probability exactly round(p * 2**31) / 2**31.
+    odd = np.arange(1, 1 << 20, 2, dtype=np.uint64)
+    assert np.array_equal(np.sort((odd * odd + odd) % (1 << 20)), np.arange(0, 1 << 20, 2, dtype=np.uint64))
+    h = np.random.default_rng(0).integers(0, 1 << 32, size=1 << 20, dtype=np.uint64) | np.uint64(1)
+    for p in (0.05, 0.5):
+        for ratio in (3, 5, -1, -3):  # without the finaliser, ratio 3 drops alike 6.7x as often at p = 0.05
+            assert_independent(np_drops(h, p), np_drops((h * np.uint64(ratio % (1 << 32))) & U32, p), p)
 
 
 def test_evaluation_neither_drops_nor_draws():
