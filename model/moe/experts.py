@@ -96,8 +96,9 @@ class RoutedExperts(nn.Cell):
             return self.scaled_bmm(x, w_EOF, scale)
         if self.num_held < self.num_experts:
             # Zero weights for the groups of the experts other processes hold (see held_groups).
-            zeros_1OF = ops.zeros((1,) + w_EOF.shape[1:], w_EOF.dtype)
-            w_EOF = ops.concat((zeros_1OF, w_EOF, zeros_1OF), 0)
+            # A pad, not a concat with zero tensors: traced into the fused train step on CPU, the concat
+            # failed kernel selection (an input of type None).
+            w_EOF = ops.pad(w_EOF, (0, 0, 0, 0, 1, 1))
         if scale is None:
             return self.gmm(x, w_EOF, group_sizes)
         return self.scaled_gmm(x, w_EOF, group_sizes, scale)

@@ -89,10 +89,8 @@ def assert_same_losses(actual: dict, expected: dict, steps):
         )
 
 
-@pytest.fixture(scope="module")
-def single_process(tmp_path_factory, data_cache):
+def single_process_losses(run_dir, data_cache, *extra):
     """The reference: one process, no msrun, accumulating the 2 micro-batches of each step."""
-    run_dir = tmp_path_factory.mktemp("single")
     command = [
         sys.executable,
         "-m",
@@ -100,9 +98,15 @@ def single_process(tmp_path_factory, data_cache):
         f"hydra.run.dir={run_dir}",
         f"data.cache_dir={data_cache}",
         *TINY_RUN,
+        *extra,
     ]
     subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
     return losses_by_step(run_dir)
+
+
+@pytest.fixture(scope="module")
+def single_process(tmp_path_factory, data_cache):
+    return single_process_losses(tmp_path_factory.mktemp("single"), data_cache)
 
 
 # --- the msrun command and configuration errors (no worker starts) ---------------------------------
