@@ -86,7 +86,8 @@ class Trainer:
         """The process layout, the data (its tokenizer sets the vocabulary), then the model, parallelized.
 
         The one place that decides how the model is built and distributed; sets ``dist``, ``data``,
-        ``resume_from`` and ``lora_run`` on the way, in the order each needs the one before.
+        ``resume_from`` (with ``resume_state``, its ``state.json``, read once) and ``lora_run`` on the way, in the
+        order each needs the one before.
         """
         cfg = self.cfg
         planned = planned_model_config(cfg, explicit_model_keys)
@@ -116,9 +117,10 @@ class Trainer:
         self.resume_from = pick_resume_checkpoint(
             cfg.train.resume, self.checkpoint_root, cfg.train.on_corrupt_checkpoint
         )
+        self.resume_state = None if self.resume_from is None else read_state(self.resume_from)
         if self.resume_from is not None:  # before anything in the run dir changes for it
             current = {"data.seq_len": cfg.data.seq_len, "train.seed": cfg.train.seed, **architecture(planned)}
-            check_resume(self.resume_from, read_state(self.resume_from), current, cfg.train.resume_allow_changes)
+            check_resume(self.resume_from, self.resume_state, current, cfg.train.resume_allow_changes)
         # Rank 0 moves aside the step_* directories this run does not continue, after every rank chose.
         settle_lineage(self.checkpoint_root, self.resume_from, self.dist)
         # A resumed run (or a lora.base_checkpoint) reads the tokenizer its checkpoint carries.
@@ -165,15 +167,13 @@ class Trainer:
                 TOKENIZER_LABEL: self.run_state["tokenizer_sha256"],
                 "model.vocab_size": self.model_cfg.vocab_size,
             }
-            check_resume(self.resume_from, read_state(self.resume_from), current, self.cfg.train.resume_allow_changes)
-        restore_dropout(
-            self.model, self.dist.dp_rank, None if self.resume_from is None else read_state(self.resume_from)
-        )
+            check_resume(self.resume_from, self.resume_state, current, self.cfg.train.resume_allow_changes)
+        restore_dropout(self.model, self.dist.dp_rank, self.resume_state)
         if self.resume_from is None:
             return 0
         load_model_weights(self.model_state, self.resume_from)
         load_optimizer_state(self.optimizer_state, self.resume_from)
-        start_step = read_state(self.resume_from)["step"]
+        start_step = self.resume_state["step"]
         log.info("resumed from %s at step %d", self.resume_from, start_step)
         return start_step
 
