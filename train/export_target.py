@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
-from mindmoe.train.lineage import pid_is_running
+from mindmoe.data.scratch import process_running
 
 log = logging.getLogger("mindmoe.export")
 
@@ -117,7 +117,7 @@ def remove_stale_staging(out: Path) -> None:
     pattern = re.compile(rf"\.{re.escape(out.name)}\.tmp-(\d+)")
     for path in out.parent.iterdir() if out.parent.is_dir() else []:
         match = pattern.fullmatch(path.name)
-        if match and int(match.group(1)) != os.getpid() and not pid_is_running(int(match.group(1))):
+        if match and int(match.group(1)) != os.getpid() and not process_running(int(match.group(1))):
             log.warning("removing %s, left by an interrupted export (process %s is gone)", path, match.group(1))
             shutil.rmtree(path, ignore_errors=True)
 

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import List, Optional
 
+from mindmoe.data.scratch import process_running
 from mindmoe.model.checkpoint_files import read_state
 
 log = logging.getLogger("mindmoe.train")
@@ -96,17 +97,6 @@ def move_aside(checkpoint_root: Path, directories: List[Path], why: str) -> Opti
     return target
 
 
-def pid_is_running(pid: int) -> bool:
-    """Whether a process with this pid exists on this host (one of another user's counts too)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def remove_stale_temporaries(checkpoint_root: Path) -> List[Path]:
     """Delete the ``.step_*.tmp-PID`` directories whose process is not running on this host (a save
     interrupted by a crash or a kill), with a log line each; those of a live process are left alone.
@@ -116,7 +106,7 @@ def remove_stale_temporaries(checkpoint_root: Path) -> List[Path]:
     removed = []
     for path in sorted(checkpoint_root.iterdir()):
         match = TEMPORARY_DIR.match(path.name)
-        if not match or not path.is_dir() or pid_is_running(int(match.group(2))):
+        if not match or not path.is_dir() or process_running(int(match.group(2))):
             continue
         shutil.rmtree(path)
         removed.append(path)
