@@ -21,6 +21,14 @@ from mindmoe.model.rope import apply_rope
 # Large negative instead of -inf: a fully masked row would otherwise give NaN in softmax.
 MASK_VALUE = -1e9
 
+#: Positions per block of the blockwise training attention (``kernels.blockwise_attention``); sequences
+#: of at most this length keep the full-mask path (see :func:`training_attention_masks`).
+BLOCK_SIZE = 512
+#: Device targets whose training forward runs blockwise attention past BLOCK_SIZE. Not CPU: there the
+#: kernel now reuses its block buffers, but in the default training run it saved no memory (peak RSS at
+#: 2048 and 4096 positions equal to the full-mask path's or above) and its steps took 2-3x as long.
+BLOCKWISE_DEVICES = ("Ascend",)
+
 
 def document_causal_mask(doc_ids_BS, num_heads: int = 1, chunks: int = 1):
     """Additive mask ``[B, num_heads, S, S]``: 0 where key j <= query i and both are in one document.
@@ -57,6 +65,17 @@ def _document_causal_mask(query_doc_ids_BQ, key_doc_ids_BP, offset: int, num_hea
     return ops.tile(mask_B1QP, (1, num_heads, 1, 1))
 
 
+def training_attention_masks(doc_ids_BS, num_heads: int, blockwise: bool):
+    """What a training forward passes every layer's :meth:`Attention.attend` as ``mask``: the document ids
+    ``[B, S]`` themselves when ``blockwise`` (:attr:`Attention.use_blockwise`) and ``S > BLOCK_SIZE``
+    (blockwise attention builds each block's mask and keeps no ``[S, S]`` tensor), else the full mask in
+    :func:`causal_chunks` chunks (faster at short lengths)."""
+    seq_len = doc_ids_BS.shape[1]
+    if blockwise and seq_len > BLOCK_SIZE:
+        return doc_ids_BS
+    return document_causal_mask(doc_ids_BS, num_heads, causal_chunks(seq_len))
+
+
 def causal_chunks(seq_len: int) -> int:
     """Query chunks a training sequence's causal attention is computed in (1, 2 or 4).
 
@@ -90,6 +109,9 @@ class Attention(nn.Cell):
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
         self.core = kernels.attention_core(self.scale)
+        self.blockwise = kernels.blockwise_attention(self.scale, BLOCK_SIZE)
+        self.use_blockwise = ms.get_context("device_target") in BLOCKWISE_DEVICES
+        self.rotate = kernels.rope(cfg.rope_interleaved)
 
     def construct(self, x_BSH, cos, sin, mask):
         q_BNSD, k_BGSD, v_BGSD = self.project_qkv(x_BSH, cos, sin)
@@ -104,16 +126,19 @@ class Attention(nn.Cell):
         if self.qk_norm:
             q_BNSD = self.q_norm(q_BNSD)
             k_BGSD = self.k_norm(k_BGSD)
-        q_BNSD = apply_rope(q_BNSD, cos, sin, self.interleaved)
-        k_BGSD = apply_rope(k_BGSD, cos, sin, self.interleaved)
+        q_BNSD = apply_rope(q_BNSD, cos, sin, self.interleaved, self.rotate)
+        k_BGSD = apply_rope(k_BGSD, cos, sin, self.interleaved, self.rotate)
         return q_BNSD, k_BGSD, v_BGSD
 
     def attend(self, q_BNSD, k_BGPD, v_BGPD, mask):
         """``softmax(q k^T / sqrt(D) + mask) v`` projected back to ``[B, S, H]``; P keys (P = S in training,
         cached + new ones when decoding). ``mask`` is ``[B, N, S, P]``, per query head or shared (its
-        second axis 1), or the causal chunks of :func:`document_causal_mask` (training, P = S)."""
+        second axis 1), the causal chunks of :func:`document_causal_mask` (training, P = S), or the
+        document ids ``[B, S]`` for blockwise attention (training, P = S; :func:`training_attention_masks`)."""
         batch, _, seq_len, head_dim = q_BNSD.shape
-        if isinstance(mask, tuple):
+        if not isinstance(mask, tuple) and mask.ndim == 2:
+            out_BNSD = self.blockwise(q_BNSD, k_BGPD, v_BGPD, mask)
+        elif isinstance(mask, tuple):
             chunks = len(mask)
             size = seq_len // chunks
             outs = []

@@ -11,6 +11,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from mindmoe.model.kernels import cpu_rope
 from mindmoe.model.rope_scaling import default_inv_freq, original_max_position, rope_scaling_config, scaled_inv_freq
 
 __all__ = ["RotaryEmbedding", "apply_rope", "default_inv_freq", "rope_tables"]
@@ -72,27 +73,24 @@ class RotaryEmbedding(nn.Cell):
         return ops.cos(angles), ops.sin(angles)
 
 
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return ops.concat((-x[..., half:], x[..., :half]), -1)
+def apply_rope(x, cos, sin, interleaved: bool, rotate=None):
+    """Rotate the leading ``cos.shape[-1]`` channels of ``x [..., S, head_dim]``; the rest pass through.
 
-
-def _rotate_interleaved(x):
-    even = x[..., 0::2]
-    odd = x[..., 1::2]
-    return ops.stack((-odd, even), -1).reshape(x.shape)
-
-
-def apply_rope(x, cos, sin, interleaved: bool):
-    """Rotate the leading ``cos.shape[-1]`` channels of ``x [..., S, head_dim]``.
-
-    ``cos``/``sin`` are ``[S, rotary_dim]`` (broadcast over batch and heads).
+    ``cos``/``sin`` are ``[S, rotary_dim]`` (one position table for the whole batch, broadcast over batch
+    and heads) or ``[B, 1, S, rotary_dim]`` (a position per sequence, when decoding). ``rotate`` is the
+    device's kernel from :func:`mindmoe.model.kernels.rope` (built with the same ``interleaved``); it
+    takes the shared table only (Ascend's fused op accepts per-sequence tables for one layout, and not
+    for a single query with many heads), so per-sequence tables and ``rotate=None`` use the formula.
     """
     rotary_dim = cos.shape[-1]
     x_rot = x[..., :rotary_dim]
     x_pass = x[..., rotary_dim:]
-    rotated = _rotate_interleaved(x_rot) if interleaved else _rotate_half(x_rot)
-    x_rot = x_rot * cos.astype(x.dtype) + rotated * sin.astype(x.dtype)
+    if rotate is not None and cos.ndim == 2:
+        x_rot = rotate(x_rot, cos, sin)
+    elif interleaved:
+        x_rot = cpu_rope.rope_interleaved(x_rot, cos, sin)
+    else:
+        x_rot = cpu_rope.rope_rotate_half(x_rot, cos, sin)
     if x_pass.shape[-1] == 0:
         return x_rot
     return ops.concat((x_rot, x_pass), -1)

@@ -24,7 +24,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, lazy_inline, nn, ops
 
-from mindmoe.model.attention import Attention, causal_chunks, document_causal_mask
+from mindmoe.model.attention import Attention, document_causal_mask, training_attention_masks
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.linear import normal_init
 from mindmoe.model.lora_layers import NO_LORA, AdapterScope
@@ -133,7 +133,8 @@ def reused_layer_class(layer_cls):
 
 class MoETransformer(nn.Cell):
     """``construct(input_ids [B,S], doc_ids [B,S])`` -> ``(logits [B,S,V] fp32, aux_loss, z_loss,
-    routing_stats [L_moe, 3, E], layer_stats [L_moe, 5])``.
+    routing_stats [L_moe, 3, E], layer_stats [L_moe, 5])``; with ``hidden_only=True`` the first output is
+    the final normed hidden rows ``[B*S, H]`` instead, for a loss that applies :meth:`head_weight` itself.
 
     The aux and z losses are summed over MoE layers (each layer's balanced aux loss equals the
     coefficient); the statistics rows are named by ``model.moe.layer.ROUTING_STATS`` /
@@ -185,19 +186,27 @@ class MoETransformer(nn.Cell):
     def embed(self, input_ids_BS):
         return self.embed_tokens(input_ids_BS)
 
+    def head_weight(self):
+        """The LM head ``[V, H]``: the embedding when ``tie_word_embeddings``."""
+        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+
+    def final_hidden(self, x_ZH):
+        """Final norm: the LM head's input rows ``[rows of x, H]``, every leading axis of ``x`` flattened."""
+        x_ZH = self.norm(x_ZH)
+        return x_ZH.reshape(-1, x_ZH.shape[-1])
+
     def final_logits(self, x_ZH):
         """Final norm and LM head: logits ``[rows of x, V]`` fp32, every leading axis of ``x`` flattened."""
-        x_ZH = self.norm(x_ZH)
-        head_VH = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
-        return self.logits_matmul(x_ZH.reshape(-1, x_ZH.shape[-1]), head_VH).astype(ms.float32)
+        return self.logits_matmul(self.final_hidden(x_ZH), self.head_weight()).astype(ms.float32)
 
-    def construct(self, input_ids_BS, doc_ids_BS):
+    def construct(self, input_ids_BS, doc_ids_BS, hidden_only=False):
         batch, seq_len = input_ids_BS.shape
         cos, sin = self.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
         if ops.is_sequence_value_unknown(input_ids_BS.shape):
             masks = document_causal_mask(doc_ids_BS, self.config.num_heads)  # a graph compiled for any length
         else:
-            masks = document_causal_mask(doc_ids_BS, self.config.num_heads, causal_chunks(seq_len))
+            blockwise = self.layers[0].self_attn.use_blockwise  # past attention.BLOCK_SIZE
+            masks = training_attention_masks(doc_ids_BS, self.config.num_heads, blockwise)
         x_BSH = self.embed(input_ids_BS)
         aux_losses = []
         z_losses = []
@@ -212,18 +221,21 @@ class MoETransformer(nn.Cell):
                 z_losses.append(router_z)
                 routing_stats.append(layer_routing)
                 layer_stats.append(layer_scalars)
-        logits_BSV = self.final_logits(x_BSH).reshape(batch, seq_len, -1)
+        if hidden_only:  # the loss applies the head itself, in chunks (model.lm_loss)
+            head_out = self.final_hidden(x_BSH)
+        else:
+            head_out = self.final_logits(x_BSH).reshape(batch, seq_len, -1)
         if not aux_losses:
             zero = ops.zeros((), ms.float32)
             return (
-                logits_BSV,
+                head_out,
                 zero,
                 zero,
                 ops.zeros((0, len(ROUTING_STATS), self.config.num_experts), ms.float32),
                 ops.zeros((0, len(LAYER_STATS)), ms.float32),
             )
         return (
-            logits_BSV,
+            head_out,
             ops.stack(aux_losses).sum(),
             ops.stack(z_losses).sum(),
             ops.stack(routing_stats),

@@ -17,35 +17,58 @@ kernel         CPU (and GPU)                              Ascend
 rms_norm       :class:`~.cpu.RowRMSNormalize`             ``ops.rms_norm(x, gamma, epsilon)``
 attention_core :class:`~.cpu.GroupedAttentionCore`        same as CPU: FlashAttentionScore takes a
                                                           boolean mask and returns no probabilities
-swiglu         :func:`~.cpu.swiglu`                       same as CPU: ``ops.swiglu`` splits one
-                                                          concatenated input instead of gate and up
+swiglu         :func:`~.cpu.swiglu`                       :func:`~.ascend.swiglu`: ``ops.swiglu`` on
+                                                          gate and up concatenated on the last axis
+rope           :func:`~.cpu_rope.rope_rotate_half`,       :class:`~.ascend.AscendRope`:
+               :func:`~.cpu_rope.rope_interleaved`        ``ops.rotary_position_embedding`` (mode 0/1)
 grouped_matmul :class:`~.cpu_grouped.BlockGroupedMatmul`  ``gmm`` (GroupedMatmul, row-grouped)
                (groups padded to blocks of b rows)        (alignment 1: no padding rows)
+all_to_all     ``cpu_collectives.EmulatedAllToAll``       ``ops.AlltoAll`` (split and concat on axis 0)
+               (AllGather + local selection)
 ============== ========================================== ==============================================
 
+``blockwise_attention`` (training attention, memory linear in the length): on CPU
+:class:`~.cpu_attention.BlockwiseAttention` (blocks, online softmax, recomputing backward), on Ascend
+:class:`~.ascend_attention.AscendFlashAttention` (``ops.flash_attention_score`` with a boolean mask).
 ``grouped_matmul_row_scaled`` and ``grouped_alignment`` go with ``grouped_matmul``. The collectives
-(``all_to_all``, ``reduce_scatter``, ``all_gather``) are to join this table the same way.
+(``reduce_scatter``, ``all_gather``) are to join this table the same way.
 """
 
 import mindspore as ms
 
-from mindmoe.model.kernels import ascend, cpu, cpu_grouped
+from mindmoe.model.kernels import (
+    ascend,
+    ascend_attention,
+    ascend_collectives,
+    cpu,
+    cpu_attention,
+    cpu_collectives,
+    cpu_grouped,
+    cpu_rope,
+)
 
 CPU_KERNELS = {
     "rms_norm": cpu.RowRMSNormalize,
     "attention_core": cpu.GroupedAttentionCore,
+    "blockwise_attention": cpu_attention.BlockwiseAttention,
     "swiglu": lambda: cpu.swiglu,
+    "rope": cpu_rope.rope,
     "grouped_matmul": cpu_grouped.BlockGroupedMatmul,
     "grouped_matmul_row_scaled": cpu_grouped.RowScaledBlockGroupedMatmul,
     "grouped_alignment": lambda: cpu_grouped.block_rows,
+    "all_to_all": cpu_collectives.EmulatedAllToAll,
 }
 
 ASCEND_KERNELS = dict(
     CPU_KERNELS,
     rms_norm=ascend.AscendRMSNorm,
+    blockwise_attention=ascend_attention.AscendFlashAttention,
+    swiglu=lambda: ascend.swiglu,
+    rope=ascend.AscendRope,
     grouped_matmul=ascend.AscendGroupedMatmul,
     grouped_matmul_row_scaled=ascend.AscendRowScaledGroupedMatmul,
     grouped_alignment=lambda: ascend.alignment,
+    all_to_all=ascend_collectives.AscendAllToAll,
 )
 
 #: device target -> kernel name -> factory called at build time with the kernel's static arguments.
@@ -75,9 +98,27 @@ def attention_core(scale: float, device_target: str = None):
     return implementation("attention_core", device_target)(scale)
 
 
+def blockwise_attention(scale: float, block_size: int, device_target: str = None):
+    """``(q [B, N, S, D], k [B, G, S, D], v [B, G, S, D], doc_ids [B, S] int32) -> out [B, N, S, D]``:
+    training self-attention (keys = queries = positions 0..S-1), ``softmax(q k^T * scale + mask) v``
+    where query i sees key j iff ``j <= i`` and ``doc_ids[b, i] == doc_ids[b, j]``; query head n uses
+    key/value head ``n // (N / G)`` (HF repeat_kv). Memory linear in S: no ``[S, S]`` scores or
+    probabilities are kept for the backward (CPU: blocks of ``block_size`` positions, scores fp32 whatever
+    the dtype of q/k/v; Ascend: FlashAttentionScore, fp16/bf16 q/k/v). Gradients flow to q, k and v."""
+    return implementation("blockwise_attention", device_target)(scale, block_size)
+
+
 def swiglu(device_target: str = None):
     """``(gate [..., I], up [..., I]) -> silu(gate) * up``."""
     return implementation("swiglu", device_target)()
+
+
+def rope(interleaved: bool, device_target: str = None):
+    """``(x_rot [B, N, S, R], cos [S, R], sin [S, R]) -> x_rot * cos + rotate(x_rot) * sin``: RoPE of every
+    channel of ``x_rot`` with one position table for the batch; ``rotate`` pairs channel i with i + R/2
+    (rotate-half) or 2i with 2i+1 (``interleaved``). Partial rotation and per-sequence tables are
+    :func:`mindmoe.model.rope.apply_rope`'s."""
+    return implementation("rope", device_target)(interleaved)
 
 
 def grouped_matmul(device_target: str = None):
@@ -101,13 +142,23 @@ def grouped_alignment(device_target: str = None):
     return implementation("grouped_alignment", device_target)()
 
 
+def all_to_all(group: str, group_size: int, rank_in_group: int, device_target: str = None):
+    """``x [G, n, ...] -> [G, n, ...]`` over communication ``group`` of G ranks (this one ``rank_in_group``):
+    block j goes to rank j, output block s is the block rank s sent here (AlltoAllV with n rows to every
+    rank: a sender with fewer rows for a rank pads them with zeros). Its backward is the reverse exchange."""
+    return implementation("all_to_all", device_target)(group, group_size, rank_in_group)
+
+
 __all__ = [
     "IMPLEMENTATIONS",
+    "all_to_all",
     "attention_core",
+    "blockwise_attention",
     "grouped_alignment",
     "grouped_matmul",
     "grouped_matmul_row_scaled",
     "implementation",
     "rms_norm",
+    "rope",
     "swiglu",
 ]

@@ -17,6 +17,30 @@ class AscendRMSNorm(nn.Cell):
         return ops.rms_norm(x_ZH, weight_H, self.eps)[0]
 
 
+def swiglu(gate_ZI, up_ZI):
+    """``ops.swiglu`` (the Swiglu kernel: ``silu`` of the first half of the last axis times the second half;
+    its backward is MindSpore's), on gate and up joined on the last axis."""
+    return ops.swiglu(ops.concat((gate_ZI, up_ZI), -1), -1)
+
+
+class AscendRope(nn.Cell):
+    """``ops.rotary_position_embedding`` (the RotaryPositionEmbedding kernel; its backward is MindSpore's).
+
+    ``(x_rot [B, N, S, R], cos [S, R], sin [S, R]) -> [B, N, S, R]``; the tables go in as the ``11SD``
+    layout, the one both modes take for a BNSD input. ``mode`` 0 is rotate-half (GPT-NeoX, GLM-4.5),
+    1 interleaved (GPT-J).
+    """
+
+    def __init__(self, interleaved: bool):
+        super().__init__()
+        self.mode = 1 if interleaved else 0
+
+    def construct(self, x_BNSR, cos_SR, sin_SR):
+        cos_11SR = cos_SR.astype(x_BNSR.dtype).reshape((1, 1) + cos_SR.shape)
+        sin_11SR = sin_SR.astype(x_BNSR.dtype).reshape((1, 1) + sin_SR.shape)
+        return ops.rotary_position_embedding(x_BNSR, cos_11SR, sin_11SR, self.mode)
+
+
 def alignment(num_rows: int, num_groups: int) -> int:
     """GroupedMatmul takes groups of any size: no padding rows."""
     return 1

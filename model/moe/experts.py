@@ -86,6 +86,7 @@ class RoutedExperts(nn.Cell):
         self.scaled_bmm = RowScaledWeightGradMatmul()
         self.gmm = kernels.grouped_matmul()
         self.scaled_gmm = kernels.grouped_matmul_row_scaled()
+        self.activation = kernels.swiglu()
 
     def expert_matmul(self, x, w_EOF, scale, group_sizes):
         """``x @ w_e^T`` per expert: on an ``[E, C, F]`` buffer (``group_sizes`` None) or on grouped rows;
@@ -116,7 +117,7 @@ class RoutedExperts(nn.Cell):
 
     def _forward(self, x, scale, group_sizes):
         gate = self.expert_matmul(x, self.gate_proj, scale, group_sizes)
-        hidden = ops.silu(gate) * self.expert_matmul(x, self.up_proj, scale, group_sizes)
+        hidden = self.activation(gate, self.expert_matmul(x, self.up_proj, scale, group_sizes))
         return self.expert_matmul(hidden, self.down_proj, scale, group_sizes)
 
     def construct(self, x_ECH):

@@ -7,7 +7,7 @@ F input features, O output features, H hidden, I expert width.
 """
 
 import numpy as np
-from mindspore import Parameter, ParameterTuple, Tensor, ops
+from mindspore import Parameter, ParameterTuple, Tensor
 
 from mindmoe.model.lora import EXPERT_PROJECTIONS
 from mindmoe.model.lora_layers import AdapterScope, AdapterSpec, lora_a_init
@@ -74,7 +74,7 @@ class LoraRoutedExperts(RoutedExperts):
     def _forward(self, x_ECH, scale_EC, groups=None):
         gate_ECI = self._project(x_ECH, self.gate_proj, self.gate_proj_lora, self.gate_proj_dropout, scale_EC, groups)
         up_ECI = self._project(x_ECH, self.up_proj, self.up_proj_lora, self.up_proj_dropout, scale_EC, groups)
-        hidden_ECI = ops.silu(gate_ECI) * up_ECI
+        hidden_ECI = self.activation(gate_ECI, up_ECI)
         return self._project(hidden_ECI, self.down_proj, self.down_proj_lora, self.down_proj_dropout, scale_EC, groups)
 
 
