@@ -50,7 +50,8 @@ from mindmoe.train.checkpoint import (
 )
 from mindmoe.train.checkpoint_tokenizer import checkpoint_tokenizer
 from mindmoe.train.eval_config import EvalConfig, validate_eval_config
-from mindmoe.train.step import masked_cross_entropy, split_window
+from mindmoe.train.head_loss import head_loss, head_nll, masked_sum
+from mindmoe.train.step import split_window
 
 log = logging.getLogger("mindmoe.eval")
 
@@ -119,13 +120,15 @@ def length_windows(cfg, tokenizer_path: str, length: int, eval_cfg: EvalConfig):
 
 
 def nll_function(model):
-    """Compiled ``(sum nll, scored tokens, sum nll beyond, tokens beyond)`` of one batch."""
+    """Compiled ``(sum nll, scored tokens, sum nll beyond, tokens beyond)`` of one batch: both sums from one
+    pass of the head, chunked over tokens (:func:`train.head_loss.head_loss`)."""
+    token_nll = head_loss(model)
 
     @ms.jit
     def nll_sums(input_ids, doc_ids, labels, loss_mask, beyond_mask):
-        logits = model(input_ids, doc_ids)[0]
-        _, nll_all, count_all = masked_cross_entropy(logits, labels, loss_mask)
-        _, nll_beyond, count_beyond = masked_cross_entropy(logits, labels, loss_mask * beyond_mask)
+        nll_T = head_nll(model, token_nll, input_ids, doc_ids, labels)[0]
+        nll_all, count_all = masked_sum(nll_T, loss_mask)
+        nll_beyond, count_beyond = masked_sum(nll_T, loss_mask * beyond_mask)
         return nll_all, count_all, nll_beyond, count_beyond
 
     return nll_sums

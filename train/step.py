@@ -26,10 +26,14 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from mindmoe.data.packing import PackedWindows, label_mask
+from mindmoe.train.head_loss import head_loss, head_nll, masked_sum
 
 
 def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
-    """Mean negative log-likelihood over positions where ``loss_mask`` is 1 (fp32)."""
+    """Mean negative log-likelihood over positions where ``loss_mask`` is 1 (fp32), from whole logits.
+
+    The step and evaluation use :func:`train.head_loss.head_nll` instead (the head applied in chunks); this is the plain
+    formula, for logits a caller already has."""
     log_probs_BSV = ops.log_softmax(logits_BSV.astype(ms.float32), -1)
     nll_BS = -ops.gather_elements(log_probs_BSV, 2, labels_BS.expand_dims(-1)).squeeze(-1)
     mask_BS = loss_mask_BS.astype(ms.float32)
@@ -223,14 +227,13 @@ def _compile_accumulation(grad_fn, unscale, clip_and_apply, buffers, accum_steps
     return accumulate, apply_accumulated
 
 
-def _compile_evaluate(model):
+def _compile_evaluate(model, token_nll):
     """``(nll sum, scored tokens)`` of one micro-batch, no gradient."""
 
     @ms.jit
     def evaluate(input_ids, doc_ids, labels, loss_mask):
-        logits = model(input_ids, doc_ids)[0]
-        _, nll_sum, count = masked_cross_entropy(logits, labels, loss_mask)
-        return nll_sum, count
+        nll_T = head_nll(model, token_nll, input_ids, doc_ids, labels)[0]
+        return masked_sum(nll_T, loss_mask)
 
     return evaluate
 
@@ -255,6 +258,7 @@ class CompiledStep:
         self.accum_steps = accum_steps
         params = optimizer.parameters
         scale_loss, unscale, adjust_scale, self.loss_scale_state = _loss_scaling(loss_scale)
+        self.token_nll = head_loss(model, params)
 
         def scaled_loss(input_ids, doc_ids, labels, loss_mask, token_weight):
             loss, aux = self._loss(input_ids, doc_ids, labels, loss_mask, token_weight)
@@ -267,13 +271,15 @@ class CompiledStep:
         self._accumulate, self._apply_accumulated = _compile_accumulation(
             grad_fn, unscale, clip_and_apply, self.grad_buffers, accum_steps
         )
-        self._evaluate = _compile_evaluate(model)
+        self._evaluate = _compile_evaluate(model, head_loss(model))
 
     def _loss(self, input_ids, doc_ids, labels, loss_mask, token_weight):
         """The micro-batch's share of the step objective, and ``(loss, lm, aux, z, routing, layer)``
         unscaled. ``token_weight`` is a graph input, not a constant: it changes every step."""
-        logits, aux_loss, z_loss, routing_stats, layer_stats = self.model(input_ids, doc_ids)
-        _, nll_sum, _ = masked_cross_entropy(logits, labels, loss_mask)
+        nll_T, aux_loss, z_loss, routing_stats, layer_stats = head_nll(
+            self.model, self.token_nll, input_ids, doc_ids, labels
+        )
+        nll_sum, _ = masked_sum(nll_T, loss_mask)
         lm_loss = nll_sum * token_weight
         loss = lm_loss + aux_loss + z_loss
         return loss, (loss, lm_loss, aux_loss, z_loss, routing_stats, layer_stats)

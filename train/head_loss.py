@@ -1,0 +1,37 @@
+"""The LM loss of the step and of evaluation: the model's final hidden rows through the chunked head
+(:class:`model.lm_loss.TokenNLL`), weighted by a loss mask.
+
+Shape legend (docs/architecture.md): B batch, S sequence, T tokens (B * S), H hidden size.
+"""
+
+import mindspore as ms
+
+from mindmoe.model.lm_loss import TokenNLL, chunk_rows
+
+
+def head_loss(model, trainable_params=None) -> TokenNLL:
+    """The chunked head-and-cross-entropy cell for ``model`` (built outside the compiled graph).
+
+    The head's weight gradient is computed only when the head is among ``trainable_params`` (None: no
+    gradient is taken). The logits MatMul runs in the compute dtype mixed precision gave the model
+    (``train.precision``), as the model's own head does.
+    """
+    head_name = model.head_weight().name
+    trainable = trainable_params is not None and any(p.name == head_name for p in trainable_params)
+    strategy = getattr(model, "amp_strategy", None)
+    compute_dtype = ms.float32 if strategy is None else strategy.get_amp_dtype()
+    return TokenNLL(chunk_rows(model.config.vocab_size), trainable, compute_dtype)
+
+
+def head_nll(model, token_nll, input_ids_BS, doc_ids_BS, labels_BS):
+    """``(nll [T] fp32, aux_loss, z_loss, routing_stats, layer_stats)``: the model's outputs with the per-token
+    cross-entropy of its head in place of the logits (``token_nll`` from :func:`head_loss`)."""
+    hidden_TH, *others = model(input_ids_BS, doc_ids_BS, True)
+    nll_T, _ = token_nll(hidden_TH, model.head_weight(), labels_BS.reshape(-1))
+    return (nll_T, *others)
+
+
+def masked_sum(nll_T, mask_BS):
+    """``(sum of nll where the mask is 1, count)`` (fp32)."""
+    mask_T = mask_BS.reshape(-1).astype(ms.float32)
+    return (nll_T * mask_T).sum(), mask_T.sum()
