@@ -15,11 +15,18 @@ GRAD_BYTES = {"fp32": 4, "bf16": 2}
 class ParallelConfig:
     """How the work is split over processes. The single-process layout is ``dp=1, ep=1``."""
 
-    #: Data-parallel replicas; 0 = the number of processes divided by ``ep`` (1 without mindmoe-launch).
+    #: Data-parallel replicas; 0 = the number of processes divided by ``ep`` (with ``ep_dispatcher=alltoall``:
+    #: the number of processes; 1 without mindmoe-launch).
     dp: int = 0
-    #: Expert-parallel group size: each MoE layer's experts are split over ``ep`` ranks that share
-    #: their micro-batches (one data-parallel replica); divides the process count and num_experts.
+    #: Expert-parallel group size: each MoE layer's experts are split over ``ep`` consecutive ranks;
+    #: divides the process count and num_experts.
     ep: int = 1
+    #: How tokens reach the experts of an expert group (``ep > 1``). ``allgather``: the group's ranks
+    #: share their micro-batches (one data-parallel replica, ``dp`` counts groups) and each runs its
+    #: experts' rows. ``alltoall``: every rank reads its own micro-batches (``dp`` counts every rank and
+    #: ``ep`` divides it) and sends each assignment only to the rank holding its expert; experts are
+    #: then data parallel over ``dp / ep`` ranks.
+    ep_dispatcher: str = "allgather"
 
 
 @dataclass

@@ -46,8 +46,9 @@ class Distributed:
         self.world_size = layout.world_size
         self.dp = layout.dp
         self.ep = layout.ep
-        # Expert groups are runs of ep consecutive ranks; a group is one data-parallel replica.
-        self.dp_rank = rank // layout.ep
+        # Expert groups are runs of ep consecutive ranks: one data-parallel replica (allgather), or ep of them
+        # (alltoall: every rank reads its own micro-batches).
+        self.dp_rank = rank if layout.ep_dispatcher == "alltoall" else rank // layout.ep
         self.rank_in_group = rank % layout.ep
         self.ep_group = ep_group
         self.expert_dp_group = expert_dp_group
@@ -74,7 +75,7 @@ class Distributed:
             return None
         from mindmoe.train.expert_parallel import ExpertParallelDispatch
 
-        return ExpertParallelDispatch(self.rank_in_group, self.ep, self.ep_group)
+        return ExpertParallelDispatch(self.rank_in_group, self.ep, self.ep_group, self.layout.ep_dispatcher)
 
     def track_expert_shards(self, model) -> None:
         """Record which of ``model``'s parameters are expert shards (``parallel.ep > 1``), for the gradient
@@ -99,7 +100,9 @@ class Distributed:
         Replicated parameters: every rank holds its replica's full gradient (the copy into an expert
         group sums the expert paths), so the mean over all ranks is the mean over replicas. Expert
         shards: the same experts live on one rank per replica; their gradients are averaged over
-        those ``dp`` ranks only.
+        those ``dp`` ranks only. With ``alltoall`` a rank's expert gradient is already the sum over the ``ep``
+        replicas of its group whose tokens it ran, so it is summed over the ``dp / ep`` ranks holding the same
+        experts and divided by all ``dp`` replicas (with one expert group: only divided).
         """
         if not self.active:
 
@@ -112,7 +115,9 @@ class Distributed:
         dense_idx = [i for i, p in enumerate(params) if p.name not in self.sharded]
         dense_reducer = nn.DistributedGradReducer([params[i] for i in dense_idx], mean=True, degree=self.world_size)
         expert_reducer = None
-        if expert_idx and self.dp > 1:
+        # Without other groups, dp is 1 (allgather) or ep (alltoall: the gradient summed the group's replicas).
+        expert_scale = 1.0 / self.dp
+        if expert_idx and self.expert_dp_group:
             expert_reducer = nn.DistributedGradReducer(
                 [params[i] for i in expert_idx], mean=True, degree=self.dp, group=self.expert_dp_group
             )
@@ -133,6 +138,8 @@ class Distributed:
             experts = tuple(grads[i] for i in expert_idx)
             if expert_reducer is not None:
                 experts = expert_reducer(experts)
+            elif expert_scale != 1.0:
+                experts = tuple(g * expert_scale for g in experts)
             merged = dense + experts
             return tuple(merged[i] for i in order), loss_all_reduce(loss) * inv_world
 
@@ -159,8 +166,9 @@ class Distributed:
 
     @property
     def replica_copies(self) -> int:
-        """Ranks holding the same micro-batches (an expert group): sums over ranks count each ``ep`` times."""
-        return self.ep
+        """Ranks holding the same micro-batches: an expert group of ``allgather`` (sums over ranks count each
+        ``ep`` times); 1 with ``alltoall``, whose ranks all read their own."""
+        return self.ep // self.layout.replicas_per_group
 
     def any_rank(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on any; also a barrier (all ranks must call it)."""
@@ -172,8 +180,8 @@ class Distributed:
         """The sum of a non-negative integer over data-parallel replicas, exactly (all ranks must call it).
 
         The collective sums float32, exact only below 2**24: the count travels as two base-4096
-        digits, whose sums stay exact for totals below 2**36 on fewer than 4096 ranks. The ranks of
-        an expert group hold the same micro-batches, so their sum is divided by ``ep``.
+        digits, whose sums stay exact for totals below 2**36 on fewer than 4096 ranks. Ranks holding the
+        same micro-batches are counted once (:attr:`replica_copies`).
         """
         if not self.active:
             return int(count)
@@ -198,7 +206,14 @@ def init_distributed(
     """
     if not launched_by_msrun():
         layout = resolve_layout(
-            1, parallel.dp, parallel.ep, num_experts, global_batch_size, micro_batch_size, has_moe_layers
+            1,
+            parallel.dp,
+            parallel.ep,
+            num_experts,
+            global_batch_size,
+            micro_batch_size,
+            has_moe_layers,
+            parallel.ep_dispatcher,
         )
         return Distributed(0, layout)
     from mindspore.communication import get_group_size, get_rank, init
@@ -206,7 +221,14 @@ def init_distributed(
     init()
     world_size, rank = get_group_size(), get_rank()
     layout = resolve_layout(
-        world_size, parallel.dp, parallel.ep, num_experts, global_batch_size, micro_batch_size, has_moe_layers
+        world_size,
+        parallel.dp,
+        parallel.ep,
+        num_experts,
+        global_batch_size,
+        micro_batch_size,
+        has_moe_layers,
+        parallel.ep_dispatcher,
     )
     ep_group, expert_dp_group = _expert_groups(rank, layout)
     ms.reset_auto_parallel_context()
@@ -231,7 +253,7 @@ def init_distributed(
 
 def _expert_groups(rank: int, layout: Layout):
     """Communication groups of expert parallelism: this rank's expert group (``ep`` consecutive
-    ranks) and the ranks holding the same experts in the other replicas (``dp`` of them)."""
+    ranks) and the ranks holding the same experts in the other groups (``world_size / ep`` of them)."""
     if layout.ep == 1:
         return "", ""
     from mindspore.communication import GlobalComm, create_group
@@ -243,7 +265,7 @@ def _expert_groups(rank: int, layout: Layout):
         ep_group = f"expert_group_{first // layout.ep}"
         create_group(ep_group, list(range(first, first + layout.ep)))
     expert_dp_group = ""
-    if layout.dp > 1:
+    if layout.world_size > layout.ep:
         position = rank % layout.ep
         expert_dp_group = f"expert_dp_group_{position}"
         create_group(expert_dp_group, list(range(position, layout.world_size, layout.ep)))

@@ -23,8 +23,8 @@ the outputs are summed over the group (each row is produced by exactly one rank)
 Capacity, dropping and the aux loss therefore stay per micro-batch, exactly as in one process.
 Expert memory (weights, gradients, AdamW moments) is divided by ``ep``; attention and the router
 run on every rank of a group. CPU has AllGather and AllReduce but no ReduceScatter (AllGather's
-usual backward) or AlltoAll, hence the custom backwards. A token-splitting ``alltoall``
-dispatcher for Ascend is not written.
+usual backward) or AlltoAll, hence the custom backwards. The token-routed ``alltoall`` dispatcher,
+whose ranks read different micro-batches, is :mod:`train.token_exchange`.
 
 Checkpoints always hold full expert tensors: :class:`ShardedState` gathers on save and slices on
 load, so a run can resume with any ``ep``.
@@ -37,6 +37,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from mindmoe.model.moe.token_dispatcher import ExpertPlacement, local_dispatcher
+from mindmoe.train.token_exchange import AllToAllDispatcher, exchange_local_dispatcher
 
 #: Names of the stacked expert weights of an MoE layer (``layers.{i}.mlp.experts.<name>``).
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
@@ -149,12 +150,14 @@ class AllGatherDispatcher(nn.Cell):
 
 
 class ExpertParallelDispatch(ExpertPlacement):
-    """``expert_dispatcher`` of a model built on rank ``rank_in_group`` of an expert group of ``ep`` ranks."""
+    """``expert_dispatcher`` of a model built on rank ``rank_in_group`` of an expert group of ``ep`` ranks;
+    ``ep_dispatcher`` (``parallel.ep_dispatcher``): ``allgather`` or ``alltoall`` (:mod:`train.token_exchange`)."""
 
-    def __init__(self, rank_in_group: int, ep: int, group: str):
+    def __init__(self, rank_in_group: int, ep: int, group: str, ep_dispatcher: str = "allgather"):
         self.rank_in_group = rank_in_group
         self.ep = ep
         self.group = group
+        self.ep_dispatcher = ep_dispatcher
 
     def held_experts(self, num_experts: int) -> range:
         num_local = num_experts // self.ep
@@ -162,9 +165,15 @@ class ExpertParallelDispatch(ExpertPlacement):
 
     def dispatcher(self, cfg):
         held = self.held_experts(cfg.num_experts)
+        if self.ep_dispatcher == "alltoall":
+            local = exchange_local_dispatcher(cfg)
+            return AllToAllDispatcher(local, len(held), self.rank_in_group, self.ep, self.group)
         return AllGatherDispatcher(
             local_dispatcher(cfg), held.start, len(held), self.rank_in_group, self.ep, self.group
         )
+
+
+EXPERT_PARALLEL_DISPATCHERS = (AllGatherDispatcher, AllToAllDispatcher)
 
 
 def expert_shards(model, num_experts: int, ep: int) -> dict:
@@ -178,7 +187,7 @@ def expert_shards(model, num_experts: int, ep: int) -> dict:
         dispatcher = layer.mlp.dispatcher
         for name in EXPERT_WEIGHTS:
             param = getattr(experts, name)
-            if param.shape[0] * ep != num_experts or not isinstance(dispatcher, AllGatherDispatcher):
+            if param.shape[0] * ep != num_experts or not isinstance(dispatcher, EXPERT_PARALLEL_DISPATCHERS):
                 raise ValueError(
                     f"parallel.ep={ep}: {param.name} holds {param.shape[0]} of {num_experts} experts; build the "
                     "model with MoETransformer(..., expert_dispatcher=dist.expert_dispatcher)"

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
+from mindmoe.conf.checks import Layout
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.distributed import Distributed
@@ -127,6 +128,7 @@ class TwoRanks(Distributed):
 
     def __init__(self):
         self.world_size, self.ep = 2, 1
+        self.layout = Layout(world_size=2, dp=2, ep=1, accumulation=1)
 
     def sum_over_ranks(self, values):
         values = np.asarray(values, np.float32)
