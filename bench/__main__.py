@@ -5,6 +5,7 @@ results file and regenerate BENCHMARKS.md.
     mindmoe-bench --quick                # tiny models: a smoke test of the command, figures meaningless
     mindmoe-bench --cases train_step,torch_reference
     mindmoe-bench --cases hf_load_memory # opt-in: peak RSS of importing a ~1 GiB HF checkpoint
+    mindmoe-bench --cases scaling        # opt-in: mindmoe-train runs at 8-256 experts, 1k-8k tokens, 152k vocab
 
 Each measurement runs in a fresh process, so ``peak_rss`` (``ru_maxrss``) is that case's alone;
 the ratios (``mfu``, ``torch_ratio``, ``torch_eager_ratio``, ``moe_overhead``) are formed from rows of
@@ -19,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+from mindmoe.bench import scaling
 from mindmoe.bench.report import machine_description, render_markdown
 from mindmoe.bench.specs import SIZES
 from mindmoe.conf.quiet import quiet_framework_logs
@@ -26,7 +28,9 @@ from mindmoe.conf.quiet import quiet_framework_logs
 BENCH_DIR = Path(__file__).resolve().parent
 RESULT_MARK = "BENCH_RESULT "
 DEFAULT_CASES = ("gemm_peak", "train_step", "torch_reference", "moe_overhead", "compile_scaling", "data_pipeline")
-OPT_IN_CASES = ("hf_load_memory",)
+OPT_IN_CASES = ("hf_load_memory", "scaling")
+# Cases with their own section of BENCHMARKS.md, kept from the file when a run does not measure them.
+SECTION_CASES = ("scaling",)
 # Cases whose figures are ratios of other cases' measurements.
 NEEDS = {
     "gemm_peak": (),
@@ -36,6 +40,7 @@ NEEDS = {
     "compile_scaling": (),
     "data_pipeline": ("train_step",),
     "hf_load_memory": (),
+    "scaling": (),
 }
 HF_LOAD_GIB = {"full": 1.0, "quick": 0.02}
 
@@ -121,21 +126,44 @@ def add_mfu(gemm_row: dict, step_rows: list) -> None:
 
 
 def rerender(results: Path, markdown: Path) -> None:
-    """BENCHMARKS.md again from the last full or quick run in ``results`` (no new measurement)."""
+    """BENCHMARKS.md again from the last full or quick run in ``results`` (no new measurement); a section
+    case's section from the last run that measured it (else kept from ``markdown``)."""
     rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     rows = [row for row in rows if "run" in row]
+    main_rows = [row for row in rows if row["case"] not in SECTION_CASES]
     if not rows:
         raise SystemExit(f"--rerender: no benchmark rows in {results}")
-    run_rows = [row for row in rows if row["run"] == rows[-1]["run"]]
-    gemm = [row for row in run_rows if row["case"] == "gemm_peak"]
-    steps = [row for row in run_rows if row["case"] == "train_step"]
-    if gemm and steps:
-        add_mfu(gemm[0], steps)
-    machine = machine_description()
-    machine["load_avg_start"] = next(row["load_avg"] for row in run_rows if "load_avg" in row)
-    machine["load_avg_end"] = [row["load_avg"] for row in run_rows if "load_avg" in row][-1]
-    markdown.write_text(render_markdown(run_rows, machine, run_rows[0]["run"], SIZES[run_rows[0]["size"]]))
-    print(f"wrote {markdown} from run {run_rows[0]['run']} of {results}", file=sys.stderr)
+    old = markdown.read_text() if markdown.exists() else ""
+    text = old
+    if main_rows:
+        run_rows = [row for row in main_rows if row["run"] == main_rows[-1]["run"]]
+        gemm = [row for row in run_rows if row["case"] == "gemm_peak"]
+        steps = [row for row in run_rows if row["case"] == "train_step"]
+        if gemm and steps:
+            add_mfu(gemm[0], steps)
+        machine = machine_description()
+        machine["load_avg_start"] = next(row["load_avg"] for row in run_rows if "load_avg" in row)
+        machine["load_avg_end"] = [row["load_avg"] for row in run_rows if "load_avg" in row][-1]
+        text = render_markdown(run_rows, machine, run_rows[0]["run"], SIZES[run_rows[0]["size"]])
+        print(f"wrote {markdown} from run {run_rows[0]['run']} of {results}", file=sys.stderr)
+    scaling_rows = [row for row in rows if row["case"] == "scaling"]
+    scaling_rows = [row for row in scaling_rows if row["run"] == scaling_rows[-1]["run"]] if scaling_rows else []
+    markdown.write_text(scaling.splice(text, section_text(scaling_rows, old)))
+
+
+def section_text(scaling_rows: list, old_markdown: str) -> str:
+    """The Scaling section: from these rows, else the one ``old_markdown`` has ("" if none)."""
+    if scaling_rows:
+        return "\n".join(scaling.markdown_section(scaling_rows))
+    return scaling.existing_section(old_markdown)
+
+
+def write_markdown(path: Path, run, machine: dict) -> None:
+    """BENCHMARKS.md from this run; a run of section cases only rewrites just their sections."""
+    old = path.read_text() if path.exists() else ""
+    measured_main = any(row["case"] not in SECTION_CASES for row in run.rows)
+    text = render_markdown(run.rows, machine, run.run_id, run.size) if measured_main or not old else old
+    path.write_text(scaling.splice(text, section_text([r for r in run.rows if r["case"] == "scaling"], old)))
 
 
 class Run:
@@ -250,6 +278,9 @@ class Run:
     def case_hf_load_memory(self):
         return self.emit("hf_load_memory", hf_load_memory(self.size_name))
 
+    def case_scaling(self):
+        return scaling.measure(self.size_name, BENCH_DIR.parent, lambda row: self.emit("scaling", row))
+
 
 def parse_cases(text: str) -> list:
     cases = [c.strip() for c in text.split(",") if c.strip()]
@@ -303,7 +334,7 @@ def main(argv=None) -> int:
     machine["load_avg_end"] = load_average()
     machine["wall_s"] = round(time.perf_counter() - started, 1)
     if str(args.markdown) != "-":
-        args.markdown.write_text(render_markdown(run.rows, machine, run.run_id, run.size))
+        write_markdown(args.markdown, run, machine)
         print(f"wrote {args.markdown}", file=sys.stderr)
     return 0
 

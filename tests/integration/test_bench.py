@@ -166,3 +166,154 @@ def test_unknown_case_is_rejected_with_the_valid_names():
     child = run_bench("--cases", "train_stepp", "--markdown", "-")
     assert child.returncode != 0
     assert "train_stepp" in child.stderr and "train_step" in child.stderr
+
+
+# The opt-in scaling case: its command lines, rows and section, checked without running its 15 trainings.
+
+
+def test_scaling_is_opt_in_not_a_default_case():
+    from mindmoe.bench.__main__ import DEFAULT_CASES, OPT_IN_CASES, parse_cases
+
+    assert "scaling" not in DEFAULT_CASES and "scaling" in OPT_IN_CASES
+    assert parse_cases("scaling") == ["scaling"]
+    help_text = run_bench("--help").stdout
+    assert "opt-in: hf_load_memory,scaling" in " ".join(help_text.split())
+
+
+def scaling_overrides(run) -> dict:
+    return dict(override.split("=", 1) for override in run.overrides)
+
+
+def test_scaling_runs_are_the_issues_commands_and_compose_into_configs():
+    from hydra import compose, initialize_config_module
+
+    from mindmoe.bench.scaling import scaling_runs
+    from mindmoe.conf.schema import register_configs
+
+    runs = scaling_runs("full")
+    experts = [(r.label, scaling_overrides(r)) for r in runs if r.group == "experts"]
+    assert [label for label, _ in experts] == [
+        f"{e}/8 {dispatch}" for e in (8, 64, 128, 256) for dispatch in ("capacity", "dropless")
+    ]
+    for label, overrides in experts:
+        assert overrides["model.num_experts"] == label.split("/")[0]
+        assert (overrides["model.top_k"], overrides["model.moe_intermediate_size"]) == ("8", "32")
+        assert overrides["model.dispatch"] == label.split()[1]
+        assert overrides.get("model.capacity_factor", "1.25") == "1.25"
+    one_sequence = {
+        "data.micro_batch_size": "1",
+        "data.global_batch_size": "1",
+        "model.max_position_embeddings": "8192",
+    }
+    lengths = [scaling_overrides(r) for r in runs if r.group == "length"]
+    assert [o["data.seq_len"] for o in lengths] == ["1024", "2048", "4096", "8192"]
+    vocabs = [scaling_overrides(r) for r in runs if r.group == "vocab"]
+    assert [(o["data.seq_len"], o["model.vocab_size"]) for o in vocabs] == [
+        ("2048", "8192"),
+        ("2048", "151552"),
+        ("8192", "151552"),  # the step that must fit on the machine
+    ]
+    for overrides in lengths + vocabs:
+        assert one_sequence.items() <= overrides.items()
+    # Only training sizes change between rows of a group: nothing else of the default run is touched.
+    assert {key.split(".")[0] for r in runs for key in scaling_overrides(r)} == {"model", "data", "train"}
+    for run in runs:
+        assert run.command == "mindmoe-train " + " ".join(run.overrides)
+    # Every key is a config key, composed as mindmoe-train composes (one run per set of keys: 1.3 s each).
+    register_configs()
+    with initialize_config_module(config_module="mindmoe.conf", version_base="1.3"):
+        for run in {frozenset(scaling_overrides(run)): run for run in runs}.values():
+            cfg = compose(config_name="config", overrides=list(run.overrides))
+            for key, value in scaling_overrides(run).items():
+                section, name = key.split(".")
+                assert str(cfg[section][name]).lower() == value, key
+
+
+def fake_scaling_rows():
+    from mindmoe.bench.scaling import GIB, scaling_runs
+
+    speeds = {"64/8 capacity": 4000.0, "64/8 dropless": 3600.0, "128/8 capacity": 4000.0, "128/8 dropless": 2000.0}
+    rss = {"seq 1024": 2.0, "seq 2048": 2.5, "seq 4096": 4.0}
+    rows = []
+    for run in scaling_runs("full"):
+        ok = run.label != "seq 8192"
+        rows.append(
+            {
+                "case": "scaling",
+                "run": "2026-01-01T00:00:00Z",
+                "kind": "run",
+                "group": run.group,
+                "label": run.label,
+                "command": run.command,
+                "tokens_per_s": speeds.get(run.label, 1000.0) if ok else None,
+                "log_rows": 3 if ok else 0,
+                "peak_rss": int(rss.get(run.label, 3.0) * GIB),
+                "wall_s": 30.0,
+                "load_avg": 1.0,
+                "status": "ok" if ok else "killed by SIGKILL (out of memory?)",
+            }
+        )
+    return rows
+
+
+def test_scaling_ratios_are_formed_from_the_rows_they_name():
+    from mindmoe.bench.scaling import ratios
+
+    figures = {f["figure"]: f for f in ratios(fake_scaling_rows())}
+    assert figures["64/8 dropless / capacity tokens/s"]["value"] == pytest.approx(0.9)
+    assert figures["64/8 dropless / capacity tokens/s"]["holds"]
+    assert not figures["128/8 dropless / capacity tokens/s"]["holds"]  # 0.5 < 0.7
+    assert figures["128/8 dropless / capacity peak RSS"]["value"] == pytest.approx(1.0)
+    # (4.0 - 2.5) / max(2.5 - 2.0, 0.25) = 3.0 > 2.3
+    growth = figures["peak RSS (4k - 2k) / max(2k - 1k, 0.25 GiB)"]
+    assert growth["value"] == pytest.approx(3.0) and not growth["holds"]
+
+
+def test_scaling_section_lists_every_run_with_its_command_and_failures_as_rows(tmp_path):
+    from mindmoe.bench import scaling
+    from mindmoe.bench.__main__ import write_markdown
+
+    rows = fake_scaling_rows()
+    rows += [{"case": "scaling", "kind": "ratio", **f} for f in scaling.ratios(rows)]
+    text = "\n".join(scaling.markdown_section(rows))
+    assert "One factor at a time" in text
+    for row in rows[:15]:
+        assert f"`{row['command']}` |" in text
+    assert "| length | seq 8192 | - | 3.00 |" in text and "killed by SIGKILL (out of memory?)" in text
+    assert "| 64/8 dropless / capacity tokens/s | 0.90 | >= 0.8 | yes |" in text
+
+    # A scaling-only run replaces just its section; a later default run keeps it.
+    markdown = tmp_path / "BENCHMARKS.md"
+    markdown.write_text("# Benchmarks\n\n## gemm_peak\n\nkept\n")
+
+    class ScalingRun:
+        run_id, size = rows[0]["run"], None
+
+    ScalingRun.rows = rows
+    write_markdown(markdown, ScalingRun, {})
+    assert markdown.read_text() == "# Benchmarks\n\n## gemm_peak\n\nkept\n\n" + text.rstrip("\n") + "\n"
+    ScalingRun.rows = rows[:2]  # fewer rows: the section is rewritten, nothing else
+    write_markdown(markdown, ScalingRun, {})
+    assert "seq 8192" not in markdown.read_text() and "kept" in markdown.read_text()
+    assert scaling.existing_section(markdown.read_text()).startswith("## Scaling")
+
+
+def test_benchmarks_markdown_of_a_default_run_keeps_the_scaling_section(quick_run):
+    from mindmoe.bench import scaling
+
+    _, results, markdown = quick_run
+    section = "\n".join(scaling.markdown_section(fake_scaling_rows()))
+    markdown.write_text(scaling.splice(markdown.read_text(), section))
+    child = run_bench("--rerender", "--results", str(results), "--markdown", str(markdown))
+    assert child.returncode == 0, child.stderr[-3000:]
+    text = markdown.read_text()
+    assert "## train_step" in text and scaling.existing_section(text) == section.rstrip("\n") + "\n"
+
+
+def test_a_failed_scaling_run_is_a_row_saying_so(tmp_path):
+    from mindmoe.bench.scaling import ScalingRun, failure, run_one
+
+    assert failure(-9, "") == "killed by SIGKILL (out of memory?)"
+    row = run_one(ScalingRun("experts", "bad", ("model.num_experts=0",)), ROOT, tmp_path)
+    assert row["status"].startswith("exit ") and "num_experts" in row["status"]
+    assert row["tokens_per_s"] is None and row["peak_rss"] > 50 * 2**20

@@ -1,0 +1,261 @@
+"""The opt-in ``scaling`` case: short ``mindmoe-train`` runs as the expert count, length and vocabulary grow.
+
+Each row is one ``mindmoe-train`` process on the bundled corpus, as a user would run it: its tokens/s
+is the median logged ``tokens_per_s`` after the first log row (which holds the compile), its peak RSS
+the whole process's (data preparation and final validation included), taken from ``wait4`` as
+``/usr/bin/time`` does. One factor changes at a time around each group's base point. A run that fails
+(out of memory, say) is a row saying how, not an error of the bench.
+"""
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from mindmoe.bench.report import _table
+
+GIB = 2**30
+TIMEOUT_S = 900
+
+# The issue's measurement: a tiny fine-grained MoE, default data (seq 128, 16 sequences per step).
+EXPERTS_BASE = ("model.top_k=8", "model.moe_intermediate_size=32")
+DISPATCH = {
+    "capacity": ("model.dispatch=capacity", "model.capacity_factor=1.25"),
+    "dropless": ("model.dispatch=dropless",),
+}
+# One sequence per step; RoPE tables long enough for every length of the group.
+LENGTH_BASE = ("data.micro_batch_size=1", "data.global_batch_size=1", "model.max_position_embeddings=8192")
+COMMON = ("train.progress_bar=false",)
+# dropless / capacity at top-8: tokens/s at least this (RSS at most DROPLESS_RSS_LIMIT x) per expert count.
+DROPLESS_SPEED_TARGET = {64: 0.8, 128: 0.7, 256: 0.7}
+DROPLESS_RSS_LIMIT = 1.3
+# (RSS(4k) - RSS(2k)) <= this x max(RSS(2k) - RSS(1k), 0.25 GiB): peak RSS about linear in length.
+LENGTH_GROWTH_LIMIT = 2.3
+
+
+@dataclass(frozen=True)
+class Grid:
+    experts: tuple
+    lengths: tuple
+    vocabs: tuple
+    vocab_length: int  # data.seq_len of the vocabulary rows
+    long_row: tuple  # (seq_len, vocab) of the one run that must fit in memory, or ()
+    experts_steps: tuple  # (train.max_steps, train.log_every)
+    length_steps: tuple
+
+
+GRIDS = {
+    "full": Grid((8, 64, 128, 256), (1024, 2048, 4096, 8192), (8192, 151552), 2048, (8192, 151552), (20, 5), (3, 1)),
+    # A smoke test of the case: figures meaningless.
+    "quick": Grid((8,), (128,), (8192,), 128, (), (2, 1), (2, 1)),
+}
+
+
+@dataclass(frozen=True)
+class ScalingRun:
+    group: str  # experts | length | vocab
+    label: str
+    overrides: tuple
+
+    @property
+    def command(self) -> str:
+        return "mindmoe-train " + " ".join(self.overrides)
+
+
+def _steps(steps: tuple) -> tuple:
+    return (f"train.max_steps={steps[0]}", f"train.log_every={steps[1]}")
+
+
+def scaling_runs(size_name: str) -> list:
+    """The runs of the case at ``size_name`` (``full`` or ``quick``), in the order they run."""
+    grid = GRIDS[size_name]
+    runs = []
+    for experts in grid.experts:
+        for dispatch, dispatch_overrides in DISPATCH.items():
+            overrides = (f"model.num_experts={experts}", *EXPERTS_BASE, *dispatch_overrides)
+            runs.append(ScalingRun("experts", f"{experts}/8 {dispatch}", overrides + _steps(grid.experts_steps)))
+    length_steps = _steps(grid.length_steps)
+    for length in grid.lengths:
+        runs.append(ScalingRun("length", f"seq {length}", (*LENGTH_BASE, f"data.seq_len={length}", *length_steps)))
+    for vocab in grid.vocabs:
+        overrides = (*LENGTH_BASE, f"data.seq_len={grid.vocab_length}", f"model.vocab_size={vocab}", *length_steps)
+        runs.append(ScalingRun("vocab", f"vocab {vocab}", overrides))
+    if grid.long_row:
+        length, vocab = grid.long_row
+        overrides = (*LENGTH_BASE, f"data.seq_len={length}", f"model.vocab_size={vocab}", *length_steps)
+        runs.append(ScalingRun("vocab", f"seq {length}, vocab {vocab}", overrides))
+    return [ScalingRun(r.group, r.label, r.overrides + COMMON) for r in runs]
+
+
+def median_tokens_per_s(metrics_path: Path):
+    """Median ``tokens_per_s`` of the logged training rows after the first; None without two rows."""
+    if not metrics_path.exists():
+        return None, 0
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    speeds = [row["tokens_per_s"] for row in sorted(rows, key=lambda r: r["step"]) if "tokens_per_s" in row]
+    return (statistics.median(speeds[1:]) if len(speeds) > 1 else None), len(speeds)
+
+
+def failure(returncode: int, stderr: str) -> str:
+    if returncode < 0:
+        name = signal.Signals(-returncode).name
+        return f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
+    lines = [line.strip() for line in stderr.splitlines() if "Error" in line or "error:" in line]
+    return f"exit {returncode}: " + (lines[-1][:200] if lines else "no error line")
+
+
+def run_one(run: ScalingRun, root: Path, work: Path) -> dict:
+    """``run`` in a fresh process; its peak RSS from ``wait4`` (the process and the children it waited for)."""
+    run_dir = work / run.label.replace(" ", "_").replace("/", "-").replace(",", "")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    command = [sys.executable, "-m", "mindmoe.train.cli", *run.overrides, f"hydra.run.dir={run_dir}"]
+    load_before = os.getloadavg()[0]
+    started = time.perf_counter()
+    with open(work / "stderr.txt", "w+") as stderr:
+        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=root, env=env)
+        try:
+            _, status, usage = _wait4(child, TIMEOUT_S)
+            returncode = os.waitstatus_to_exitcode(status)
+        except BaseException as error:  # the timeout, or the bench interrupted: leave no training behind
+            child.kill()
+            _, _, usage = os.wait4(child.pid, 0)
+            if not isinstance(error, TimeoutError):
+                raise
+            returncode = None
+        child.returncode = returncode  # reaped here: Popen must not wait again
+        stderr.seek(0)
+        errors = stderr.read()[-20000:]
+    row = {
+        "group": run.group,
+        "label": run.label,
+        "command": run.command,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "peak_rss": usage.ru_maxrss * 1024,  # Linux reports KiB
+        "load_avg": round(max(load_before, os.getloadavg()[0]), 2),
+    }
+    tokens_per_s, log_rows = median_tokens_per_s(run_dir / "metrics.jsonl")
+    shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint: up to GiBs at a large vocabulary
+    row.update(tokens_per_s=tokens_per_s, log_rows=log_rows)
+    if returncode is None:
+        row["status"] = f"timed out after {TIMEOUT_S} s"
+    elif returncode:
+        row["status"] = failure(returncode, errors)
+    else:
+        row["status"] = "ok" if tokens_per_s is not None else f"ok, but {log_rows} log row(s): no speed"
+    return row
+
+
+def _wait4(child, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
+        if pid:
+            return pid, status, usage
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        time.sleep(0.2)
+
+
+def ratios(rows: list) -> list:
+    """The acceptance figures formed from the run rows: dropless / capacity per expert count, length growth."""
+    by_label = {row["label"]: row for row in rows}
+    out = []
+
+    def add(figure, value, target, higher_is_better):
+        holds = value >= target if higher_is_better else value <= target
+        bound = (">= " if higher_is_better else "<= ") + str(target)
+        out.append({"figure": figure, "value": value, "target": bound, "holds": holds})
+
+    for experts, target in DROPLESS_SPEED_TARGET.items():
+        capacity, dropless = by_label.get(f"{experts}/8 capacity"), by_label.get(f"{experts}/8 dropless")
+        if capacity and dropless and capacity["tokens_per_s"] and dropless["tokens_per_s"]:
+            speed = dropless["tokens_per_s"] / capacity["tokens_per_s"]
+            add(f"{experts}/8 dropless / capacity tokens/s", speed, target, True)
+            rss = dropless["peak_rss"] / capacity["peak_rss"]
+            add(f"{experts}/8 dropless / capacity peak RSS", rss, DROPLESS_RSS_LIMIT, False)
+    lengths = [by_label.get(f"seq {length}") for length in (1024, 2048, 4096)]
+    if all(row and row["status"] == "ok" for row in lengths):
+        rss_1k, rss_2k, rss_4k = (row["peak_rss"] for row in lengths)
+        growth = (rss_4k - rss_2k) / max(rss_2k - rss_1k, 0.25 * GIB)
+        add("peak RSS (4k - 2k) / max(2k - 1k, 0.25 GiB)", growth, LENGTH_GROWTH_LIMIT, False)
+    return out
+
+
+def measure(size_name: str, root: Path, emit) -> list:
+    """Every run of the case, then its ratios; ``emit(row)`` records each as it is measured."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="mindmoe-scaling-") as work:
+        for run in scaling_runs(size_name):
+            rows.append(emit({"kind": "run", **run_one(run, root, Path(work))}))
+    for figure in ratios(rows):
+        rows.append(emit({"kind": "ratio", **figure}))
+    return rows
+
+
+SECTION = "## Scaling"
+
+
+def markdown_section(rows: list) -> list:
+    """The Scaling section of BENCHMARKS.md from the ``scaling`` rows of one run."""
+    runs = [row for row in rows if row.get("kind") == "run"]
+    figures = [row for row in rows if row.get("kind") == "ratio"]
+    lines = [
+        SECTION,
+        "",
+        f"Opt-in (`mindmoe-bench --cases scaling`), run {rows[0]['run']}. One factor at a time around each "
+        "group's base point: **experts** = the tiny model at top-8, expert width 32, default data (seq 128, "
+        "16 sequences per step), capacity factor 1.25 or dropless; **length** and **vocab** = micro-batch 1, "
+        "one sequence per step, `model.max_position_embeddings=8192`. Each row is one `mindmoe-train` process: "
+        "tokens/s = median logged `tokens_per_s` after the first log row; peak RSS = the whole process's "
+        "(data preparation and final validation included).",
+        "",
+    ]
+    table = [
+        [
+            row["group"],
+            row["label"],
+            "-" if row["tokens_per_s"] is None else f"{row['tokens_per_s']:,.0f}",
+            row["peak_rss"] / GIB,
+            round(row["wall_s"]),
+            row["load_avg"],
+            row["status"],
+            f"`{row['command']}`",
+        ]
+        for row in runs
+    ]
+    header = ["group", "run", "tokens/s", "peak RSS GiB", "wall s", "load", "status", "command"]
+    lines += _table(header, table)
+    if figures:
+        figure_rows = [[f["figure"], f["value"], f["target"], "yes" if f["holds"] else "no"] for f in figures]
+        lines += _table(["figure", "value", "target", "holds"], figure_rows)
+    return lines
+
+
+def splice(markdown: str, section: str) -> str:
+    """``markdown`` with its Scaling section (up to the next ``## `` heading) replaced by ``section``, or with
+    ``section`` appended; an empty ``section`` changes nothing."""
+    if not section:
+        return markdown
+    old = existing_section(markdown)
+    section = section.rstrip("\n") + "\n"
+    if not old:
+        return (markdown.rstrip("\n") + "\n\n" if markdown else "") + section
+    blank_before_next = "\n" if old.endswith("\n\n") else ""
+    return markdown.replace(old, section + blank_before_next, 1)
+
+
+def existing_section(markdown: str) -> str:
+    """The Scaling section of an earlier BENCHMARKS.md ("" if it has none)."""
+    start = markdown.find(SECTION + "\n")
+    if start < 0:
+        return ""
+    end = markdown.find("\n## ", start + len(SECTION))
+    return markdown[start:] if end < 0 else markdown[start : end + 1]
