@@ -204,9 +204,10 @@ def init_distributed(
     In msrun's scheduler process ``init()`` serves the cluster and exits when the workers are done,
     so nothing after it runs there.
     """
-    if not launched_by_msrun():
-        layout = resolve_layout(
-            1,
+
+    def layout_of(world_size: int):
+        return resolve_layout(
+            world_size,
             parallel.dp,
             parallel.ep,
             num_experts,
@@ -215,21 +216,14 @@ def init_distributed(
             has_moe_layers,
             parallel.ep_dispatcher,
         )
-        return Distributed(0, layout)
+
+    if not launched_by_msrun():
+        return Distributed(0, layout_of(1))
     from mindspore.communication import get_group_size, get_rank, init
 
     init()
     world_size, rank = get_group_size(), get_rank()
-    layout = resolve_layout(
-        world_size,
-        parallel.dp,
-        parallel.ep,
-        num_experts,
-        global_batch_size,
-        micro_batch_size,
-        has_moe_layers,
-        parallel.ep_dispatcher,
-    )
+    layout = layout_of(world_size)
     ep_group, expert_dp_group = _expert_groups(rank, layout)
     ms.reset_auto_parallel_context()
     # Fused all-reduce buckets instead of one all-reduce per parameter (on these CPU machines this
