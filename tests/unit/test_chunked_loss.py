@@ -8,7 +8,7 @@ import mindspore as ms
 import numpy as np
 import pytest
 import torch
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Tensor, ops
 
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lm_loss import TokenNLL, chunk_rows
@@ -18,6 +18,7 @@ from mindmoe.train.config import TrainConfig
 from mindmoe.train.head_loss import head_loss
 from mindmoe.train.precision import apply_precision
 from mindmoe.train.step import CompiledStep
+from tests.helpers.gradient_capture import GradientCapture
 
 TOKENS, HIDDEN, VOCAB = 11, 8, 13
 
@@ -101,22 +102,6 @@ MODEL = ModelConfig(
     tie_word_embeddings=True,
 )
 SEQ = 16
-
-
-class GradientCapture(nn.Optimizer):
-    """Stores the gradient it is given instead of updating."""
-
-    def __init__(self, params):
-        super().__init__(0.0, params)
-        self.captured = ParameterTuple(
-            Parameter(ops.zeros(p.shape, ms.float32), name="captured." + p.name, requires_grad=False)
-            for p in self.parameters
-        )
-
-    def construct(self, gradients):
-        for captured, gradient in zip(self.captured, gradients):
-            ops.assign(captured, gradient)
-        return True
 
 
 def test_head_loss_follows_the_head_trainability_and_the_compute_dtype():

@@ -5,13 +5,14 @@ of them, checked against a NumPy log-softmax and a separately written token-mean
 import mindspore as ms
 import numpy as np
 import pytest
-from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore import Tensor, ops
 
 from mindmoe.conf.checks import Layout
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.distributed import Distributed
 from mindmoe.train.step import CompiledStep
+from tests.helpers.gradient_capture import GradientCapture
 
 # Dropless routing and no aux / z losses: the model's output for a row does not depend on which
 # micro-batch holds it, so only the normalisation of the loss can make the two steps differ.
@@ -32,22 +33,6 @@ MODEL = ModelConfig(
 )
 SEQ = 16
 SCORED_SPANS = [(7, 8), (3, 9), (1, SEQ + 1)]  # assistant positions of each micro-batch's rows: 1, 6, 16 labels
-
-
-class GradientCapture(nn.Optimizer):
-    """Stores the gradient it is given instead of updating: the step's gradient, read back exactly."""
-
-    def __init__(self, params):
-        super().__init__(0.0, params)
-        self.captured = ParameterTuple(
-            Parameter(ops.zeros(p.shape, ms.float32), name="captured." + p.name, requires_grad=False)
-            for p in self.parameters
-        )
-
-    def construct(self, gradients):
-        for captured, gradient in zip(self.captured, gradients):
-            ops.assign(captured, gradient)
-        return True
 
 
 def sft_micro_batches():
