@@ -87,6 +87,7 @@ class RoutedExperts(nn.Cell):
         self.gmm = kernels.grouped_matmul()
         self.scaled_gmm = kernels.grouped_matmul_row_scaled()
         self.activation = kernels.swiglu()
+        self.pad_other_experts = ops.Pad(((1, 1), (0, 0), (0, 0)))
 
     def expert_matmul(self, x, w_EOF, scale, group_sizes):
         """``x @ w_e^T`` per expert: on an ``[E, C, F]`` buffer (``group_sizes`` None) or on grouped rows;
@@ -97,9 +98,10 @@ class RoutedExperts(nn.Cell):
             return self.scaled_bmm(x, w_EOF, scale)
         if self.num_held < self.num_experts:
             # Zero weights for the groups of the experts other processes hold (see held_groups).
-            # A pad, not a concat with zero tensors: traced into the fused train step on CPU, the concat
-            # failed kernel selection (an input of type None).
-            w_EOF = ops.pad(w_EOF, (0, 0, 0, 0, 1, 1))
+            # The Pad primitive: in MindSpore 2.9 the gradient of ``ops.pad`` (PadV3) is zero from the second
+            # call of a compiled graph on; a concat with zero tensors failed kernel selection in the fused
+            # train step on CPU (an input of type None).
+            w_EOF = self.pad_other_experts(w_EOF)
         if scale is None:
             return self.gmm(x, w_EOF, group_sizes)
         return self.scaled_gmm(x, w_EOF, group_sizes, scale)

@@ -201,6 +201,40 @@ def test_expert_share_runs_only_its_groups_and_the_shares_sum_to_the_whole():
         assert not part.asnumpy()[~touches].any() and part.asnumpy()[touches].any()
 
 
+def test_a_share_gets_its_rows_of_the_whole_expert_gradient_at_every_call_of_the_compiled_graph():
+    """The zero-weight groups of the other experts must not cut the share's weight gradient: with a padding
+    op whose gradient was zero from the second call of a graph on, the experts of every expert-parallel
+    rank stopped training after step 1 while the forward stayed right."""
+    held = range(2, 4)
+    whole = RoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.5, np.random.default_rng(3))
+    share = RoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.5, np.random.default_rng(3), held_experts=held)
+    dispatcher = DroplessDispatcher(EXPERTS, alignment=2)
+
+    def objective(experts):
+        def loss(x, topk, weight, w_out):
+            inputs, state = dispatcher.dispatch(x, (topk, weight))
+            return (dispatcher.combine(experts.grouped(inputs, dispatcher.group_sizes(state)), state) * w_out).sum()
+
+        return ms.jit(ms.value_and_grad(loss, None, experts.trainable_params()))
+
+    whole_grads, share_grads = objective(whole), objective(share)
+    rng = np.random.default_rng(5)
+    for call in range(3):  # a different routing each call, as in successive training steps
+        topk_TK = np.stack([rng.choice(EXPERTS, TOP_K, replace=False) for _ in range(TOKENS)]).astype(np.int32)
+        args = (
+            Tensor(rng.normal(size=(TOKENS, HIDDEN)).astype(np.float32)),
+            Tensor(topk_TK),
+            Tensor(rng.uniform(0.1, 1.0, size=topk_TK.shape).astype(np.float32)),
+            Tensor(rng.normal(size=(TOKENS, HIDDEN)).astype(np.float32)),
+        )
+        _, expected = whole_grads(*args)
+        _, actual = share_grads(*args)
+        for got, want in zip(actual, expected):
+            want_rows = want.asnumpy()[held.start : held.stop]
+            assert np.abs(want_rows).sum() > 0
+            np.testing.assert_allclose(got.asnumpy(), want_rows, rtol=1e-5, atol=1e-6, err_msg=f"call {call}")
+
+
 def test_moe_layer_class_is_unchanged_for_capacity():
     layer = MoELayer(ModelConfig(num_experts=EXPERTS, dispatch="capacity"), np.random.default_rng(0))
     assert layer.dispatcher.group_sizes(None) is None
