@@ -28,8 +28,10 @@ all_to_all     ``cpu_collectives.EmulatedAllToAll``       ``ops.AlltoAll`` (spli
 ============== ========================================== ==============================================
 
 ``blockwise_attention`` (training attention, memory linear in the length): on CPU
-:class:`~.cpu_attention.BlockwiseAttention` (blocks, online softmax, recomputing backward), on Ascend
-:class:`~.ascend_attention.AscendFlashAttention` (``ops.flash_attention_score`` with a boolean mask).
+:class:`~.cpu_attention.BlockwiseAttention` (blocks, online softmax, recomputing backward; the key blocks
+in the future or in no document of the query block are skipped), on Ascend
+:class:`~.ascend_attention.AscendFlashAttention` (``ops.flash_attention_score`` with a boolean mask and
+``next_tokens=0``: the future is skipped, the other documents are masked).
 ``grouped_matmul_row_scaled`` and ``grouped_alignment`` go with ``grouped_matmul``. The collectives
 (``reduce_scatter``, ``all_gather``) are to join this table the same way.
 """

@@ -10,10 +10,17 @@ class AscendFlashAttention(nn.Cell):
     """``ops.flash_attention_score`` in the BNSD layout (its backward is MindSpore's; it saves only the
     row statistics and recomputes the probabilities, like the CPU kernel).
 
-    Document masking: a boolean ``attn_mask [B, 1, S, S]`` (True = discard) with ``sparse_mode=0``.
-    The packed-document layout ``TND`` with ``actual_seq_qlen`` would skip the other documents' blocks,
-    but it takes every row's document lengths as a list whose length is the number of documents
-    (data-dependent, and no zero lengths), which a graph compiled for static shapes cannot give.
+    Document masking: a boolean ``attn_mask [B, 1, S, S]`` (True = discard) with ``sparse_mode=0``, and
+    ``next_tokens=0``: in that mode the op computes only the band between ``pre_tokens`` and
+    ``next_tokens`` of the mask, so the blocks entirely in the future are skipped (as on CPU); the mask
+    discards them anyway, so the result is the same.
+
+    Blocks entirely in another document are not expressed to the op. The only way is the packed layout
+    ``TND`` with ``actual_seq_qlen``/``actual_seq_kvlen``: the cumulative document lengths of the whole
+    batch, one entry per document, none of length 0. Their number changes from batch to batch, while
+    this graph is compiled for static shapes (a new count would mean a new shape, recompiled), and a
+    fixed-size list cannot be padded (a zero length is refused; splitting a document would change the
+    attention). The other sparse modes (2-4: causal or band) take a fixed 2048 x 2048 mask, no documents.
     FlashAttentionScore maps query head n to key/value head n // (N / G) as the CPU kernel does, and
     takes fp16/bf16 q/k/v only (``train.dtype=bf16`` or ``fp16``). ``block_size`` is the op's own."""
 
@@ -30,5 +37,6 @@ class AscendFlashAttention(nn.Cell):
             attn_mask=document_discard_mask(doc_ids_BS),
             scalar_value=self.scale,
             input_layout="BNSD",
+            next_tokens=0,
             sparse_mode=0,
         )

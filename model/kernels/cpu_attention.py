@@ -5,11 +5,16 @@ dim; per block: Q query positions, K key positions, R = group x Q rows of one ke
 
 The sequence is cut into blocks of ``block_size`` positions (the last one may be shorter). Query block
 i meets key blocks 0..i only: the blocks above the diagonal are entirely in the future and are never
-computed (a static choice, the loops are unrolled when the graph compiles). Within a block pair the
-document-causal mask is built from the document ids of the two blocks (and, on the diagonal, the
-positions), so no ``[S, S]`` tensor exists. The forward keeps a running row maximum and row sum
-(online softmax) and saves only the output and the per-row log-sum-exp; the backward recomputes each
-block's probabilities from the log-sum-exp (FlashAttention-2, Dao 2023):
+computed (a static choice, the loops are unrolled when the graph compiles). A key block below the
+diagonal that shares no document with the query block (in no row of the batch: their ranges of
+document ids are disjoint) is skipped too, forward and backward: the pair's work sits in a tensor
+``if`` on that condition, which MindSpore 2.9 compiles on CPU into a branch that really is not run
+(forward and backward at S=4096 with documents of 217-948 tokens: 0.50x the time of computing every
+pair). The diagonal pair is never skipped and comes first, so it starts the running statistics.
+Within a block pair the document-causal mask is built from the document ids of the two blocks (and,
+on the diagonal, the positions), so no ``[S, S]`` tensor exists. The forward keeps a running row
+maximum and row sum (online softmax) and saves only the output and the per-row log-sum-exp; the
+backward recomputes each block's probabilities from the log-sum-exp (FlashAttention-2, Dao 2023):
 ``delta = rowsum(dout * out)``, ``dscores = probs * (dprobs - delta)``.
 
 Memory on CPU (MindSpore 2.9, measured): the compiled graph reuses a block's buffers only if two
@@ -21,12 +26,9 @@ soon as its inputs exist, so every block's mask (and, in the backward, ``dout v^
 up front and held; each pair's mask and values are therefore made to wait (``ops.depend``) for the
 previous pair's result.
 With both, one compiled forward and backward at S=4096 (N=8, G=2, D=64) peaked 0.6 GB above the
-imported process against 1.9 GB for the full-mask core; in the whole training graph the gain is
-smaller and the steps slower, so the model does not run it on CPU (``model.attention.BLOCKWISE_DEVICES``).
-
-Blocks wholly inside another document are still computed (their mask is all MASK_VALUE): which
-blocks they are depends on the data, and a data-dependent branch in the graph would split it into
-control-flow subgraphs for every block pair.
+imported process against 1.9 GB for the full-mask core (0.8 GB with the skipping branches, whether
+or not a block is skipped); in the whole training graph the gain is smaller and the steps slower,
+so the model does not run it on CPU (``model.attention.BLOCKWISE_DEVICES``).
 """
 
 import mindspore as ms
@@ -65,6 +67,8 @@ class BlockwiseAttentionCore(nn.Cell):
         self.bmm_tn = ops.BatchMatMul(transpose_a=True)
         self.row_dot = ops.MatMul()
         self.row_max = ops.ReduceMax(keep_dims=True)
+        self.doc_low = ops.ReduceMin()
+        self.doc_high = ops.ReduceMax()
         self.positions = Tensor(np.arange(block_size, dtype=np.int32))
 
     def _causal(self, size):
@@ -112,25 +116,48 @@ class BlockwiseAttentionCore(nn.Cell):
         sums_Z1 = self._row_sum(probs_BGRK.reshape(-1, probs_BGRK.shape[-1]))
         return ops.concat((weighted_BGRD, sums_Z1.reshape(probs_BGRK.shape[:-1] + (1,))), -1)
 
-    def _query_block(self, q_BGRD, k_BGSD, v_BGSD, doc_ids_BS, blocks, i, heads):
+    def _shares_document(self, ranges, i, j):
+        """0-d bool: some row of query block i and key block j may share a document (their ranges of
+        document ids overlap). Never False for a pair that shares one, so skipping the others is exact
+        for any document ids; with packed (non-decreasing) ids it is False for every pair that shares none."""
+        (q_low_B, q_high_B), (k_low_B, k_high_B) = ranges[i], ranges[j]
+        return ops.logical_not(ops.logical_or(k_high_B < q_low_B, k_low_B > q_high_B)).any()
+
+    def _document_ranges(self, doc_ids_BS, blocks):
+        """Per block, the lowest and highest document id of each row (``[B]`` int32 each)."""
+        ranges = ()
+        for k0, k1 in blocks:
+            ranges = ranges + ((self.doc_low(doc_ids_BS[:, k0:k1], 1), self.doc_high(doc_ids_BS[:, k0:k1], 1)),)
+        return ranges
+
+    def _online_step(self, q_BGRD, k_BGSD, v_BGSD, doc_ids_BS, blocks, i, j, acc_BGRE, max_BGR1, heads):
+        """The running ``[p v, rowsum(p)]`` and row maximum after key block j (the first when ``acc_BGRE``
+        is None)."""
+        k0, k1 = blocks[j]
+        # Ordering only (module docstring, rule 2): this pair's mask waits for the previous pair.
+        after = q_BGRD if acc_BGRE is None else acc_BGRE
+        mask_B1QK = self._mask(ops.depend(doc_ids_BS, after), blocks[i], blocks[j])
+        scores_BGRK = self._scores(q_BGRD, k_BGSD[:, :, k0:k1], mask_B1QK, heads)
+        block_max_BGR1 = self.row_max(scores_BGRK.reshape(-1, k1 - k0), 1).reshape(q_BGRD.shape[:-1] + (1,))
+        new_max_BGR1 = block_max_BGR1 if max_BGR1 is None else ops.maximum(max_BGR1, block_max_BGR1)
+        shifted_BGRK = scores_BGRK - ops.broadcast_to(new_max_BGR1, scores_BGRK.shape)
+        weighted_BGRE = self._weighted_values(ops.exp(shifted_BGRK), v_BGSD[:, :, k0:k1])
+        if acc_BGRE is None:
+            return weighted_BGRE, new_max_BGR1
+        rescale_BGRE = ops.broadcast_to(ops.exp(max_BGR1 - new_max_BGR1), acc_BGRE.shape)
+        return acc_BGRE * rescale_BGRE + weighted_BGRE, new_max_BGR1
+
+    def _query_block(self, q_BGRD, kv, doc_ids_BS, ranges, blocks, i, heads):
         """Output ``[B, G, R, D]`` and log-sum-exp ``[B, G, R, 1]`` of query block i (online softmax)."""
+        k_BGSD, v_BGSD = kv
         head_dim = q_BGRD.shape[-1]
-        acc_BGRE, max_BGR1 = None, None
-        for j in range(i + 1):
-            k0, k1 = blocks[j]
-            # Ordering only (module docstring, rule 2): this pair's mask waits for the previous pair.
-            after = q_BGRD if acc_BGRE is None else acc_BGRE
-            mask_B1QK = self._mask(ops.depend(doc_ids_BS, after), blocks[i], blocks[j])
-            scores_BGRK = self._scores(q_BGRD, k_BGSD[:, :, k0:k1], mask_B1QK, heads)
-            block_max_BGR1 = self.row_max(scores_BGRK.reshape(-1, k1 - k0), 1).reshape(q_BGRD.shape[:-1] + (1,))
-            new_max_BGR1 = block_max_BGR1 if max_BGR1 is None else ops.maximum(max_BGR1, block_max_BGR1)
-            shifted_BGRK = scores_BGRK - ops.broadcast_to(new_max_BGR1, scores_BGRK.shape)
-            weighted_BGRE = self._weighted_values(ops.exp(shifted_BGRK), v_BGSD[:, :, k0:k1])
-            if acc_BGRE is None:
-                acc_BGRE = weighted_BGRE
-            else:
-                acc_BGRE = acc_BGRE * ops.broadcast_to(ops.exp(max_BGR1 - new_max_BGR1), acc_BGRE.shape) + weighted_BGRE
-            max_BGR1 = new_max_BGR1
+        # The diagonal block first: it is never skipped (a query sees itself), so it starts the statistics.
+        acc_BGRE, max_BGR1 = self._online_step(q_BGRD, k_BGSD, v_BGSD, doc_ids_BS, blocks, i, i, None, None, heads)
+        for j in range(i):
+            if self._shares_document(ranges, i, j):
+                acc_BGRE, max_BGR1 = self._online_step(
+                    q_BGRD, k_BGSD, v_BGSD, doc_ids_BS, blocks, i, j, acc_BGRE, max_BGR1, heads
+                )
         sums_BGR1 = acc_BGRE[..., head_dim:]
         values_BGRD = acc_BGRE[..., :head_dim]
         return values_BGRD / ops.broadcast_to(sums_BGR1, values_BGRD.shape), max_BGR1 + ops.log(sums_BGR1)
@@ -139,13 +166,14 @@ class BlockwiseAttentionCore(nn.Cell):
         batch, heads, seq_len, head_dim = q_BNSD.shape
         groups = k_BGSD.shape[1]
         blocks = block_bounds(seq_len, self.block_size)
+        ranges = self._document_ranges(doc_ids_BS, blocks)
         outs, lses = [], []
         for i in range(len(blocks)):
             q0, q1 = blocks[i]
             # Query block i starts after block i - 1 is done (module docstring, rule 2).
             q_BNQD = q_BNSD[:, :, q0:q1] if not outs else ops.depend(q_BNSD[:, :, q0:q1], outs[-1])
             q_BGRD = self._rows(q_BNQD * self.scale, groups)
-            out_BGRD, lse_BGR1 = self._query_block(q_BGRD, k_BGSD, v_BGSD, doc_ids_BS, blocks, i, heads)
+            out_BGRD, lse_BGR1 = self._query_block(q_BGRD, (k_BGSD, v_BGSD), doc_ids_BS, ranges, blocks, i, heads)
             outs.append(out_BGRD.astype(q_BNSD.dtype).reshape(batch, heads, q1 - q0, head_dim))
             lses.append(lse_BGR1.reshape(batch, heads, q1 - q0, 1))
         return ops.concat(outs, 2), ops.concat(lses, 2)
@@ -155,6 +183,7 @@ class BlockwiseAttentionCore(nn.Cell):
         dout_BNSD = dout[0]
         batch, heads, seq_len, head_dim = q_BNSD.shape
         blocks = block_bounds(seq_len, self.block_size)
+        ranges = self._document_ranges(doc_ids_BS, blocks)
         products_ZD = (dout_BNSD.astype(ms.float32) * out_BNSD.astype(ms.float32)).reshape(-1, head_dim)
         delta_BNS1 = self._row_sum(products_ZD).reshape(batch, heads, seq_len, 1)
         dq_blocks, dk_blocks, dv_blocks = (), (), ()
@@ -163,49 +192,59 @@ class BlockwiseAttentionCore(nn.Cell):
             dq_BNQD, dk_blocks, dv_blocks = self._backward_query_block(
                 (q_after_BNSD, k_BGSD, v_BGSD, doc_ids_BS),
                 (dout_BNSD, lse_BNS1, delta_BNS1),
-                blocks,
-                i,
+                (blocks, ranges, i),
                 dk_blocks,
                 dv_blocks,
             )
             dq_blocks = dq_blocks + (dq_BNQD,)
         return ops.concat(dq_blocks, 2), ops.concat(dk_blocks, 2), ops.concat(dv_blocks, 2), ops.zeros_like(doc_ids_BS)
 
-    def _backward_query_block(self, inputs, saved, blocks, i, dk_blocks, dv_blocks):
+    def _backward_query_block(self, inputs, saved, where, dk_blocks, dv_blocks):
         """dq ``[B, N, Q, D]`` of query block i, and the dk/dv blocks with its contributions added (key
-        block i is first reached here: it is appended)."""
+        block i is first reached here: it is appended). Key blocks sharing no document are skipped."""
         q_BNSD, k_BGSD, v_BGSD, doc_ids_BS = inputs
         dout_BNSD, lse_BNS1, delta_BNS1 = saved
+        blocks, ranges, i = where
         batch, heads, _, head_dim = q_BNSD.shape
         groups = k_BGSD.shape[1]
         q0, q1 = blocks[i]
-        q_BGRD = self._rows(q_BNSD[:, :, q0:q1] * self.scale, groups)
-        dout_BGRD = self._rows(dout_BNSD[:, :, q0:q1], groups)
-        lse_BGR1 = self._rows(lse_BNS1[:, :, q0:q1], groups)
-        delta_BGR1 = self._rows(delta_BNS1[:, :, q0:q1], groups)
-        dq_BGRD = None
-        for j in range(i + 1):
-            k0, k1 = blocks[j]
-            k_BGKD, v_BGKD = k_BGSD[:, :, k0:k1], v_BGSD[:, :, k0:k1]
-            # Ordering only (module docstring, rule 2): dout v^T and the mask wait for the previous pair.
-            after = q_BGRD if dq_BGRD is None else dq_BGRD
-            v_BGKD = ops.depend(v_BGKD, after)
-            mask_B1QK = self._mask(ops.depend(doc_ids_BS, after), blocks[i], blocks[j])
-            scores_BGRK = self._scores(q_BGRD, k_BGKD, mask_B1QK, heads)
-            probs_BGRK = ops.exp(scores_BGRK - ops.broadcast_to(lse_BGR1, scores_BGRK.shape))
-            dscores_BGRK = (probs_BGRK * self._shifted_dprobs(dout_BGRD, delta_BGR1, v_BGKD)).astype(q_BNSD.dtype)
-            dq_part = self.bmm_nn(dscores_BGRK, k_BGKD)
-            # Taken against the scaled queries, so dk already carries the scale.
-            dk_part = self.bmm_tn(dscores_BGRK, q_BGRD)
-            dv_part = self.bmm_tn(probs_BGRK.astype(v_BGKD.dtype), dout_BGRD)
-            dq_BGRD = dq_part if j == 0 else dq_BGRD + dq_part
-            if j == i:
-                dk_blocks = dk_blocks + (dk_part,)
-                dv_blocks = dv_blocks + (dv_part,)
-            else:
-                dk_blocks = dk_blocks[:j] + (dk_blocks[j] + dk_part,) + dk_blocks[j + 1 :]
-                dv_blocks = dv_blocks[:j] + (dv_blocks[j] + dv_part,) + dv_blocks[j + 1 :]
+        rows = (
+            self._rows(q_BNSD[:, :, q0:q1] * self.scale, groups),
+            self._rows(dout_BNSD[:, :, q0:q1], groups),
+            self._rows(lse_BNS1[:, :, q0:q1], groups),
+            self._rows(delta_BNS1[:, :, q0:q1], groups),
+        )
+        dq_BGRD, dk_BGKD, dv_BGKD = self._backward_pair(rows, (k_BGSD, v_BGSD, doc_ids_BS), blocks, i, i, rows[0])
+        dk_blocks, dv_blocks = dk_blocks + (dk_BGKD,), dv_blocks + (dv_BGKD,)
+        for j in range(i):
+            dk_BGKD, dv_BGKD = dk_blocks[j], dv_blocks[j]
+            if self._shares_document(ranges, i, j):
+                dq_part, dk_part, dv_part = self._backward_pair(
+                    rows, (k_BGSD, v_BGSD, doc_ids_BS), blocks, i, j, dq_BGRD
+                )
+                dq_BGRD, dk_BGKD, dv_BGKD = dq_BGRD + dq_part, dk_BGKD + dk_part, dv_BGKD + dv_part
+            dk_blocks = dk_blocks[:j] + (dk_BGKD,) + dk_blocks[j + 1 :]
+            dv_blocks = dv_blocks[:j] + (dv_BGKD,) + dv_blocks[j + 1 :]
         return (dq_BGRD * self.scale).reshape(batch, heads, q1 - q0, head_dim), dk_blocks, dv_blocks
+
+    def _backward_pair(self, rows, keys, blocks, i, j, after):
+        """dq, dk, dv contributions ``[B, G, R, D]``, ``[B, G, K, D]``, ``[B, G, K, D]`` of block pair
+        (i, j); its work waits for ``after`` (module docstring, rule 2)."""
+        q_BGRD, dout_BGRD, lse_BGR1, delta_BGR1 = rows
+        k_BGSD, v_BGSD, doc_ids_BS = keys
+        heads = q_BGRD.shape[1] * q_BGRD.shape[2] // (blocks[i][1] - blocks[i][0])
+        k0, k1 = blocks[j]
+        k_BGKD, v_BGKD = k_BGSD[:, :, k0:k1], ops.depend(v_BGSD[:, :, k0:k1], after)
+        mask_B1QK = self._mask(ops.depend(doc_ids_BS, after), blocks[i], blocks[j])
+        scores_BGRK = self._scores(q_BGRD, k_BGKD, mask_B1QK, heads)
+        probs_BGRK = ops.exp(scores_BGRK - ops.broadcast_to(lse_BGR1, scores_BGRK.shape))
+        dscores_BGRK = (probs_BGRK * self._shifted_dprobs(dout_BGRD, delta_BGR1, v_BGKD)).astype(q_BGRD.dtype)
+        # Taken against the scaled queries, so dk already carries the scale.
+        return (
+            self.bmm_nn(dscores_BGRK, k_BGKD),
+            self.bmm_tn(dscores_BGRK, q_BGRD),
+            self.bmm_tn(probs_BGRK.astype(v_BGKD.dtype), dout_BGRD),
+        )
 
     def _shifted_dprobs(self, dout_BGRD, delta_BGR1, v_BGKD):
         """``dout v^T - delta`` ``[B, G, R, K]`` fp32 (for fp32 one BatchMatMul: ``[dout, -delta] [v, 1]^T``)."""

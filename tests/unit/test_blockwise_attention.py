@@ -50,6 +50,10 @@ CASES = [
     (3, 3, 4, [[8], [1, 7]], 1.0),
     (4, 1, 4, [[6, 6], [2, 2, 8]], 30.0),  # scores of hundreds: exp overflows without the running max
     (2, 1, 16, [[5], [2, 3]], 1.0),  # one block, shorter than block_size
+    # Several documents per row: query blocks 3 and 4 share no document with key blocks 0 and 1 in
+    # either row (those four pairs are skipped); pairs (1, 0), (2, 0) and (4, 2) share one in row 1
+    # only, so they are computed and row 0 masks them entirely.
+    (4, 2, 4, [[4, 6, 5, 3], [3, 7, 8]], 1.0),
 ]
 
 
@@ -79,6 +83,27 @@ def test_blockwise_attention_values_and_gradients_match_torch(heads, kv_heads, b
     for name, grad, want in zip("qkv", grads, expected[1:]):
         assert np.abs(want).max() > 0.1, f"d{name} must be far from zero for the check to mean anything"
         np.testing.assert_allclose(grad.asnumpy(), want, err_msg=f"d{name}", **tolerance)
+
+
+def test_key_blocks_sharing_no_document_with_the_query_block_are_never_read():
+    # Documents [0, 4), [4, 9), [9, 14) in blocks of 4: the keys and values of block 0 (document 0
+    # alone) are NaN. Query blocks 1..3 share no document with it, so it is skipped and their outputs
+    # are exact; had it been computed, its masked scores would still put NaN in every row.
+    lengths = [[4, 5, 5]]
+    doc_ids = doc_ids_of(lengths)
+    rng = np.random.default_rng(7)
+    q, k, v = (rng.normal(size=(1, heads, 14, 8)).astype(np.float32) for heads in (4, 2, 2))
+    kernel = kernels.blockwise_attention(1.0 / math.sqrt(8), 4, "CPU")
+    k_nan, v_nan = k.copy(), v.copy()
+    k_nan[:, :, :4], v_nan[:, :, :4] = np.nan, np.nan
+
+    def forward(q_BNSD, k_BGSD, v_BGSD, doc_ids_BS):
+        return kernel(q_BNSD, k_BGSD, v_BGSD, doc_ids_BS)
+
+    out = ms.jit(forward)(Tensor(q), Tensor(k_nan), Tensor(v_nan), Tensor(doc_ids)).asnumpy()
+    expected = reference(q, k, v, doc_ids, np.zeros_like(q))[0]
+    assert np.isnan(out[:, :, :4]).all()
+    np.testing.assert_allclose(out[:, :, 4:], expected[:, :, 4:], rtol=1e-4, atol=1e-5)
 
 
 def test_blocks_cover_the_sequence_with_a_shorter_last_block():
@@ -136,14 +161,22 @@ def test_the_ascend_kernel_calls_flash_attention_score_with_arguments_mindspore_
     ]
     assert len(call.args) == 4
     passed = {keyword.arg: keyword.value for keyword in call.keywords}
-    assert set(passed) == {"attn_mask", "scalar_value", "input_layout", "sparse_mode"} and set(passed) <= set(params)
+    assert set(passed) == {"attn_mask", "scalar_value", "input_layout", "next_tokens", "sparse_mode"}
+    assert set(passed) <= set(params)
     assert ast.literal_eval(passed["input_layout"]) == "BNSD" and ast.literal_eval(passed["sparse_mode"]) == 0
+    assert ast.literal_eval(passed["next_tokens"]) == 0  # no key after the query: future blocks skipped
     doc = " ".join(inspect.getdoc(ms.ops.flash_attention_score).split())
     for text in (
         "attn_mask (Tensor, optional): The attention mask tensor of bool or uint8. For each element, 0/False "
         "indicates retention and 1/True indicates discard.",
         "When `sparse_mode` is 0 and 1, `attn_mask` should be :math:`(B, N1, S1, S2)`, :math:`(B, 1, S1, S2)`",
         "N2: Num heads of `key` and `value`, and N2 must be a factor of N1.",
+        # next_tokens=0 bounds the computed part of the mask at the diagonal:
+        "represents how many tokens are counted backward.",
+        "the full `attn_mask` matrix (S1 * S2) needs to be passed in, indicating that the part between "
+        "`next_tokens` and `pre_tokens` needs to be calculated.",
+        # Why the documents are not passed as TND lengths (the kernel's docstring):
+        "0 should not exist in list_seq_k.",
     ):
         assert text in doc, text
     assert isinstance(kernels.blockwise_attention(0.5, 64, "Ascend"), ascend_attention.AscendFlashAttention)
