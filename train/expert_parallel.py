@@ -36,8 +36,9 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from mindmoe.model.moe.token_dispatcher import ExpertPlacement, local_dispatcher
-from mindmoe.train.token_exchange import AllToAllDispatcher, exchange_local_dispatcher
+from mindmoe.model.moe.token_dispatcher import CapacityDispatcher, ExpertPlacement, local_dispatcher
+from mindmoe.train.grouped_exchange import GroupedExchange
+from mindmoe.train.token_exchange import AllToAllDispatcher
 
 #: Names of the stacked expert weights of an MoE layer (``layers.{i}.mlp.experts.<name>``).
 EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
@@ -166,14 +167,16 @@ class ExpertParallelDispatch(ExpertPlacement):
     def dispatcher(self, cfg):
         held = self.held_experts(cfg.num_experts)
         if self.ep_dispatcher == "alltoall":
-            local = exchange_local_dispatcher(cfg)
+            if cfg.dispatch == "dropless":
+                return GroupedExchange(cfg.num_experts, self.rank_in_group, self.ep, self.group)
+            local = CapacityDispatcher(cfg.num_experts, cfg.capacity_factor)
             return AllToAllDispatcher(local, len(held), self.rank_in_group, self.ep, self.group)
         return AllGatherDispatcher(
             local_dispatcher(cfg), held.start, len(held), self.rank_in_group, self.ep, self.group
         )
 
 
-EXPERT_PARALLEL_DISPATCHERS = (AllGatherDispatcher, AllToAllDispatcher)
+EXPERT_PARALLEL_DISPATCHERS = (AllGatherDispatcher, AllToAllDispatcher, GroupedExchange)
 
 
 def expert_shards(model, num_experts: int, ep: int) -> dict:

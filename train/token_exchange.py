@@ -16,32 +16,13 @@ The exchange has fixed sizes (``[e, C, H]`` from every rank to every rank), so i
 Capacity, dropping, the aux loss and the statistics are the local dispatcher's, per micro-batch, exactly
 as one process computes them for that micro-batch.
 
-``model.dispatch=dropless`` goes through the same fixed exchange with ``C = T`` (:class:`TokenCapacityDispatcher`):
-an expert receives at most one assignment per token, so nothing is dropped, at the cost of the all-experts
-buffer (every rank sends ``[E, T, H]`` and runs its experts on ``E * T`` rows, E / K times the routed rows).
+``model.dispatch=dropless`` does not go through this fixed exchange (it would need ``C = T`` slots, the
+all-experts cost): :mod:`train.grouped_exchange` sends each rank only its routed rows.
 """
 
 from mindspore import nn, ops
 
 from mindmoe.model import kernels
-from mindmoe.model.moe.token_dispatcher import CapacityDispatcher
-
-
-class TokenCapacityDispatcher(CapacityDispatcher):
-    """Capacity dispatch with ``C = T`` slots per expert: exact dropless (a token's K experts are distinct)."""
-
-    def __init__(self, num_experts: int):
-        super().__init__(num_experts, capacity_factor=1.0)
-
-    def capacity(self, num_tokens: int, top_k: int) -> int:
-        return num_tokens
-
-
-def exchange_local_dispatcher(cfg):
-    """The fixed-size dispatcher each rank routes its own tokens with, for ``model.dispatch``."""
-    if cfg.dispatch == "dropless":
-        return TokenCapacityDispatcher(cfg.num_experts)
-    return CapacityDispatcher(cfg.num_experts, cfg.capacity_factor)
 
 
 class AllToAllDispatcher(nn.Cell):

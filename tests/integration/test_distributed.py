@@ -539,8 +539,8 @@ def test_four_token_routed_workers_with_ep2_and_dropless_reproduce_the_single_pr
     tmp_path, data_cache, processes
 ):
     """4 data-parallel ranks in two expert groups of 2 (groups smaller than the world: the AllReduce emulation),
-    dropless dispatch through the fixed-size exchange, expert gradients summed over the 2 ranks holding the same
-    experts; one process accumulates the same 4 micro-batches of 2."""
+    dropless dispatch through the grouped exchange (each rank sends only its routed rows), expert gradients summed
+    over the 2 ranks holding the same experts; one process accumulates the same 4 micro-batches of 2."""
     batches = ["data.micro_batch_size=2", "model.dispatch=dropless"]
     expected = single_process_losses(tmp_path / "single_dropless", data_cache, *batches)
     run_dir = tmp_path / "alltoall4"

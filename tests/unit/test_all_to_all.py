@@ -5,12 +5,16 @@ against the installed MindSpore 2.9.
 One process cannot run a collective, so the rank under test gets a stand-in for the gather: rank s's
 tensor is the affine image ``a_s * x + b_s`` of this rank's (``a_r = 1, b_r = 0``), which lets the same
 stand-in produce every rank's sends in the forward and every rank's output gradient in the backward.
+
+The grouped dropless dispatch over the exchange (``train.grouped_exchange``) is checked with the G ranks of a
+group simulated in one graph, against every rank's micro-batch through the all-experts reference.
 """
 
 import inspect
 
 import mindspore as ms
 import numpy as np
+import pytest
 from mindspore import Tensor, nn, ops
 
 from mindmoe.model import kernels
@@ -99,3 +103,194 @@ def test_the_ascend_all_to_all_uses_mindspore_2_9_arguments_it_takes():
     assert "send_numel_list" in inspect.getdoc(ops.AlltoAllV) and "recv_numel_list" in inspect.getdoc(ops.AlltoAllV)
     source = inspect.getsource(ascend_collectives.AscendAllToAll.__init__)
     assert "ops.AlltoAll(split_count=group_size, split_dim=0, concat_dim=0, group=group)" in source
+
+
+# --- grouped dropless dispatch over the exchange (train.grouped_exchange) -----------------------------------
+#
+# The G ranks of a group run in one graph: each rank's GroupedExchange prepares its sends, the exchange is
+# the swap of the source and destination axes, and each rank runs its share of the experts on what it
+# received. The reference is every rank's micro-batch through the all-experts dispatcher with all experts.
+
+RANKS, EXPERTS, TOP_K, TOKENS, HIDDEN, WIDTH = 3, 6, 2, 7, 4, 3
+
+
+class NoExchange(nn.Cell):
+    """The exchanges a rank's GroupedExchange would call; the simulated group swaps the axes itself."""
+
+    def __init__(self, group, group_size, rank_in_group):
+        super().__init__()
+
+    def construct(self, x):
+        return x
+
+
+def swap(sends):
+    """``received[r][s] = sends[s][r]``: the all-to-all of the G ranks' sends."""
+    return [ops.stack([sends[s][r] for s in range(RANKS)]) for r in range(RANKS)]
+
+
+class SimulatedGroup(nn.Cell):
+    """Every rank's dispatch, experts share and combine: ``(sum over ranks of sum(out * w_out), outs)``."""
+
+    def __init__(self, block: int, scaled: bool):
+        from mindmoe.train.grouped_exchange import GroupedExchange
+
+        super().__init__()
+        self.block = block
+        self.scaled = scaled
+        self.exchanges = nn.CellList(
+            [GroupedExchange(EXPERTS, r, RANKS, "unused", NoExchange, alignment=block) for r in range(RANKS)]
+        )
+        share = EXPERTS // RANKS
+        self.experts = nn.CellList([make_experts(range(r * share, (r + 1) * share)) for r in range(RANKS)])
+
+    def construct(self, x_GTH, topk_GTK, weight_GTK, scale_GT, w_out_GTH):
+        sends = [self.exchanges[r].send(x_GTH[r], (topk_GTK[r], weight_GTK[r])) for r in range(RANKS)]
+        slot_rows = sends[0][0].shape[1]
+        arrived = swap([self.exchanges[r].attach_sizes(sends[r][0], sends[r][1]) for r in range(RANKS)])
+        received = [self.exchanges[r].detach_sizes(arrived[r], slot_rows)[0] for r in range(RANKS)]
+        received_sizes = [self.exchanges[r].detach_sizes(arrived[r], slot_rows)[1] for r in range(RANKS)]
+        received_scale = swap(
+            [self.exchanges[r].send_scale(scale_GT[r], sends[r][2], weight_GTK[r]) for r in range(RANKS)]
+        )
+        outputs = []
+        for r in range(RANKS):
+            x_NbH, group_sizes_E, dest_R = self.exchanges[r].receive(received[r], received_sizes[r], self.block)
+            if self.scaled:
+                scale_Nb = self.exchanges[r].receive_scale(received_scale[r], dest_R, self.block)
+                y_NbH = self.experts[r].grouped(x_NbH, group_sizes_E, scale_Nb)
+            else:
+                y_NbH = self.experts[r].grouped(x_NbH, group_sizes_E)
+            outputs.append(self.exchanges[r].send_back(y_NbH, dest_R))
+        returned = swap(outputs)
+        outs = ops.stack(
+            [self.exchanges[r].receive_back(returned[r], sends[r][2], weight_GTK[r]) for r in range(RANKS)]
+        )
+        return (outs * w_out_GTH).sum(), outs
+
+
+class ReferenceGroup(nn.Cell):
+    """Every rank's micro-batch through the all-experts dispatcher and all experts."""
+
+    def __init__(self, scaled: bool):
+        from mindmoe.model.moe import AllExpertsDispatcher
+
+        super().__init__()
+        self.scaled = scaled
+        self.dispatcher = AllExpertsDispatcher(EXPERTS)
+        self.experts = make_experts(None)
+
+    def construct(self, x_GTH, topk_GTK, weight_GTK, scale_GT, w_out_GTH):
+        outs = []
+        for r in range(RANKS):
+            inputs, state = self.dispatcher.dispatch(x_GTH[r], (topk_GTK[r], weight_GTK[r]))
+            if self.scaled:
+                y = self.experts.with_weight_grad_scale(inputs, self.dispatcher.row_scale(scale_GT[r], state))
+            else:
+                y = self.experts(inputs)
+            outs.append(self.dispatcher.combine(y, state))
+        outs = ops.stack(outs)
+        return (outs * w_out_GTH).sum(), outs
+
+
+def make_experts(held):
+    from mindmoe.model.moe import RoutedExperts
+
+    return RoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.5, np.random.default_rng(7), held_experts=held)
+
+
+def group_problem(case: str):
+    rng = np.random.default_rng(11)
+    if case == "random":  # expert 4 gets no token from any rank
+        choices = [0, 1, 2, 3, 5]
+        topk = np.stack([[rng.permutation(choices)[:TOP_K] for _ in range(TOKENS)] for _ in range(RANKS)])
+    else:  # every rank's every assignment on rank 1's experts (2 and 3): a full slot
+        topk = np.stack([[rng.permutation([2, 3]) for _ in range(TOKENS)] for _ in range(RANKS)])
+    return (
+        rng.normal(size=(RANKS, TOKENS, HIDDEN)).astype(np.float32),
+        topk.astype(np.int32),
+        rng.uniform(0.1, 1.0, size=(RANKS, TOKENS, TOP_K)).astype(np.float32),
+        rng.uniform(0.2, 1.0, size=(RANKS, TOKENS)).astype(np.float32),
+        rng.normal(size=(RANKS, TOKENS, HIDDEN)).astype(np.float32),
+    )
+
+
+def values_and_grads(net, problem):
+    weights = net.trainable_params()
+    step = ms.jit(ms.value_and_grad(net, grad_position=(0, 2), weights=weights, has_aux=True))
+    (loss, outs), (input_grads, weight_grads) = step(*(Tensor(a) for a in problem))
+    return (
+        loss.asnumpy(),
+        outs.asnumpy(),
+        [g.asnumpy() for g in input_grads],
+        weights,
+        [g.asnumpy() for g in weight_grads],
+    )
+
+
+# Block 1 is Ascend's alignment; "one_rank" fills a slot exactly (X = T * K there).
+@pytest.mark.parametrize(("case", "block", "scaled"), [("random", 4, True), ("one_rank", 1, False)])
+def test_grouped_exchange_over_a_simulated_group_equals_the_all_experts_reference(case, block, scaled):
+    problem = group_problem(case)
+    loss, outs, input_grads, weights, weight_grads = values_and_grads(SimulatedGroup(block, scaled), problem)
+    ref_loss, ref_outs, ref_input_grads, ref_weights, ref_weight_grads = values_and_grads(
+        ReferenceGroup(scaled), problem
+    )
+    np.testing.assert_allclose(outs, ref_outs, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+    for grad, ref in zip(input_grads, ref_input_grads):  # the tokens' rows and the combine weights
+        np.testing.assert_allclose(grad, ref, rtol=1e-5, atol=1e-6)
+    # The ranks' shares of every expert weight gradient, side by side, are the full one.
+    share_grads = {}
+    for weight, grad in zip(weights, weight_grads):
+        share_grads.setdefault(weight.name.split(".")[-1], []).append(grad)
+    for weight, ref in zip(ref_weights, ref_weight_grads):
+        full = np.concatenate(share_grads[weight.name.split(".")[-1]], 0)
+        np.testing.assert_allclose(full, ref, rtol=1e-5, atol=1e-6)
+    if case == "random":
+        assert np.all(ref_weight_grads[0][4] == 0)  # the expert without tokens
+
+
+def test_the_receiver_sorts_whole_blocks_by_local_expert_then_source_and_its_group_sizes_cover_every_row():
+    """Sizes ``[G, e]`` of the groups three sources sent (blocks of 2 rows, slots of 8 rows): rank 0 puts its
+    unused rows after its experts, the others before (GroupedMatmul on Ascend needs sizes summing to the rows)."""
+    from mindmoe.train.grouped_exchange import GroupedExchange
+
+    sizes_Ge = np.array([[2, 4], [0, 0], [6, 2]], np.float32)
+    x_GXH = np.arange(RANKS * 8, dtype=np.float32).reshape(RANKS, 8, 1) + 1.0
+    expected = [x_GXH[0, 0:2], x_GXH[2, 0:6], x_GXH[0, 2:6], x_GXH[2, 6:8]]  # expert 0: sources 0, 2; expert 1
+    used = np.concatenate(expected)[:, 0]
+    for rank, unused_first in ((0, False), (1, True)):
+        exchange = GroupedExchange(EXPERTS, rank, RANKS, "unused", NoExchange, alignment=2)
+        x_NbH, group_sizes_E, dest_R = exchange.receive(Tensor(x_GXH), Tensor(sizes_Ge), 2)
+        rows = x_NbH.asnumpy().reshape(-1)
+        unused = np.zeros(RANKS * 8 - len(used), np.float32)
+        np.testing.assert_array_equal(rows, np.concatenate((unused, used) if unused_first else (used, unused)))
+        expected_sizes = np.zeros(EXPERTS, np.int32)
+        expected_sizes[2 * rank : 2 * rank + 2] = [8, 6]
+        expected_sizes[2 * rank - 1 if unused_first else 2] = len(unused)
+        np.testing.assert_array_equal(group_sizes_E.asnumpy(), expected_sizes)
+        # Back to the slots: every used row where it came from, zero in unused rows.
+        back = exchange.send_back(x_NbH, dest_R).asnumpy()
+        np.testing.assert_array_equal(back, x_GXH * (back != 0))
+        assert (back != 0).sum() == len(used)
+
+
+def test_token_routed_dropless_sends_the_routed_rows_and_capacity_keeps_the_fixed_exchange():
+    """``model.dispatch=dropless`` with ``parallel.ep_dispatcher=alltoall`` is the grouped exchange: a slot
+    holds at most one source's assignments for one rank's experts plus their padding, so a rank runs its
+    experts on about ``ep * T * K`` rows, not the ``E * T`` of a capacity exchange with ``C = T`` slots."""
+    from mindmoe.model.config import ModelConfig
+    from mindmoe.train.expert_parallel import ExpertParallelDispatch
+    from mindmoe.train.grouped_exchange import GroupedExchange, slot_rows
+    from mindmoe.train.token_exchange import AllToAllDispatcher
+
+    placement = ExpertParallelDispatch(1, 2, "hccl_world_group", "alltoall")
+    grouped = placement.dispatcher(ModelConfig(num_experts=128, top_k=8, dispatch="dropless"))
+    assert isinstance(grouped, GroupedExchange) and (grouped.num_local, grouped.ep) == (64, 2)
+    capacity = placement.dispatcher(ModelConfig(num_experts=128, top_k=8, dispatch="capacity"))
+    assert isinstance(capacity, AllToAllDispatcher)
+    tokens, top_k, block = 4096, 8, 32
+    rows = 2 * slot_rows(tokens, top_k, 64, block)
+    assert rows <= 2 * (tokens * top_k + 64 * (block - 1))
+    assert rows < 128 * tokens / 7  # the C = T exchange: every expert on every token

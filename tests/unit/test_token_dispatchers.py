@@ -129,19 +129,3 @@ def test_dispatchers_hold_no_parameters():
     for dispatcher in (CapacityDispatcher(EXPERTS, 1.0), DroplessDispatcher(EXPERTS), AllExpertsDispatcher(EXPERTS)):
         assert not list(dispatcher.get_parameters())
     assert ms.get_context("mode") == ms.GRAPH_MODE
-
-
-def test_the_token_routed_dropless_dispatcher_keeps_every_assignment_even_when_all_choose_the_same_experts():
-    """``model.dispatch=dropless`` under ``parallel.ep_dispatcher=alltoall``: capacity T slots per expert."""
-    from mindmoe.train.token_exchange import TokenCapacityDispatcher, exchange_local_dispatcher
-
-    x_TH, _, weight_TK, w_EHH, scale_T = routing_problem(2)
-    topk_idx_TK = np.tile(np.array([[1, 0]], np.int32), (TOKENS, 1))  # experts 0 and 1 get every token
-    problem = (x_TH, topk_idx_TK, weight_TK, w_EHH, scale_T)
-    out_TH, _, _ = np_dispatch_loop(*problem[:4])
-    y_TH, kept_A, scale_EC = run(TokenCapacityDispatcher(EXPERTS), problem)
-    np.testing.assert_allclose(y_TH, out_TH, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(kept_A, np.ones(TOKENS * TOP_K, np.float32))
-    assert scale_EC.shape == (EXPERTS, TOKENS)
-    cfg = ModelConfig(num_experts=EXPERTS, dispatch="dropless")
-    assert isinstance(exchange_local_dispatcher(cfg), TokenCapacityDispatcher)
