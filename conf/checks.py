@@ -145,17 +145,6 @@ def resolve_layout(
     )
 
 
-def check_expert_parallel_dispatch(dispatch: str, layout: Layout) -> None:
-    """``model.dispatch`` against the expert-parallel layout (known once the process count is)."""
-    if dispatch == "dropless" and layout.ep > 1 and layout.ep_dispatcher == "allgather" and layout.dp > 1:
-        # Measured: per-step losses drift from one process's by ~1e-4 from step 3 (ep=1 or dp=1 are exact).
-        raise NotImplementedError(
-            f"model.dispatch=dropless with parallel.ep={layout.ep}, parallel.ep_dispatcher=allgather and "
-            f"parallel.dp={layout.dp} data-parallel replicas is not exact yet: use parallel.ep_dispatcher=alltoall, "
-            "model.dispatch=capacity, parallel.ep=1, or one expert group"
-        )
-
-
 def check_launch_config(
     cfg, hydra_overrides, task_overrides=(), device_target: Optional[str] = None, runtime=None
 ) -> Layout:

@@ -16,7 +16,6 @@ import numpy as np
 from omegaconf import OmegaConf
 from tqdm import tqdm
 
-from mindmoe.conf.checks import check_expert_parallel_dispatch
 from mindmoe.data.mindrecord import EvalLoader, WindowLoader
 from mindmoe.data.prepare import prepare_data
 from mindmoe.train.bad_steps import BadStepCounter
@@ -105,7 +104,6 @@ class Trainer:
             cfg.data.micro_batch_size,
             planned.num_moe_layers > 0,
         )
-        check_expert_parallel_dispatch(planned.dispatch, self.dist.layout)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.dist.is_main and self.run_lock is not None:
             self.run_lock.acquire()  # rank 0 writes the run dir: one run at a time

@@ -109,6 +109,15 @@ def single_process(tmp_path_factory, data_cache):
     return single_process_losses(tmp_path_factory.mktemp("single"), data_cache)
 
 
+#: Micro-batches of 2 with grouped dropless dispatch: the 4-worker layouts (each rank or group reads 2 or 4 of them).
+DROPLESS_MB2 = ("data.micro_batch_size=2", "model.dispatch=dropless")
+
+
+@pytest.fixture(scope="module")
+def single_process_dropless(tmp_path_factory, data_cache):
+    return single_process_losses(tmp_path_factory.mktemp("single_dropless"), data_cache, *DROPLESS_MB2)
+
+
 # --- the msrun command and configuration errors (no worker starts) ---------------------------------
 
 
@@ -284,19 +293,6 @@ def test_token_routed_layout_counts_every_rank_as_a_replica_and_names_the_keys_i
         resolve_layout(4, 0, 2, 8, 8, 4, ep_dispatcher="alltoall")
     with pytest.raises(ValueError, match="parallel.ep_dispatcher='alltoal' must be one of allgather, alltoall"):
         resolve_layout(2, 0, 2, 8, 8, 4, ep_dispatcher="alltoal")
-
-
-def test_dropless_allgather_expert_parallelism_over_several_replicas_is_refused_naming_the_keys():
-    """Refused until exact (per-step losses drifted ~1e-4 from one process's); alltoall and one group run."""
-    from mindmoe.conf.checks import check_expert_parallel_dispatch
-
-    with pytest.raises(
-        NotImplementedError, match="model.dispatch=dropless with parallel.ep=2, parallel.ep_dispatcher="
-    ):
-        check_expert_parallel_dispatch("dropless", resolve_layout(4, 0, 2, 8, 8, 4))
-    check_expert_parallel_dispatch("dropless", resolve_layout(4, 0, 2, 8, 16, 4, ep_dispatcher="alltoall"))
-    check_expert_parallel_dispatch("dropless", resolve_layout(2, 0, 2, 8, 8, 4))
-    check_expert_parallel_dispatch("capacity", resolve_layout(4, 0, 2, 8, 8, 4))
 
 
 # --- multi-process runs on CPU ----------------------------------------------------------------------
@@ -476,10 +472,13 @@ def test_cluster_script_gives_every_node_its_rank_the_master_and_the_same_overri
 
 
 @pytest.mark.msrun
-def test_four_workers_with_ep2_dp2_reproduce_the_single_process_losses(single_process, tmp_path, data_cache, processes):
-    """Two expert groups of two ranks: each group reads its own micro-batch (dp 2, accumulation 1), its ranks
-    gather expert outputs (the CPU fallback of the allgather dispatcher), expert gradients are averaged over
-    the 2 ranks holding the same experts, and the checkpoint still gathers full expert tensors."""
+def test_four_workers_with_ep2_dp2_reproduce_the_single_process_losses(
+    single_process_dropless, tmp_path, data_cache, processes
+):
+    """Two expert groups of two ranks, grouped dropless dispatch: each group reads its own micro-batches (dp 2,
+    accumulation 2), its ranks sum their experts' outputs (the CPU fallback of the allgather dispatcher),
+    expert gradients are averaged over the 2 ranks holding the same experts, and the checkpoint still gathers
+    full expert tensors."""
     from safetensors.numpy import load_file
 
     run_dir = tmp_path / "ep2dp2"
@@ -488,6 +487,7 @@ def test_four_workers_with_ep2_dp2_reproduce_the_single_process_losses(single_pr
         launch_command(
             run_dir,
             data_cache,
+            *DROPLESS_MB2,
             "launch.procs_per_node=4",
             "parallel.ep=2",
             "parallel.dp=2",
@@ -497,10 +497,10 @@ def test_four_workers_with_ep2_dp2_reproduce_the_single_process_losses(single_pr
     # Four MindSpore processes compile on a shared 2-core machine: slow, hence the generous timeout.
     code, stdout, stderr = finish(launcher, timeout=2400)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
-    assert "data parallel 2, accumulation 1" in stdout
+    assert "data parallel 2, accumulation 2" in stdout
     losses = losses_by_step(run_dir)
     assert sorted(losses) == list(range(1, 11))
-    assert_same_losses(losses, single_process, range(1, 11))
+    assert_same_losses(losses, single_process_dropless, range(1, 11))
     checkpoint = run_dir / "checkpoints" / "step_000010"
     assert load_file(str(checkpoint / "model.safetensors"))["layers.1.mlp.experts.gate_proj"].shape == (4, 32, 64)
 
@@ -536,20 +536,18 @@ def test_token_routed_expert_parallel_workers_reproduce_the_single_process_losse
 
 @pytest.mark.msrun
 def test_four_token_routed_workers_with_ep2_and_dropless_reproduce_the_single_process_losses(
-    tmp_path, data_cache, processes
+    single_process_dropless, tmp_path, data_cache, processes
 ):
     """4 data-parallel ranks in two expert groups of 2 (groups smaller than the world: the AllReduce emulation),
     dropless dispatch through the grouped exchange (each rank sends only its routed rows), expert gradients summed
     over the 2 ranks holding the same experts; one process accumulates the same 4 micro-batches of 2."""
-    batches = ["data.micro_batch_size=2", "model.dispatch=dropless"]
-    expected = single_process_losses(tmp_path / "single_dropless", data_cache, *batches)
     run_dir = tmp_path / "alltoall4"
     launcher = start(
         processes,
         launch_command(
             run_dir,
             data_cache,
-            *batches,
+            *DROPLESS_MB2,
             "launch.procs_per_node=4",
             "parallel.ep=2",
             "parallel.ep_dispatcher=alltoall",
@@ -559,7 +557,7 @@ def test_four_token_routed_workers_with_ep2_and_dropless_reproduce_the_single_pr
     code, stdout, stderr = finish(launcher, timeout=2400)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "data parallel 4, accumulation 1" in stdout
-    assert_same_losses(losses_by_step(run_dir), expected, range(1, 11))
+    assert_same_losses(losses_by_step(run_dir), single_process_dropless, range(1, 11))
 
 
 @pytest.mark.msrun
