@@ -47,6 +47,9 @@ class DataConfig:
     #: SFT conversations longer than ``seq_len + 1`` tokens: ``error``, or ``truncate`` (cut and counted;
     #: dropped when no assistant token is left).
     sft_overlong: str = "error"
+    #: Seconds a process other than the writer (rank 0 of a job) waits for the writer to finish the cache
+    #: entry of this data before failing; preparing a large corpus the first time takes that long at most.
+    wait_timeout_s: float = 7200.0
 
 
 def validate_data_config(cfg: DataConfig) -> None:
@@ -64,6 +67,8 @@ def validate_data_config(cfg: DataConfig) -> None:
     for name in ("seq_len", "vocab_size", "shard_windows", "num_proc"):
         if getattr(cfg, name) < 1:
             raise ValueError(f"data.{name}={getattr(cfg, name)} must be at least 1")
+    if not cfg.wait_timeout_s > 0:
+        raise ValueError(f"data.wait_timeout_s={cfg.wait_timeout_s} must be a positive number of seconds")
     if cfg.format not in DATA_FORMATS:
         raise ValueError(f"data.format={cfg.format!r} must be one of {DATA_FORMATS}")
     if cfg.sft_overlong not in OVERLONG_POLICIES:

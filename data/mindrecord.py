@@ -41,30 +41,35 @@ def write_shards(windows: PackedWindows, out_dir: Path, prefix: str, shard_windo
     ``shard_windows`` windows; returns the file names (relative to ``out_dir``)."""
     names = []
     for shard, start in enumerate(range(0, len(windows), shard_windows)):
-        name = f"{prefix}-{shard:05d}.mindrecord"
-        writer = FileWriter(str(Path(out_dir) / name), shard_num=1)
-        # The defaults (16 MB header, 32 MB pages) make every shard a >50 MB sparse
-        # file; a page only has to hold a window, with room to spare.
-        window_bytes = windows.input_ids[0].nbytes + windows.doc_ids[0].nbytes
-        writer.set_header_size(1 << 20)
-        writer.set_page_size(min(1 << 28, max(1 << 20, 2 * window_bytes)))
-        has_mask = windows.loss_mask is not None
-        writer.add_schema(
-            dict(SCHEMA, **({LOSS_MASK: SCHEMA["input_ids"]} if has_mask else {})), "packed token windows"
-        )
-        stop = min(start + shard_windows, len(windows))
-        writer.write_raw_data(
-            [
-                dict(
-                    {"input_ids": windows.input_ids[i], "doc_ids": windows.doc_ids[i]},
-                    **({LOSS_MASK: windows.loss_mask[i]} if has_mask else {}),
-                )
-                for i in range(start, stop)
-            ]
-        )
-        writer.commit()
-        names.append(name)
+        names.append(shard_name(prefix, shard))
+        write_shard(windows.take(np.arange(start, min(start + shard_windows, len(windows)))), Path(out_dir) / names[-1])
     return names
+
+
+def shard_name(prefix: str, shard: int) -> str:
+    return f"{prefix}-{shard:05d}.mindrecord"
+
+
+def write_shard(windows: PackedWindows, path: Path) -> None:
+    """One MindRecord file holding ``windows`` (at least one), in order."""
+    writer = FileWriter(str(path), shard_num=1)
+    # The defaults (16 MB header, 32 MB pages) make every shard a >50 MB sparse
+    # file; a page only has to hold a window, with room to spare.
+    window_bytes = windows.input_ids[0].nbytes + windows.doc_ids[0].nbytes
+    writer.set_header_size(1 << 20)
+    writer.set_page_size(min(1 << 28, max(1 << 20, 2 * window_bytes)))
+    has_mask = windows.loss_mask is not None
+    writer.add_schema(dict(SCHEMA, **({LOSS_MASK: SCHEMA["input_ids"]} if has_mask else {})), "packed token windows")
+    writer.write_raw_data(
+        [
+            dict(
+                {"input_ids": windows.input_ids[i], "doc_ids": windows.doc_ids[i]},
+                **({LOSS_MASK: windows.loss_mask[i]} if has_mask else {}),
+            )
+            for i in range(len(windows))
+        ]
+    )
+    writer.commit()
 
 
 def unreadable_shards(shard_files: Sequence[str], error: RuntimeError) -> DataInputError:

@@ -7,13 +7,16 @@ Cache layout (``data.cache_dir``, else ``$MINDMOE_CACHE``, else ``~/.cache/mindm
     data/<key>/train-*.mindrecord, valid-*.mindrecord, files.json, meta.json
                             key: files' content and reader, text_field, seq_len, weights,
                                  shard_windows, the tokenizer files' content
+    data/ready/<name>.json  the key of the entry of the data.* settings and files named <name>,
+                            for the processes that do not hash the files (:mod:`data.handoff`)
 
 Keys hash file *contents*, so moving a file keeps its cache and editing it in
 place does not reuse a stale one. They also hold the reader each file's suffix
 selects (:func:`data.reader.reader_name`): the same bytes named ``.jsonl`` and
 ``.txt`` are different documents. How an entry is built once across processes
 and checked on reuse: :mod:`data.cache_entry`. Temporary directories of dead
-processes are removed first: :mod:`data.scratch`.
+processes are removed first: :mod:`data.scratch`. Shards are written as the documents are
+tokenised, a shard at a time: :mod:`data.text_shards`, :mod:`data.sft_shards`.
 """
 
 import hashlib
@@ -21,29 +24,20 @@ import json
 import logging
 import os
 import tempfile
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import numpy as np
-
 from mindmoe.data.cache_entry import build_once
 from mindmoe.data.config import DataConfig, validate_data_config
-from mindmoe.data.mindrecord import write_shards
-from mindmoe.data.packing import PackedWindows, mix_sources, mixture_counts, pack_documents, unigram_loss
-from mindmoe.data.reader import (
-    DataInputError,
-    Source,
-    checked_file,
-    concatenate,
-    read_source,
-    reader_name,
-    tokenize_documents,
-)
+from mindmoe.data.documents import iter_documents
+from mindmoe.data.handoff import publish, visible_name, wait_for_entry
+from mindmoe.data.reader import SourceStats, checked_file, reader_name
 from mindmoe.data.scratch import remove_stale_scratch, scratch_prefix
-from mindmoe.data.sft import build_sft_windows
-from mindmoe.data.tokenizer import Tokenizer, train_sentencepiece
+from mindmoe.data.sft_shards import write_sft_shards
+from mindmoe.data.text_shards import write_text_shards
+from mindmoe.data.tokenizer import train_sentencepiece
 from mindmoe.data.tokenizer_files import open_tokenizer, tokenizer_files
 
 logger = logging.getLogger(__name__)
@@ -92,20 +86,6 @@ def _weights(cfg: DataConfig) -> Optional[List[float]]:
     return None if cfg.weights is None else [float(w) for w in cfg.weights]
 
 
-class _Corpus:
-    """Reads each configured file at most once per ``prepare_data`` call, on first use."""
-
-    def __init__(self, cfg: DataConfig, work_dir: Path):
-        self.cfg = cfg
-        self.work_dir = work_dir
-        self._sources: Dict[str, Source] = {}
-
-    def source(self, key: str, path: str) -> Source:
-        if key not in self._sources:
-            self._sources[key] = read_source(path, self.cfg.text_field, key, self.work_dir)
-        return self._sources[key]
-
-
 def with_pretrained_tokenizer(cfg: DataConfig, pretrained: Optional[str]) -> DataConfig:
     """``cfg`` as a plain :class:`DataConfig`, with ``tokenizer`` set to the ``model.pretrained``
     directory when the user gave none: a pretrained model only understands its own token ids."""
@@ -118,26 +98,34 @@ def with_pretrained_tokenizer(cfg: DataConfig, pretrained: Optional[str]) -> Dat
     return cfg
 
 
-def prepare_data(cfg: DataConfig) -> PreparedData:
-    """Tokenizer and packed shards for ``cfg``, from the cache when it has them."""
+def prepare_data(cfg: DataConfig, writer: bool = True) -> PreparedData:
+    """Tokenizer and packed shards for ``cfg``, from the cache when it has them.
+
+    ``writer``: this process builds the entry if it is missing (and hashes the files for its key).
+    The other processes of a job pass False: they read no data file, and wait for the writer's
+    entry (:mod:`data.handoff`), at most ``data.wait_timeout_s``.
+    """
     validate_data_config(cfg)
     train = {f"data.train_files[{i}]": checked_file(p, f"data.train_files[{i}]") for i, p in enumerate(cfg.train_files)}
     valid = {f"data.valid_files[{i}]": checked_file(p, f"data.valid_files[{i}]") for i, p in enumerate(cfg.valid_files)}
-    # What a file holds is its bytes and the reader its suffix selects (SFT files are all read as conversations).
-    file_ids = {
-        key: [file_sha256(path), "sft" if cfg.format == "sft" else reader_name(path)]
-        for key, path in {**train, **valid}.items()
-    }
+    # The reader a file's suffix selects is part of what it holds (SFT files are all read as conversations).
+    readers = {key: "sft" if cfg.format == "sft" else reader_name(path) for key, path in {**train, **valid}.items()}
     root = cache_root(cfg)
+    name = _visible_name(cfg, train, valid, readers)
+    if not writer:
+        key, meta = wait_for_entry(root, name, cfg.wait_timeout_s)
+        # The same bytes under another path share an entry: a given tokenizer is used where it is now.
+        tokenizer_path = str(Path(cfg.tokenizer).expanduser().resolve()) if cfg.tokenizer else meta["tokenizer"]
+        return _prepared(cfg, root / "data" / key, key, meta, tokenizer_path)
+    file_ids = {key: [file_sha256(path), readers[key]] for key, path in {**train, **valid}.items()}
     root.mkdir(parents=True, exist_ok=True)
     remove_stale_scratch([root, root / "data", root / "tokenizer"])
     with tempfile.TemporaryDirectory(prefix=scratch_prefix(".read-"), dir=root) as work_dir:
-        corpus = _Corpus(cfg, Path(work_dir))
         if cfg.tokenizer:
             open_tokenizer(cfg.tokenizer)  # fails here, naming data.tokenizer, if it cannot be loaded
             tokenizer_path = str(Path(cfg.tokenizer).expanduser().resolve())
         else:
-            tokenizer_path = _cached_tokenizer(root, cfg, train, file_ids, corpus)
+            tokenizer_path = _cached_tokenizer(root, cfg, train, file_ids)
         fields = {
             "format": FORMAT_VERSION,
             "train": [file_ids[k] for k in train],
@@ -152,11 +140,40 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
         else:
             fields.update(mixture_seed=MIXTURE_SEED, text_field=cfg.text_field, weights=_weights(cfg))
             build = partial(
-                _build_shards, cfg=cfg, train=train, valid=valid, tokenizer_path=tokenizer_path, corpus=corpus
+                _build_shards, cfg=cfg, train=train, valid=valid, tokenizer_path=tokenizer_path, work_dir=Path(work_dir)
             )
         key = _key(fields)
         entry = root / "data" / key
         meta = build_once(entry, build)
+    publish(root, name, key)
+    return _prepared(cfg, entry, key, meta, tokenizer_path)
+
+
+def _visible_name(cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path], readers: Dict[str, str]) -> str:
+    """The preparation's name for the processes that read no file (:func:`data.handoff.visible_name`)."""
+    files = {**train, **valid}
+    fields = {
+        "format": FORMAT_VERSION,
+        "readers": [readers[k] for k in files],
+        "train": list(train),
+        "seq_len": cfg.seq_len,
+        "shard_windows": cfg.shard_windows,
+        "data_format": cfg.format,
+        "overlong": cfg.sft_overlong,
+        "mixture_seed": MIXTURE_SEED,
+        "text_field": cfg.text_field,
+        "weights": _weights(cfg),
+        "vocab_size": cfg.vocab_size,
+        "tokenizer": None,
+    }
+    if cfg.tokenizer:
+        tokenizer = Path(cfg.tokenizer).expanduser().resolve()
+        fields["tokenizer"] = str(tokenizer)
+        files.update({f"tokenizer:{path.name}": path for path in tokenizer_files(tokenizer) if path.is_file()})
+    return visible_name(fields, files)
+
+
+def _prepared(cfg: DataConfig, entry: Path, key: str, meta: Dict, tokenizer_path: str) -> PreparedData:
     logger.info(
         "%s ready: %d train windows, %d valid windows, vocab %d%s",
         "SFT data" if cfg.format == "sft" else "data",
@@ -177,9 +194,7 @@ def prepare_data(cfg: DataConfig) -> PreparedData:
     )
 
 
-def _cached_tokenizer(
-    root: Path, cfg: DataConfig, train: Dict[str, Path], file_ids: Dict[str, List[str]], corpus: _Corpus
-) -> str:
+def _cached_tokenizer(root: Path, cfg: DataConfig, train: Dict[str, Path], file_ids: Dict[str, List[str]]) -> str:
     key = _key(
         {
             "format": FORMAT_VERSION,
@@ -191,8 +206,11 @@ def _cached_tokenizer(
     entry = root / "tokenizer" / key
 
     def build(staging: Path) -> Dict:
-        sources = [corpus.source(k, str(p)) for k, p in train.items()]
-        texts = (text for source in sources for text in source.dataset["text"])
+        texts = (
+            text
+            for key, path in train.items()
+            for text in iter_documents(path, cfg.text_field, key, SourceStats(file=str(path)))
+        )
         try:
             train_sentencepiece(texts, cfg.vocab_size, staging / "spm")
         except ValueError as err:
@@ -204,44 +222,14 @@ def _cached_tokenizer(
 
 
 def _build_shards(
-    staging: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path], tokenizer_path: str, corpus: _Corpus
+    staging: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path], tokenizer_path: str, work_dir: Path
 ) -> Dict:
     tokenizer = open_tokenizer(tokenizer_path)
-    sources, source_meta = [], []
-    for key, path in train.items():
-        dataset, stats = corpus.source(key, str(path))
-        tokens = tokenize_documents(dataset, tokenizer, cfg.num_proc)
-        windows = pack_documents(tokens.tokens, tokens.doc_lengths, cfg.seq_len)
-        if len(windows) == 0:
-            raise DataInputError(
-                f"{key}: {path} has {len(tokens.tokens)} tokens, fewer than one window of "
-                f"data.seq_len + 1 = {cfg.seq_len + 1}; merge it into another file"
-            )
-        sources.append(windows)
-        source_meta.append({**asdict(stats), "tokens": int(len(tokens.tokens)), "windows": len(windows)})
-    counts = mixture_counts([len(s) for s in sources], _weights(cfg))
-    for meta, count in zip(source_meta, counts, strict=True):
-        meta["windows_used"] = count
-        logger.info(
-            "%s: %d documents, %d tokens, %d windows, %d used in the mixture",
-            meta["file"],
-            meta["documents"],
-            meta["tokens"],
-            meta["windows"],
-            count,
-        )
-    train_windows = mix_sources(sources, counts, MIXTURE_SEED)
-    valid_windows = _valid_windows(cfg, valid, tokenizer, corpus)
-    val_loss = unigram_loss(train_windows, valid_windows, tokenizer.vocab_size) if valid else None
+    shards = write_text_shards(staging, cfg, train, valid, tokenizer, work_dir, MIXTURE_SEED)
     return {
         "format": FORMAT_VERSION,
         "vocab_size": tokenizer.vocab_size,
-        "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
-        "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows),
-        "num_train_windows": len(train_windows),
-        "num_valid_windows": len(valid_windows),
-        "unigram_val_loss": val_loss,
-        "sources": source_meta,
+        **shards,
         "valid_files": [str(p) for p in valid.values()],
         "tokenizer": tokenizer_path,
         "seq_len": cfg.seq_len,
@@ -250,44 +238,16 @@ def _build_shards(
     }
 
 
-def _valid_windows(cfg: DataConfig, valid: Dict[str, Path], tokenizer: Tokenizer, corpus: _Corpus) -> PackedWindows:
-    """All validation files as one stream: small files need no window of their own."""
-    window = cfg.seq_len + 1
-    if not valid:
-        return PackedWindows(np.zeros((0, window), np.int32), np.zeros((0, window), np.int32))
-    streams = [
-        tokenize_documents(corpus.source(key, str(path)).dataset, tokenizer, cfg.num_proc)
-        for key, path in valid.items()
-    ]
-    stream = concatenate(streams)
-    windows = pack_documents(stream.tokens, stream.doc_lengths, cfg.seq_len)
-    if len(windows) == 0:
-        raise DataInputError(
-            f"data.valid_files: {len(stream.tokens)} tokens in all, fewer than one window of "
-            f"data.seq_len + 1 = {window}"
-        )
-    return windows
-
-
 def _build_sft_shards(
     staging: Path, cfg: DataConfig, train: Dict[str, Path], valid: Dict[str, Path], tokenizer_path: str
 ) -> Dict:
     """Conversations (``data.format=sft``) packed with their assistant-token loss mask."""
     tokenizer = open_tokenizer(tokenizer_path)
-    train_windows, train_stats = build_sft_windows(train, tokenizer, cfg.seq_len, cfg.sft_overlong)
-    valid_windows, valid_stats = (
-        build_sft_windows(valid, tokenizer, cfg.seq_len, cfg.sft_overlong) if valid else (None, [])
-    )
+    shards = write_sft_shards(staging, cfg, train, valid, tokenizer)
     return {
         "format": FORMAT_VERSION,
         "vocab_size": tokenizer.vocab_size,
-        "train_shards": write_shards(train_windows, staging, "train", cfg.shard_windows),
-        "valid_shards": write_shards(valid_windows, staging, "valid", cfg.shard_windows) if valid else [],
-        "num_train_windows": len(train_windows),
-        "num_valid_windows": len(valid_windows) if valid else 0,
-        "unigram_val_loss": unigram_loss(train_windows, valid_windows, tokenizer.vocab_size) if valid else None,
-        "sources": train_stats,
-        "valid_sources": valid_stats,
+        **shards,
         "tokenizer": tokenizer_path,
         "seq_len": cfg.seq_len,
         "data_format": "sft",

@@ -15,6 +15,7 @@ is not used for JSON because pyarrow's schema inference rejects files whose
 string``), which real exports do; those fields are irrelevant here.
 
 Empty or null texts are skipped and counted; a file with no text at all is an error.
+``prepare_data`` reads the same documents as a stream instead (:mod:`data.documents`).
 """
 
 import json
@@ -223,6 +224,19 @@ def _field_text(row, text_field: str, where: str):
 
 
 def _read_parquet(path: Path, text_field: str, config_key: str, work_dir: Path, stats: SourceStats) -> datasets.Dataset:
+    parquet_text_column(path, text_field, config_key)
+    table = datasets.load_dataset(
+        "parquet", data_files=[str(path)], columns=[text_field], split="train", cache_dir=str(work_dir)
+    )
+    if text_field != "text":
+        table = table.rename_column(text_field, "text")
+    kept = table.filter(lambda texts: [bool(t and t.strip()) for t in texts], input_columns=["text"], batched=True)
+    stats.skipped_empty = len(table) - len(kept)
+    return kept
+
+
+def parquet_text_column(path: Path, text_field: str, config_key: str) -> None:
+    """Fail, naming ``config_key``, unless ``path`` is a Parquet file with a string column ``text_field``."""
     try:
         schema = pq.read_schema(path)
     except (pa.ArrowInvalid, OSError) as err:
@@ -239,14 +253,6 @@ def _read_parquet(path: Path, text_field: str, config_key: str, work_dir: Path, 
     column_type = schema.field(text_field).type
     if str(column_type) not in ("string", "large_string"):
         raise DataInputError(f"{config_key}: {path} column '{text_field}' has type {column_type}, expected string")
-    table = datasets.load_dataset(
-        "parquet", data_files=[str(path)], columns=[text_field], split="train", cache_dir=str(work_dir)
-    )
-    if text_field != "text":
-        table = table.rename_column(text_field, "text")
-    kept = table.filter(lambda texts: [bool(t and t.strip()) for t in texts], input_columns=["text"], batched=True)
-    stats.skipped_empty = len(table) - len(kept)
-    return kept
 
 
 def _encode_batch(batch: dict, tokenizer: Tokenizer) -> dict:

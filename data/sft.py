@@ -26,7 +26,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -55,8 +55,13 @@ class SFTWindows:
 
 def read_conversations(path, config_key: str) -> List[List[dict]]:
     """Every conversation of a JSONL file, as ``[{"role", "content"}, ...]``, validated."""
+    return list(iter_conversations(path, config_key))
+
+
+def iter_conversations(path, config_key: str) -> Iterator[List[dict]]:
+    """The conversations of a JSONL file one by one, validated; a file without one is an error once read."""
     path = Path(path)
-    conversations = []
+    found = False
     with open(path, "rb") as handle:
         for number, raw in enumerate(handle, 1):
             where = f"{config_key}: {path} line {number}"
@@ -70,10 +75,10 @@ def read_conversations(path, config_key: str) -> List[List[dict]]:
                 row = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DataInputError(f"{where} is not valid JSON ({err.msg})") from None
-            conversations.append(conversation_messages(row, where))
-    if not conversations:
+            found = True
+            yield conversation_messages(row, where)
+    if not found:
         raise DataInputError(f"{config_key}: {path} holds no conversation")
-    return conversations
 
 
 def conversation_messages(row, where: str) -> List[dict]:
@@ -169,100 +174,79 @@ def encode_conversation(messages: Sequence[dict], tokenizer) -> Tuple[np.ndarray
     return np.asarray(ids, np.int32), np.asarray(mask, np.int32)
 
 
-def pack_conversations(
-    encoded: Sequence[Tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int, overlong: str, where: str
-) -> SFTWindows:
-    """Whole conversations into ``seq_len + 1`` windows; ``where`` names the source in errors."""
-    window = seq_len + 1
-    rows_ids, rows_docs, rows_mask = [], [], []
-    current: List[Tuple[np.ndarray, np.ndarray]] = []
-    used = truncated = dropped = 0
+class ConversationPacker:
+    """Whole conversations into ``seq_len + 1`` windows as they come (:meth:`add`, then :meth:`finish`);
+    ``where`` names the source in errors. Counts what it truncated and dropped."""
 
-    def flush():
-        nonlocal current
-        if not current:
-            return
-        ids = np.full(window, pad_id, np.int32)
-        docs = np.full(window, len(current), np.int32)  # padding is a document of its own
-        mask = np.zeros(window, np.int32)
+    def __init__(self, seq_len: int, pad_id: int, overlong: str, where: str):
+        self.window, self.pad_id, self.overlong, self.where = seq_len + 1, pad_id, overlong, where
+        self.used = self.truncated = self.dropped = self.windows = 0
+        self._current: List[Tuple[np.ndarray, np.ndarray]] = []
+        self._length = 0
+
+    def add(self, number: int, ids: np.ndarray, mask: np.ndarray) -> Optional[Tuple[np.ndarray, ...]]:
+        """Conversation ``number`` (from 0); the ``(ids, doc ids, loss mask)`` row it closed, if any."""
+        if len(ids) > self.window:
+            if self.overlong == "error":
+                raise DataInputError(
+                    f"{self.where}: conversation {number + 1} has {len(ids)} tokens, more than "
+                    f"data.seq_len + 1 = {self.window}; raise data.seq_len or set "
+                    "data.sft_overlong=truncate"
+                )
+            ids, mask = ids[: self.window], mask[: self.window]
+            self.truncated += 1
+            if not mask[1:].any():
+                self.dropped += 1
+                return None
+        row = self._flush() if self._length + len(ids) > self.window else None
+        self._current.append((ids, mask))
+        self._length += len(ids)
+        self.used += 1
+        return row
+
+    def finish(self) -> Optional[Tuple[np.ndarray, ...]]:
+        """The last row, if any; logs the truncations."""
+        row = self._flush()
+        if self.truncated:
+            logger.warning(
+                "%s: %d conversations longer than data.seq_len + 1 = %d truncated, %d of them dropped "
+                "(no assistant token left)",
+                self.where,
+                self.truncated,
+                self.window,
+                self.dropped,
+            )
+        return row
+
+    def _flush(self) -> Optional[Tuple[np.ndarray, ...]]:
+        if not self._current:
+            return None
+        ids = np.full(self.window, self.pad_id, np.int32)
+        docs = np.full(self.window, len(self._current), np.int32)  # padding is a document of its own
+        mask = np.zeros(self.window, np.int32)
         start = 0
-        for doc, (conv_ids, conv_mask) in enumerate(current):
+        for doc, (conv_ids, conv_mask) in enumerate(self._current):
             ids[start : start + len(conv_ids)] = conv_ids
             docs[start : start + len(conv_ids)] = doc
             mask[start : start + len(conv_ids)] = conv_mask
             start += len(conv_ids)
-        rows_ids.append(ids)
-        rows_docs.append(docs)
-        rows_mask.append(mask)
-        current = []
+        self._current, self._length = [], 0
+        self.windows += 1
+        return ids, docs, mask
 
-    for number, (ids, mask) in enumerate(encoded):
-        if len(ids) > window:
-            if overlong == "error":
-                raise DataInputError(
-                    f"{where}: conversation {number + 1} has {len(ids)} tokens, more than "
-                    f"data.seq_len + 1 = {window}; raise data.seq_len or set "
-                    "data.sft_overlong=truncate"
-                )
-            ids, mask = ids[:window], mask[:window]
-            truncated += 1
-            if not mask[1:].any():
-                dropped += 1
-                continue
-        if sum(len(c[0]) for c in current) + len(ids) > window:
-            flush()
-        current.append((ids, mask))
-        used += 1
-    flush()
-    if not rows_ids:
+
+def rows_to_windows(rows: Sequence[Tuple[np.ndarray, ...]]) -> PackedWindows:
+    return PackedWindows(*(np.stack(column) for column in zip(*rows, strict=True)))
+
+
+def pack_conversations(
+    encoded: Sequence[Tuple[np.ndarray, np.ndarray]], seq_len: int, pad_id: int, overlong: str, where: str
+) -> SFTWindows:
+    """Whole conversations into ``seq_len + 1`` windows; ``where`` names the source in errors."""
+    packer = ConversationPacker(seq_len, pad_id, overlong, where)
+    rows = [packer.add(number, ids, mask) for number, (ids, mask) in enumerate(encoded)] + [packer.finish()]
+    rows = [row for row in rows if row is not None]
+    if not rows:
         raise DataInputError(f"{where}: no conversation left to train on")
-    ids, docs, mask = np.stack(rows_ids), np.stack(rows_docs), np.stack(rows_mask)
-    windows = PackedWindows(ids, docs, mask)
-    if truncated:
-        logger.warning(
-            "%s: %d conversations longer than data.seq_len + 1 = %d truncated, %d of them dropped "
-            "(no assistant token left)",
-            where,
-            truncated,
-            window,
-            dropped,
-        )
-    return SFTWindows(windows, used, truncated, dropped, int(label_mask(windows).sum()))
-
-
-def build_sft_windows(files: dict, tokenizer, seq_len: int, overlong: str) -> Tuple[PackedWindows, dict]:
-    """``{config key: path}`` -> all their conversations packed (file order), and per-file stats."""
-    pad_id = tokenizer.pad_id if tokenizer.pad_id >= 0 else max(tokenizer.eos_id, 0)
-    parts, stats = [], []
-    for key, path in files.items():
-        conversations = read_conversations(path, key)
-        encoded = []
-        for number, messages in enumerate(conversations, 1):
-            try:
-                encoded.append(encode_conversation(messages, tokenizer))
-            except DataInputError as err:
-                raise DataInputError(f"{key}: {path} conversation {number}: {err}") from None
-        packed = pack_conversations(encoded, seq_len, pad_id, overlong, f"{key}: {path}")
-        parts.append(packed.windows)
-        stats.append(
-            {
-                "file": str(path),
-                "conversations": packed.conversations,
-                "truncated": packed.truncated,
-                "dropped": packed.dropped,
-                "windows": len(packed.windows),
-                "scored_tokens": packed.scored_tokens,
-            }
-        )
-        logger.info(
-            "%s: %d conversations in %d windows, %d assistant tokens scored",
-            path,
-            packed.conversations,
-            len(packed.windows),
-            packed.scored_tokens,
-        )
-    return PackedWindows(
-        np.concatenate([p.input_ids for p in parts]),
-        np.concatenate([p.doc_ids for p in parts]),
-        np.concatenate([p.loss_mask for p in parts]),
-    ), stats
+    windows = rows_to_windows(rows)
+    return SFTWindows(windows, packer.used, packer.truncated, packer.dropped, int(label_mask(windows).sum()))

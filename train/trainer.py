@@ -117,8 +117,9 @@ class Trainer:
             check_resume(self.resume_from, self.resume_state, current, cfg.train.resume_allow_changes)
         # Rank 0 moves aside the step_* directories this run does not continue, after every rank chose.
         settle_lineage(self.checkpoint_root, self.resume_from, self.dist)
-        # A resumed run (or a lora.base_checkpoint) reads the tokenizer its checkpoint carries.
-        self.data = prepare_data(run_data_config(cfg, self.resume_from))
+        # A resumed run (or a lora.base_checkpoint) reads the tokenizer its checkpoint carries. Rank 0 writes the
+        # shards; the other ranks wait for its cache entry and hash no data file.
+        self.data = prepare_data(run_data_config(cfg, self.resume_from), writer=self.dist.is_main)
         # Read once: a resumed run's tokenizer lives in a checkpoint that train.keep_last may prune.
         self.carried = CarriedFiles.of_run(self.data.tokenizer_path, OmegaConf.to_yaml(cfg, resolve=True))
         # A LoRA checkpoint holds only the adapters: its base is loaded again when resuming.

@@ -91,13 +91,13 @@ def test_stale_temporary_directories_of_dead_processes_are_removed_and_live_ones
         path.mkdir(parents=True)
         (path / "data-00000-of-00001.arrow").write_bytes(b"x" * 100)
     work_dirs = []
-    real_read_source = prepare.read_source
+    real_write = prepare.write_text_shards
 
-    def recording_read_source(path, text_field, key, work_dir):
+    def recording_write(staging, cfg, train, valid, tokenizer, work_dir, seed):
         work_dirs.append(work_dir)
-        return real_read_source(path, text_field, key, work_dir)
+        return real_write(staging, cfg, train, valid, tokenizer, work_dir, seed)
 
-    monkeypatch.setattr(prepare, "read_source", recording_read_source)
+    monkeypatch.setattr(prepare, "write_text_shards", recording_write)
     with caplog.at_level(logging.WARNING, logger="mindmoe.data"):
         prepare_data(_config(corpus))
     assert not leftovers["dead read"].exists() and not leftovers["dead staging"].exists()
