@@ -1,12 +1,13 @@
 """Peak memory of importing a HF checkpoint: ``python bench/hf_load_memory.py [--gib 1.0] [--keep DIR]``.
 
 Writes a random fp32 ``glm4_moe``-shaped checkpoint of about ``--gib`` GiB (sharded, with an
-index, generated tensor by tensor so the writer itself stays small), then loads it with
-``load_hf_pretrained`` in a fresh process and reports that process's peak RSS
-(``ru_maxrss``) against the file size N and the model's own parameter bytes. The target is
-``peak - baseline <= 1.5 N + model`` (baseline = RSS after importing MindSpore and mindmoe).
-Prints one JSON line ``{"case": "hf_load_memory", ...}``; ``mindmoe-bench --cases hf_load_memory``
-runs it as an opt-in benchmark case. Not part of the test suite.
+index, generated tensor by tensor so the writer itself stays small), then loads it in a fresh
+process the way ``load_hf_pretrained`` does (a deferred build, then each tensor streamed into its
+parameter) and reports that process's peak RSS (``ru_maxrss``) against the model's parameter bytes
+in their storage dtype. The target is ``(peak - baseline) / model <= 1.25`` (baseline = RSS after
+importing MindSpore and mindmoe): the model once, plus little more than one tensor.
+Prints as its last line one JSON object ``{"case": "hf_load_memory", ..., "peak_growth_over_model"}``;
+``mindmoe-bench --cases hf_load_memory`` runs it as an opt-in benchmark case. Not part of the test suite.
 """
 
 import argparse
@@ -58,6 +59,8 @@ BASE_CONFIG = dict(
     torch_dtype="float32",
 )
 SHARD_BYTES = 200 * 2**20
+#: Peak RSS growth of the import, as a multiple of the model's parameter bytes, that the bench accepts.
+TARGET_GROWTH_OVER_MODEL = 1.25
 
 
 def hf_tensor_shapes(config: dict) -> list:
@@ -145,6 +148,7 @@ def current_rss_bytes() -> int:
 def load_in_this_process(directory: str):
     import mindspore  # noqa: F401  (the baseline includes the framework)
 
+    from mindmoe.model.deferred_init import checkpoint_weights
     from mindmoe.model.hf import load_hf_weights, plan_hf_weights, read_pretrained_config
     from mindmoe.model.transformer import MoETransformer
 
@@ -153,12 +157,13 @@ def load_in_this_process(directory: str):
     started = time.perf_counter()
     imported = read_pretrained_config(directory)
     plan = plan_hf_weights(directory, imported)
-    model = MoETransformer(imported.model_config)
+    with checkpoint_weights():
+        model = MoETransformer(imported.model_config)
     built = time.perf_counter()
     peak_after_build = peak_rss_bytes()
     load_hf_weights(model, plan)
     loaded = time.perf_counter()
-    param_bytes = sum(int(np.prod(p.shape)) * 4 for p in model.get_parameters())
+    param_bytes = sum(int(np.prod(p.shape)) * p.itemsize for p in model.get_parameters())  # storage dtype
     print(
         json.dumps(
             {
@@ -205,9 +210,7 @@ def main():
                 "baseline_rss_gib": round(measured["baseline_rss"] / gib, 3),
                 "peak_rss_gib": round(measured["peak_rss"] / gib, 3),
                 "peak_growth_gib": round(growth / gib, 3),
-                # The budget is 1.5 N beyond the model; this is how much of N the loader used on top of it.
-                "overhead_over_model_in_N": round((growth - measured["param_bytes"]) / file_bytes, 3),
-                "budget_met": growth <= 1.5 * file_bytes + measured["param_bytes"],
+                "budget_met": growth <= TARGET_GROWTH_OVER_MODEL * measured["param_bytes"],
                 "peak_growth_while_building_gib": round(
                     (measured["peak_rss_after_build"] - measured["baseline_rss"]) / gib, 3
                 ),
@@ -215,6 +218,7 @@ def main():
                 "build_seconds": measured["build_seconds"],
                 "stream_seconds": measured["stream_seconds"],
                 "layers": measured["layers"],
+                "peak_growth_over_model": round(growth / measured["param_bytes"], 3),
             }
         )
     )

@@ -58,6 +58,12 @@ def validate_run_config(cfg, device_target: Optional[str]) -> None:
     validate_batch_sizes(cfg.data)
     validate_train_config(cfg.train)
     validate_precision(cfg.train, device_target)
+    if device_target == "CPU" and cfg.lora.enabled and cfg.lora.base_dtype == "bf16":
+        raise ValueError(
+            "lora.base_dtype=bf16: the CPU backend of MindSpore 2.9 has no bf16 kernel for the copies the train "
+            "step makes of the embedding table (TensorMove), nor bf16 MatMul; use lora.base_dtype=auto (fp16 on "
+            "CPU, bf16 on Ascend) or fp16 / fp32 on CPU"
+        )
     if cfg.lora.enabled and cfg.parallel.ep > 1:
         raise ValueError(
             f"lora.enabled=true with parallel.ep={cfg.parallel.ep}: LoRA runs are data parallel only; set parallel.ep=1"

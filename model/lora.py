@@ -33,6 +33,10 @@ from typing import Any, List, Optional
 #: ``lora.target_modules`` value that takes every projection (PEFT's shorthand).
 ALL_LINEAR = "all-linear"
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+#: ``lora.base_dtype`` values; ``auto`` resolves per device (:func:`resolve_base_dtype`).
+BASE_DTYPES = ("auto", "fp32", "fp16", "bf16")
+#: What ``lora.base_dtype=auto`` stores the frozen base in, per device target (others: fp32).
+AUTO_BASE_DTYPE = {"Ascend": "bf16", "CPU": "fp16", "GPU": "bf16"}
 #: Name endings of the adapter factors (``layers.0.self_attn.q_proj.lora_A``).
 ADAPTER_SUFFIXES = (".lora_A", ".lora_B")
 
@@ -61,6 +65,12 @@ class LoraConfig:
     #: A mindmoe checkpoint directory whose model weights are the base (instead of ``model.pretrained``
     #: or a fresh initialisation); null = none.
     base_checkpoint: Optional[str] = None
+    #: Storage dtype of the frozen base weights (projections, experts, embeddings and LM head unless in
+    #: ``modules_to_save``): ``auto | fp32 | fp16 | bf16``. Adapters, modules_to_save, norms, biases, router and
+    #: optimizer state stay fp32; a half weight is up-cast per layer to the compute dtype. ``auto``: bf16 on
+    #: Ascend, fp16 on CPU (no bf16 MatMul or Gather there and slower bf16 casts; fp16 holds a bf16
+    #: checkpoint's weights exactly down to 6e-5).
+    base_dtype: str = "auto"
 
     @property
     def scaling(self) -> float:
@@ -89,6 +99,15 @@ def validate_lora_config(cfg: LoraConfig) -> None:
         )
     if not all(isinstance(m, str) and m for m in cfg.modules_to_save):
         raise ValueError(f"lora.modules_to_save={list(cfg.modules_to_save)!r} must list module names")
+    if cfg.base_dtype not in BASE_DTYPES:
+        raise ValueError(f"lora.base_dtype={cfg.base_dtype!r} must be one of {', '.join(BASE_DTYPES)}")
+
+
+def resolve_base_dtype(value: str, device_target: str) -> str:
+    """``lora.base_dtype`` as a storage dtype name (``fp32 | fp16 | bf16``) on ``device_target``."""
+    if value not in BASE_DTYPES:
+        raise ValueError(f"lora.base_dtype={value!r} must be one of {', '.join(BASE_DTYPES)}")
+    return AUTO_BASE_DTYPE.get(device_target, "fp32") if value == "auto" else value
 
 
 def target_matches(targets, module_name: str) -> bool:

@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor
 
@@ -51,16 +52,38 @@ class AdapterSpec:
         return DropoutStream(name, int(seed), self.dropout)
 
 
-class AdapterScope:
-    """The adapted parameter names of a plan, seen from the cell under construction (``prefix``)."""
+#: Storage dtypes of ``lora.base_dtype`` once resolved (:func:`model.lora.resolve_base_dtype`).
+STORAGE_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
 
-    def __init__(self, adapted=frozenset(), spec: Optional[AdapterSpec] = None, prefix: str = ""):
+
+class AdapterScope:
+    """The adapted parameter names of a plan, seen from the cell under construction (``prefix``).
+
+    ``base_dtype`` (a MindSpore dtype) is the storage of the frozen base weights; ``saved`` (the
+    modules_to_save parameters, trained in full) stay fp32 like everything a plain model builds.
+    """
+
+    def __init__(
+        self,
+        adapted=frozenset(),
+        spec: Optional[AdapterSpec] = None,
+        prefix: str = "",
+        base_dtype=ms.float32,
+        saved=frozenset(),
+    ):
         self.adapted = adapted
         self.spec = spec
         self.prefix = prefix
+        self.base_dtype = base_dtype
+        self.saved = saved
 
     def child(self, name: str) -> "AdapterScope":
-        return AdapterScope(self.adapted, self.spec, f"{self.prefix}.{name}" if self.prefix else name)
+        prefix = f"{self.prefix}.{name}" if self.prefix else name
+        return AdapterScope(self.adapted, self.spec, prefix, self.base_dtype, self.saved)
+
+    def weight_dtype(self, name: str):
+        """Storage dtype of the weight ``name`` of this cell (``weight``, ``q_proj.weight``, ``gate_proj``)."""
+        return ms.float32 if self.child(name).prefix in self.saved else self.base_dtype
 
     def linear(self, name: str) -> Optional[AdapterSpec]:
         """The adapter of the :class:`Linear` ``name`` of this cell, or None."""
@@ -92,8 +115,9 @@ class LoraLinear(Linear):
         rng: np.random.Generator,
         adapter,
         name="lora",
+        dtype=ms.float32,
     ):
-        super().__init__(in_features, out_features, bias, std, rng)
+        super().__init__(in_features, out_features, bias, std, rng, dtype)
         self.lora_A = Parameter(lora_a_init(adapter.rng, (adapter.rank, in_features)), name="lora_A")
         self.lora_B = Parameter(Tensor(np.zeros((out_features, adapter.rank), np.float32)), name="lora_B")
         self.scaling = adapter.scaling
@@ -104,7 +128,7 @@ class LoraLinear(Linear):
     def construct(self, x):
         shape = x.shape
         x_ZF = x.reshape(-1, shape[-1])
-        y_ZO = self.matmul(x_ZF, self.weight)
+        y_ZO = self.matmul(x_ZF, self.base_weight(x_ZF.dtype))
         if self.bias is not None:
             y_ZO = y_ZO + self.bias
         if self.dropout > 0 and self.training:
@@ -117,6 +141,7 @@ class LoraLinear(Linear):
 def projection(in_features: int, out_features: int, bias: bool, std: float, rng, lora: AdapterScope, name: str):
     """The :class:`Linear` ``name`` of the cell at ``lora``, with an adapter when the plan gives it one."""
     adapter = lora.linear(name)
+    dtype = lora.weight_dtype(f"{name}.weight")
     if adapter is None:
-        return Linear(in_features, out_features, bias, std, rng)
-    return LoraLinear(in_features, out_features, bias, std, rng, adapter, lora.child(name).prefix)
+        return Linear(in_features, out_features, bias, std, rng, dtype)
+    return LoraLinear(in_features, out_features, bias, std, rng, adapter, lora.child(name).prefix, dtype)

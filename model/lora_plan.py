@@ -16,13 +16,15 @@ import dataclasses
 from dataclasses import dataclass
 from typing import List
 
+import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.weights import NameMap, is_stacked_expert
-from mindmoe.model.lora import LoraConfig, is_adapter, target_matches, validate_lora_config
-from mindmoe.model.lora_layers import AdapterScope, AdapterSpec
+from mindmoe.model.linear import numpy_of
+from mindmoe.model.lora import LoraConfig, is_adapter, resolve_base_dtype, target_matches, validate_lora_config
+from mindmoe.model.lora_layers import STORAGE_DTYPES, AdapterScope, AdapterSpec
 from mindmoe.model.param_count import parameter_shapes
 
 # The router's correction bias is state moved by the trainer, never a trained tensor.
@@ -38,11 +40,12 @@ class AdapterPlan:
     seed: int  # of the generator every lora_A is drawn from, in build order
     adapted: tuple  # base weights with adapters: layers.0.self_attn.q_proj.weight, layers.1.mlp.experts.up_proj
     saved: tuple  # modules_to_save parameters, trained in full
+    base_dtype: str = "fp32"  # storage of the frozen base weights: lora.base_dtype resolved on the device
 
     def scope(self) -> AdapterScope:
         """A fresh root scope for one build (its generator starts at ``seed``)."""
         spec = AdapterSpec(self.config.r, self.config.scaling, self.config.dropout, np.random.default_rng(self.seed))
-        return AdapterScope(frozenset(self.adapted), spec)
+        return AdapterScope(frozenset(self.adapted), spec, "", STORAGE_DTYPES[self.base_dtype], frozenset(self.saved))
 
     def freeze(self, model) -> None:
         """Only the adapters and the modules_to_save train."""
@@ -93,11 +96,14 @@ def _module_of(hf_param_name: str) -> str:
     return hf_param_name.rsplit(".", 1)[0]
 
 
-def plan_adapters(model_cfg: ModelConfig, cfg: LoraConfig, seed: int = 0, model_type: str = "glm4_moe"):
+def plan_adapters(
+    model_cfg: ModelConfig, cfg: LoraConfig, seed: int = 0, model_type: str = "glm4_moe", device_target: str = None
+):
     """The :class:`AdapterPlan` of ``cfg`` on a model of ``model_cfg``; errors name the ``lora.*`` key.
 
     ``model_type`` names the HF architecture whose module names the targets are matched against
-    (the imported checkpoint's; ``glm4_moe`` for a mindmoe model).
+    (the imported checkpoint's; ``glm4_moe`` for a mindmoe model). ``device_target`` (default: the
+    context's) resolves ``lora.base_dtype=auto``.
     """
     validate_lora_config(cfg)
     if model_cfg.expert_bias and model_cfg.bias_update_rate > 0 and model_cfg.num_moe_layers > 0:
@@ -123,7 +129,9 @@ def plan_adapters(model_cfg: ModelConfig, cfg: LoraConfig, seed: int = 0, model_
             f"module names look like {', '.join(examples)}"
         )
     saved = _modules_to_save(model_cfg, cfg, model_type, set(adapted))
-    return AdapterPlan(cfg, model_type, seed, tuple(adapted), tuple(sorted(saved)))
+    device = device_target or ms.get_context("device_target")
+    base_dtype = resolve_base_dtype(cfg.base_dtype, device)
+    return AdapterPlan(cfg, model_type, seed, tuple(adapted), tuple(sorted(saved)), base_dtype)
 
 
 def _shown(targets) -> str:
@@ -207,7 +215,8 @@ def merge_and_unload(model):
     weights are ``model``'s with every adapter merged in (for export)."""
     from mindmoe.model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
 
-    arrays = {p.name: p.asnumpy() for p in model.get_parameters()}
+    # A half base is merged in fp32: the merged weight is the rounded base plus the fp32 delta.
+    arrays = {p.name: numpy_of(p).astype(np.float32) for p in model.get_parameters()}
     arrays.update(merged_weights(model.adapter_plan, arrays, arrays))
     plain = MoETransformer(model.config)
     for param in plain.get_parameters():

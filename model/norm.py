@@ -4,10 +4,10 @@ Shape legend (docs/architecture.md): Z rows (every leading axis flattened), H th
 """
 
 import mindspore as ms
-import numpy as np
-from mindspore import Parameter, Tensor, nn
+from mindspore import Parameter, nn
 
 from mindmoe.model import kernels
+from mindmoe.model.deferred_init import constant
 
 
 class RMSNorm(nn.Cell):
@@ -15,7 +15,7 @@ class RMSNorm(nn.Cell):
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
-        self.weight = Parameter(Tensor(np.ones(dim, np.float32)), name="weight")
+        self.weight = Parameter(constant((dim,), 1.0), name="weight")
         self.normalize = kernels.rms_norm(dim, eps)
 
     def construct(self, x):

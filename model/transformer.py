@@ -35,12 +35,20 @@ from mindmoe.model.rope import RotaryEmbedding
 
 
 class Embedding(nn.Cell):
-    def __init__(self, vocab_size: int, hidden_size: int, std: float, rng: np.random.Generator):
+    """``[V, H]`` rows; stored in ``dtype`` (a half frozen base, ``lora.base_dtype``), gathered rows are fp32."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, std: float, rng: np.random.Generator, dtype=ms.float32):
         super().__init__()
-        self.weight = Parameter(normal_init((vocab_size, hidden_size), std, rng), name="weight")
+        self.weight = Parameter(normal_init((vocab_size, hidden_size), std, rng, dtype), name="weight")
+        self.half_weight = dtype != ms.float32
+        # CPU has no bf16 Gather kernel: there the table is up-cast first (a transient fp32 copy).
+        self.cast_first = dtype == ms.bfloat16 and ms.get_context("device_target") == "CPU"
 
     def construct(self, input_ids_BS):
-        return ops.gather(self.weight, input_ids_BS, 0)
+        if self.cast_first:
+            return ops.gather(self.weight.astype(ms.float32), input_ids_BS, 0)
+        rows_BSH = ops.gather(self.weight, input_ids_BS, 0)
+        return rows_BSH.astype(ms.float32) if self.half_weight else rows_BSH
 
 
 class DecoderLayer(nn.Cell):
@@ -161,7 +169,9 @@ class MoETransformer(nn.Cell):
         rng = np.random.default_rng(seed)
         adapters = NO_LORA if lora is None else lora.scope()  # one generator for every lora_A, in build order
         std = cfg.initializer_range
-        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, std, rng)
+        self.embed_tokens = Embedding(
+            cfg.vocab_size, cfg.hidden_size, std, rng, adapters.weight_dtype("embed_tokens.weight")
+        )
         layers = []
         for layer_idx in range(cfg.num_layers):
             layer_cls = MoEDecoderLayer if layer_idx >= cfg.first_k_dense else DecoderLayer
@@ -174,7 +184,7 @@ class MoETransformer(nn.Cell):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         if not cfg.tie_word_embeddings:
-            self.lm_head = Embedding(cfg.vocab_size, cfg.hidden_size, std, rng)
+            self.lm_head = Embedding(cfg.vocab_size, cfg.hidden_size, std, rng, adapters.weight_dtype("lm_head.weight"))
         self.rotary_emb = RotaryEmbedding(
             cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling, cfg.rope_interleaved
         )
@@ -197,7 +207,8 @@ class MoETransformer(nn.Cell):
 
     def final_logits(self, x_ZH):
         """Final norm and LM head: logits ``[rows of x, V]`` fp32, every leading axis of ``x`` flattened."""
-        return self.logits_matmul(self.final_hidden(x_ZH), self.head_weight()).astype(ms.float32)
+        hidden_ZH = self.final_hidden(x_ZH)
+        return self.logits_matmul(hidden_ZH, self.head_weight().astype(hidden_ZH.dtype)).astype(ms.float32)
 
     def construct(self, input_ids_BS, doc_ids_BS, hidden_only=False):
         batch, seq_len = input_ids_BS.shape

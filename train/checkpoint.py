@@ -42,6 +42,7 @@ from mindmoe.model.checkpoint_files import (  # noqa: F401
     checkpoint_model_config,
     read_state,
 )
+from mindmoe.model.linear import numpy_of
 from mindmoe.train.lineage import move_aside, step_dirs, step_of, temporary_dir
 
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -52,7 +53,8 @@ log = logging.getLogger("mindmoe.train")
 
 
 def parameters_to_numpy(params) -> dict:
-    return {p.name: p.asnumpy() for p in params}
+    """Name -> array; a bf16 parameter (a half frozen base) is saved as fp32, exactly, and cast back on load."""
+    return {p.name: numpy_of(p) for p in params}
 
 
 def load_parameters(params, tensors: dict, source: str) -> None:

@@ -6,8 +6,11 @@ With ``model.pretrained`` the architecture is the directory's ``config.json``; t
 the user set explicitly (command line, chosen recipe, non-default model group: :mod:`conf.explicit_keys`)
 may change training settings only, architecture keys must agree with it, and the weights are
 streamed in from its safetensors before anything compiles (a graph does not see later
-``set_data``). A run that resumes from its own checkpoint builds the same architecture and
-skips reading the HF weights, which the checkpoint replaces anyway.
+``set_data``). A model whose base weights a checkpoint provides (``model.pretrained``,
+``lora.base_checkpoint``) is built with them deferred (:mod:`model.deferred_init`): nothing is drawn
+or allocated for them before they are read. A run that resumes from its own checkpoint builds the
+same architecture and skips reading the HF weights, which the checkpoint replaces anyway (that build
+still draws its initial values: the trainer sets up precision and the optimizer before it loads).
 """
 
 import dataclasses
@@ -95,6 +98,7 @@ def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = Tru
 
 
 def _checkpoint_base(cfg, vocab_size: int, lora_cfg, expert_dispatcher):
+    from mindmoe.model.deferred_init import checkpoint_weights, finish_deferred
     from mindmoe.model.lora_plan import plan_adapters
     from mindmoe.model.transformer import MoETransformer
     from mindmoe.train.checkpoint import resolve_checkpoint, verify_checkpoint
@@ -104,10 +108,12 @@ def _checkpoint_base(cfg, vocab_size: int, lora_cfg, expert_dispatcher):
     directory, model_cfg = checkpoint_base_config(path)
     check_base_vocab(model_cfg, vocab_size, path)
     adapters = plan_adapters(model_cfg, lora_cfg, cfg.train.seed)
-    model = MoETransformer(
-        model_cfg, cell_reuse=cfg.train.cell_reuse, expert_dispatcher=expert_dispatcher, lora=adapters
-    )
+    with checkpoint_weights():  # every base weight comes from the checkpoint: none is drawn first
+        model = MoETransformer(
+            model_cfg, cell_reuse=cfg.train.cell_reuse, expert_dispatcher=expert_dispatcher, lora=adapters
+        )
     load_checkpoint_base(model, directory, path)
+    finish_deferred(model)
     return model_cfg, model
 
 

@@ -7,11 +7,14 @@ Order of work, so that a broken directory fails before anything large is built:
    and their headers -> a plan: every HF tensor mapped to a mindmoe parameter (or a row of a
    stacked expert parameter), every parameter covered, every shape and dtype checked. All problems
    are reported together;
-3. the model is built and the tensors are streamed in, one at a time, in file order.
+3. the model is built with its weights deferred (:mod:`model.deferred_init`: shapes and dtypes, no
+   values drawn, nothing allocated) and the tensors are streamed in, one at a time, in file order,
+   each straight into its parameter's storage in that parameter's dtype (:mod:`model.hf.param_stream`).
+   With expert parallelism a process reads and holds only its experts' rows.
 
-Memory while streaming: the model, plus the tensor being read, plus at most the stacked expert
-parameters whose rows are still arriving (one per projection being filled; with HF's per-layer
-tensor order that is three ``[E, out, in]`` buffers at a time).
+Memory: the parameters once, as they arrive, plus at most one tensor being converted (none when
+the file's dtype is the parameter's); the stacked expert parameters whose rows are still arriving
+are part of the model's bytes already.
 """
 
 import json
@@ -19,10 +22,9 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
-import numpy as np
-
 from mindmoe.model.hf.config_map import HFCheckpointError, ImportedConfig, apply_overrides, read_hf_config
-from mindmoe.model.hf.safetensors_io import INDEX_FILE, READABLE_DTYPES, SINGLE_FILE, read_header, read_tensor
+from mindmoe.model.hf.param_stream import ParamStreamer
+from mindmoe.model.hf.safetensors_io import INDEX_FILE, READABLE_DTYPES, SINGLE_FILE, read_header
 from mindmoe.model.hf.weights import NameMap, hf_layer_index, is_stacked_expert
 from mindmoe.model.lora import is_adapter
 from mindmoe.model.param_count import parameter_shapes
@@ -72,15 +74,18 @@ def load_hf_pretrained(
     whose adapters the model is built with (targets matched on this architecture's HF names, every
     ``lora_A`` drawn from ``lora_seed``); the HF weights fill the frozen base.
     """
+    # MindSpore code, imported only when needed: the config readers of this package must not pull it in.
+    from mindmoe.model.deferred_init import checkpoint_weights
     from mindmoe.model.lora_plan import plan_adapters
-    from mindmoe.model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
+    from mindmoe.model.transformer import MoETransformer
 
     imported = read_pretrained_config(path, overrides, max_seq_len)
     plan = plan_hf_weights(path, imported)
     adapters = None if lora is None else plan_adapters(imported.model_config, lora, lora_seed, imported.model_type)
-    model = MoETransformer(
-        imported.model_config, cell_reuse=cell_reuse, lora=adapters, expert_dispatcher=expert_dispatcher
-    )
+    with checkpoint_weights():  # no weight the checkpoint provides is drawn or allocated before it is read
+        model = MoETransformer(
+            imported.model_config, cell_reuse=cell_reuse, lora=adapters, expert_dispatcher=expert_dispatcher
+        )
     held = None if expert_dispatcher is None else expert_dispatcher.held_experts(imported.model_config.num_experts)
     notes = imported.notes + load_hf_weights(model, plan, held)
     return imported.model_config, model, notes
@@ -138,7 +143,7 @@ class _Planner:
         self.problems = defaultdict(list)
         self.assignments, self.filled = [], defaultdict(set)
         self.seen, self.skipped_mtp, self.skipped_rope = {}, [], []
-        self.converted, self.notes = defaultdict(int), []
+        self.notes = []
 
     def add(self, entry, file: Path) -> None:
         """Assign one tensor of ``file`` to its parameter (or row), or record why it cannot be."""
@@ -166,8 +171,6 @@ class _Planner:
                 f"{where}: checkpoint {list(entry.shape)} vs {list(expected)} expected from config.json"
             )
         else:
-            if entry.dtype != "F32":
-                self.converted[entry.dtype] += 1
             self.filled[our_name].add(row)
             self.assignments.append((entry, our_name, row))
 
@@ -197,8 +200,6 @@ class _Planner:
             notes.append(
                 f"skipped {len(self.skipped_rope)} saved rotary_emb.inv_freq caches (recomputed from config.json)"
             )
-        for dtype, count in sorted(self.converted.items()):
-            notes.append(f"{count} {dtype} tensors converted to float32")
         return notes
 
 
@@ -224,11 +225,12 @@ def plan_hf_weights(path, imported: ImportedConfig) -> WeightPlan:
 def load_hf_weights(model, plan: WeightPlan, held_experts: Optional[range] = None) -> list:
     """Stream the planned tensors into ``model``'s parameters; returns notes.
 
-    ``held_experts``: the expert rows this process holds (expert parallelism builds each rank with only
-    its share of every stacked expert tensor); the other experts' tensors are never read.
+    Each tensor is read straight into a buffer in its parameter's own dtype (converted per tensor),
+    which becomes the parameter's storage: a model built inside
+    :func:`model.deferred_init.checkpoint_weights` holds each weight once. ``held_experts``: the expert
+    rows this process holds (expert parallelism builds each rank with only its share of every stacked
+    expert tensor); the other experts' tensors are never read.
     """
-    from mindspore import Tensor  # reading configs and planning need no MindSpore; only this copy does
-
     held = {name: _held_range(name, shape, held_experts) for name, shape in plan.shapes.items()}
     params = {param.name: param for param in model.get_parameters() if not is_adapter(param.name)}
     model_shapes = {name: tuple(param.shape) for name, param in params.items()}
@@ -242,30 +244,19 @@ def load_hf_weights(model, plan: WeightPlan, held_experts: Optional[range] = Non
     by_file = defaultdict(list)
     for assignment in plan.assignments:
         by_file[assignment[0].file].append(assignment)
-    buffers = {}  # stacked name -> [array, rows filled]
+    streamer = ParamStreamer(params)
     for file, assignments in by_file.items():
-        with open(file, "rb") as handle:
+        with open(file, "rb") as handle:  # plain reads: no mapping of the file outlives its tensor
             for entry, our_name, row in sorted(assignments, key=lambda a: a[0].offset):
                 rows = held[our_name]
-                if row is not None and row not in rows:
-                    continue
-                try:
-                    array = read_tensor(handle, entry)
-                except ValueError as err:
-                    raise HFCheckpointError(str(err)) from None
-                param = params[our_name]
                 if row is None:
-                    param.set_data(Tensor(np.ascontiguousarray(array), dtype=param.dtype))
-                    continue
-                if our_name not in buffers:
-                    buffers[our_name] = [np.empty(expected[our_name], np.float32), 0]
-                buffer = buffers[our_name]
-                buffer[0][row - rows.start] = array
-                buffer[1] += 1
-                del array
-                if buffer[1] == len(rows):
-                    param.set_data(Tensor(np.ascontiguousarray(buffers.pop(our_name)[0]), dtype=param.dtype))
-    return list(plan.notes)
+                    streamer.read(handle, entry, our_name, None, 1)
+                elif row in rows:
+                    streamer.read(handle, entry, our_name, row - rows.start, len(rows))
+    from mindmoe.model.deferred_init import finish_deferred  # MindSpore code (see load_hf_pretrained)
+
+    finish_deferred(model)
+    return list(plan.notes) + streamer.notes()
 
 
 def _held_range(name: str, shape, held_experts: Optional[range]) -> Optional[range]:

@@ -102,6 +102,63 @@ def read_tensor(handle, entry: TensorEntry) -> np.ndarray:
     return raw.reshape(entry.shape)
 
 
+def read_tensor_into(handle, entry: TensorEntry, out: np.ndarray, storage: str) -> None:
+    """Read one tensor of an open file into ``out`` (C-contiguous, ``entry.shape``), whose dtype is
+    ``READABLE_DTYPES[storage]`` (``storage``: "F32", "F16" or "BF16", bf16 held as its raw bits).
+
+    The same dtype is read straight into ``out``; another is converted through a temporary of the
+    file's bytes (narrowing to bf16 uses one more of that size).
+    """
+    if entry.dtype not in READABLE_DTYPES:
+        raise ValueError(
+            f"{entry.file}: tensor {entry.name} has dtype {entry.dtype}; only {', '.join(READABLE_DTYPES)} can be read"
+        )
+    wrong_buffer = tuple(out.shape) != tuple(entry.shape) or out.dtype != READABLE_DTYPES[storage][1]
+    if wrong_buffer or not out.flags.c_contiguous:
+        raise ValueError(
+            f"{entry.name}: cannot read {entry.dtype}{list(entry.shape)} into {out.dtype}{list(out.shape)}"
+        )
+    if entry.dtype == storage:
+        raw = out
+    else:
+        raw = np.empty(entry.shape, READABLE_DTYPES[entry.dtype][1])
+    handle.seek(entry.offset)
+    got = handle.readinto(memoryview(raw.reshape(-1)).cast("B"))
+    if got != entry.nbytes:
+        raise ValueError(f"{entry.file}: tensor {entry.name} is truncated ({got} of {entry.nbytes} bytes)")
+    if raw is not out:
+        with np.errstate(over="ignore"):  # narrowing past the target's range gives inf, as a cast does
+            _convert(raw, entry.dtype, out, storage)
+
+
+def _convert(raw: np.ndarray, dtype: str, out: np.ndarray, storage: str) -> None:
+    """``out[...] = raw`` between the storage dtypes (bf16 as bits: widened exactly, narrowed to nearest even).
+
+    ``raw`` is the caller's temporary and is overwritten.
+    """
+    if storage == "BF16":
+        wide = raw.astype(np.float32) if dtype == "F16" else raw
+        bits = wide.view(np.uint32)
+        bits[np.isnan(wide)] = 0x7FC00000  # a quiet NaN, which the rounding below keeps a NaN
+        lowest_kept = bits >> np.uint32(16)
+        lowest_kept &= np.uint32(1)
+        bits += np.uint32(0x7FFF)
+        bits += lowest_kept
+        del lowest_kept
+        bits >>= np.uint32(16)
+        np.copyto(out, bits, casting="unsafe")
+    elif dtype == "BF16":
+        if storage == "F32":
+            widened = out.view(np.uint32)
+            widened[...] = raw
+            widened <<= np.uint32(16)
+        else:
+            widened = raw.astype(np.uint32) << np.uint32(16)
+            np.copyto(out, widened.view(np.float32), casting="unsafe")
+    else:
+        np.copyto(out, raw, casting="unsafe")  # F16 <-> F32
+
+
 class ShardedWriter:
     """Writes ``(name, array)`` pairs as HF-style shards of at most ``max_shard_bytes`` each
     (one tensor larger than that gets a shard of its own); memory holds one shard at a time.

@@ -14,7 +14,8 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindmoe.model import kernels
-from mindmoe.model.linear import normal_init
+from mindmoe.model.deferred_init import is_deferred, rows_of
+from mindmoe.model.linear import is_half, normal_init
 
 
 class RowScaledWeightGradMatmul(nn.Cell):
@@ -44,7 +45,10 @@ class RowScaledWeightGradMatmul(nn.Cell):
 def _held_rows(weight_EOF, held_experts):
     if held_experts is None or len(held_experts) == weight_EOF.shape[0]:
         return weight_EOF
-    return Tensor(weight_EOF.asnumpy()[held_experts.start : held_experts.stop])
+    if is_deferred(weight_EOF):  # built for a checkpoint: the other rows never exist
+        return rows_of(weight_EOF, held_experts)
+    rows = weight_EOF.astype(ms.float32).asnumpy()[held_experts.start : held_experts.stop]  # numpy has no bf16
+    return Tensor(rows, dtype=weight_EOF.dtype)
 
 
 class RoutedExperts(nn.Cell):
@@ -54,7 +58,8 @@ class RoutedExperts(nn.Cell):
     ``held_experts`` (a range of expert indices, default all): the experts this process holds. The
     initial weights are drawn for all ``num_experts`` and sliced, so a process holding a share starts
     from the rows a single process would (and the random stream of later parameters is the same).
-    ``first_expert`` is the index of row 0 among all experts.
+    ``first_expert`` is the index of row 0 among all experts. ``dtypes``: storage dtype per projection name
+    (default fp32); a half weight (``lora.base_dtype``) is up-cast per call to the input's dtype.
     """
 
     def __init__(
@@ -65,23 +70,27 @@ class RoutedExperts(nn.Cell):
         std: float,
         rng: np.random.Generator,
         held_experts: range = None,
+        dtypes: dict = None,
     ):
         super().__init__()
         self.first_expert = 0 if held_experts is None else held_experts.start
         self.num_experts = num_experts
         self.num_held = num_experts if held_experts is None else len(held_experts)
+        dtypes = dtypes or {}
+        gate_dtype, up_dtype, down_dtype = (dtypes.get(p, ms.float32) for p in ("gate_proj", "up_proj", "down_proj"))
         self.gate_proj = Parameter(
-            _held_rows(normal_init((num_experts, intermediate_size, hidden_size), std, rng), held_experts),
+            _held_rows(normal_init((num_experts, intermediate_size, hidden_size), std, rng, gate_dtype), held_experts),
             name="gate_proj",
         )
         self.up_proj = Parameter(
-            _held_rows(normal_init((num_experts, intermediate_size, hidden_size), std, rng), held_experts),
+            _held_rows(normal_init((num_experts, intermediate_size, hidden_size), std, rng, up_dtype), held_experts),
             name="up_proj",
         )
         self.down_proj = Parameter(
-            _held_rows(normal_init((num_experts, hidden_size, intermediate_size), std, rng), held_experts),
+            _held_rows(normal_init((num_experts, hidden_size, intermediate_size), std, rng, down_dtype), held_experts),
             name="down_proj",
         )
+        self.half_weights = any(is_half(d) for d in (gate_dtype, up_dtype, down_dtype))
         self.bmm = ops.BatchMatMul(transpose_b=True)
         self.scaled_bmm = RowScaledWeightGradMatmul()
         self.gmm = kernels.grouped_matmul()
@@ -92,6 +101,8 @@ class RoutedExperts(nn.Cell):
     def expert_matmul(self, x, w_EOF, scale, group_sizes):
         """``x @ w_e^T`` per expert: on an ``[E, C, F]`` buffer (``group_sizes`` None) or on grouped rows;
         ``scale`` (or None) scales each row's share of the weight gradient."""
+        if self.half_weights:
+            w_EOF = w_EOF.astype(x.dtype)
         if group_sizes is None:
             if scale is None:
                 return self.bmm(x, w_EOF)

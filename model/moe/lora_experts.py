@@ -34,8 +34,9 @@ class LoraRoutedExperts(RoutedExperts):
         adapter: AdapterSpec,
         held_experts: range = None,
         name: str = "experts",
+        dtypes: dict = None,
     ):
-        super().__init__(num_experts, hidden_size, intermediate_size, std, rng, held_experts)
+        super().__init__(num_experts, hidden_size, intermediate_size, std, rng, held_experts, dtypes)
         self.scaling = adapter.scaling
         self.dropout = adapter.dropout
         self.projections = tuple(p for p in EXPERT_PROJECTIONS if p in projections)
@@ -84,8 +85,9 @@ def routed_experts(
     """The :class:`RoutedExperts` at scope ``lora`` (``layers.{i}.mlp.experts``), with the planned adapters;
     ``held_experts`` as there."""
     projections = lora.expert_projections()
+    dtypes = {proj: lora.weight_dtype(proj) for proj in EXPERT_PROJECTIONS}
     if not projections:
-        return RoutedExperts(num_experts, hidden_size, intermediate_size, std, rng, held_experts)
+        return RoutedExperts(num_experts, hidden_size, intermediate_size, std, rng, held_experts, dtypes)
     return LoraRoutedExperts(
-        num_experts, hidden_size, intermediate_size, std, rng, projections, lora.spec, held_experts, lora.prefix
+        num_experts, hidden_size, intermediate_size, std, rng, projections, lora.spec, held_experts, lora.prefix, dtypes
     )
