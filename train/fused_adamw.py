@@ -33,17 +33,11 @@ def _adam_step(beta1_power, beta2_power, beta1, beta2, eps, lr, param, grad, exp
     )
 
 
-@_fused_update.register(
-    "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor"
-)
 def _update(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, param, grad, exp_avg, exp_avg_sq):
     param = F.depend(param, ops.assign(param, param * (1.0 - lr * weight_decay).astype(param.dtype)))
     return _adam_step(beta1_power, beta2_power, beta1, beta2, eps, lr, param, grad, exp_avg, exp_avg_sq)
 
 
-@_fused_update.register(
-    "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Tensor", "Number", "Tensor", "Tensor", "Tensor", "Tensor"
-)
 def _update_number_decay(
     beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, param, grad, exp_avg, exp_avg_sq
 ):
@@ -52,11 +46,49 @@ def _update_number_decay(
     return _adam_step(beta1_power, beta2_power, beta1, beta2, eps, lr, param, grad, exp_avg, exp_avg_sq)
 
 
+def _scaled_update(
+    beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, scale, param, grad, exp_avg, exp_avg_sq
+):
+    """The update times ``scale`` (broadcast over ``param``, e.g. one factor per expert row), decay included,
+    with no copy of ``param``: the kernel first updates the moments only (a zero step leaves ``param`` as it
+    is), then takes the step of the scaled first moment with betas of 1, which leave its moments unchanged."""
+    # Broadcast explicitly: MindSpore 2.9's CPU Mul of a full tensor by an implicitly broadcast [E, 1, 1]
+    # operand held about four times the tensor's bytes; an explicit broadcast costs one transient tensor.
+    decay_factor = ops.broadcast_to((1.0 - lr * weight_decay * scale).astype(param.dtype), param.shape)
+    param = F.depend(param, ops.assign(param, param * decay_factor))
+    param = _adam_step(beta1_power, beta2_power, beta1, beta2, eps, lr * 0.0, param, grad, exp_avg, exp_avg_sq)
+    scaled_avg = F.depend(exp_avg, param) * ops.broadcast_to(scale.astype(exp_avg.dtype), exp_avg.shape)
+    one = ops.ones_like(beta1)
+    step = _adam(param, scaled_avg, exp_avg_sq, beta1_power, beta2_power, lr, one, one, eps, grad.astype(param.dtype))
+    return F.depend(param, step)
+
+
+# Arguments: the six step scalars, weight decay (a tensor or a number), the update scale (None: 1), then
+# the parameter, its gradient and moments.
+_SCALARS = ("Tensor",) * 6
+_STATE = ("Tensor",) * 4
+for _decay_type in ("Tensor", "Number"):
+    _fused_update.register(*_SCALARS, _decay_type, "Tensor", *_STATE)(_scaled_update)
+
+
+@_fused_update.register(*_SCALARS, "Tensor", "None", *_STATE)
+def _unscaled_update(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, _, param, grad, m, v):
+    return _update(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, param, grad, m, v)
+
+
+@_fused_update.register(*_SCALARS, "Number", "None", *_STATE)
+def _unscaled_update_number_decay(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, _, param, grad, m, v):
+    return _update_number_decay(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, param, grad, m, v)
+
+
 def fused_adamw_class(base):
-    """A subclass of mindformers' ``AdamW`` class ``base`` whose ``construct`` uses the fused kernel."""
+    """A subclass of mindformers' ``AdamW`` class ``base`` whose ``construct`` uses the fused kernel.
+
+    ``construct(gradients, update_scales=None)``: ``update_scales``, one entry per parameter (a tensor
+    broadcast over it, or None), multiplies each parameter's update (train/routing.py, gradient isolation)."""
 
     class FusedAdamW(base):
-        def construct(self, gradients):
+        def construct(self, gradients, update_scales=None):
             weight_decay = self.get_weight_decay()
             lr = self.get_lr()
             self.assignadd(self.global_step, self.global_step_increase_tensor)
@@ -68,14 +100,13 @@ def fused_adamw_class(base):
             lr = lr.reshape(()).astype(ms.float32)
             eps = self.eps.reshape(()) * ops.sqrt(1.0 - beta2_power)
             update = F.partial(_fused_update, beta1_power, beta2_power, beta1, beta2, eps, lr)
-            if self.is_group:
-                result = self.hyper_map(
-                    update, weight_decay, self._parameters, gradients, self.exp_avg, self.exp_avg_sq
-                )
-            else:
-                result = self.hyper_map(
-                    F.partial(update, weight_decay), self._parameters, gradients, self.exp_avg, self.exp_avg_sq
-                )
+            if not self.is_group:
+                weight_decay = (weight_decay,) * len(self._parameters)
+            if update_scales is None:
+                update_scales = (None,) * len(self._parameters)
+            result = self.hyper_map(
+                update, weight_decay, update_scales, self._parameters, gradients, self.exp_avg, self.exp_avg_sq
+            )
             if self.use_parallel:
                 self.broadcast_params(result)
             return result

@@ -167,10 +167,10 @@ def _reductions(dist, params):
     return dist.grad_reducer(params), dist.squared_grad_norm(params)
 
 
-def _clip_and_apply(optimizer, clip: float, synchronise, squared_norm, adjust_scale):
+def _clip_and_apply(optimizer, clip: float, synchronise, squared_norm, adjust_scale, update_scales):
     """The update of a step from its (loss-unscaled) gradients, traced into each compiled step function."""
 
-    def clip_and_apply(grads, loss):
+    def clip_and_apply(grads, loss, routing_L3E):
         """Clip to the global norm and update, unless loss or gradients are not finite.
 
         A non-finite step is skipped whole (no moment update either), as loss-scaled training
@@ -185,7 +185,7 @@ def _clip_and_apply(optimizer, clip: float, synchronise, squared_norm, adjust_sc
         lr = optimizer.get_lr()
         finite = ops.logical_and(ops.isfinite(norm), ops.isfinite(loss))
         if finite:
-            optimizer(grads)
+            optimizer(grads) if update_scales is None else optimizer(grads, update_scales(routing_L3E))
         adjust_scale(finite)
         return norm, lr, finite
 
@@ -198,7 +198,7 @@ def _compile_fused_step(grad_fn, unscale, clip_and_apply):
     @ms.jit
     def fused_step(input_ids, doc_ids, labels, loss_mask, token_weight):
         (_, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight)
-        norm, lr, finite = clip_and_apply(unscale(grads), aux[0])
+        norm, lr, finite = clip_and_apply(unscale(grads), aux[0], aux[4])
         return aux, norm, lr, finite
 
     return fused_step
@@ -217,9 +217,9 @@ def _compile_accumulation(grad_fn, unscale, clip_and_apply, buffers, accum_steps
         return aux
 
     @ms.jit
-    def apply_accumulated(mean_loss):
+    def apply_accumulated(mean_loss, routing_L3E):
         grads = tuple(buffer * 1.0 for buffer in buffers)
-        norm, lr, finite = clip_and_apply(grads, mean_loss)
+        norm, lr, finite = clip_and_apply(grads, mean_loss, routing_L3E)
         for buffer in buffers:
             ops.assign(buffer, ops.zeros_like(buffer))
         return norm, lr, finite
@@ -253,7 +253,6 @@ class CompiledStep:
     ):
         self.model = model
         self.dist = dist
-        self.router_updates = router_updates
         self.optimizer = optimizer
         self.accum_steps = accum_steps
         params = optimizer.parameters
@@ -266,12 +265,25 @@ class CompiledStep:
 
         grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
         self.grad_buffers = _grad_buffers(params, accum_steps)
-        clip_and_apply = _clip_and_apply(optimizer, float(grad_clip), *_reductions(dist, params), adjust_scale)
+        self._step_parts = (grad_fn, unscale, float(grad_clip), _reductions(dist, params), adjust_scale)
+        self.router_updates = router_updates
+        self._evaluate = _compile_evaluate(model, head_loss(model))
+
+    @property
+    def router_updates(self):
+        return self._router_updates
+
+    @router_updates.setter
+    def router_updates(self, updates):
+        """Per-step router updates (train/routing.py) or None; their update scales are traced into the step."""
+        grad_fn, unscale, clip, reductions, adjust_scale = self._step_parts
+        scales = None if updates is None else updates.update_scales(self.optimizer.parameters, self.dist)
+        clip_and_apply = _clip_and_apply(self.optimizer, clip, *reductions, adjust_scale, scales)
+        self._router_updates = updates
         self._fused_step = _compile_fused_step(grad_fn, unscale, clip_and_apply)
         self._accumulate, self._apply_accumulated = _compile_accumulation(
-            grad_fn, unscale, clip_and_apply, self.grad_buffers, accum_steps
+            grad_fn, unscale, clip_and_apply, self.grad_buffers, self.accum_steps
         )
-        self._evaluate = _compile_evaluate(model, head_loss(model))
 
     def _loss(self, input_ids, doc_ids, labels, loss_mask, token_weight):
         """The micro-batch's share of the step objective, and ``(loss, lm, aux, z, routing, layer)``
@@ -291,8 +303,6 @@ class CompiledStep:
         # Each compiled function keeps the training flag it was first traced with: the train
         # step traces with dropout (LoRA) active, evaluation without.
         self.model.set_train(True)
-        if self.router_updates is not None:
-            self.router_updates.before_optimizer()
         windows = [split_window(batch) for batch in micro_batches]
         weight = Tensor(np.float32(self._token_weight(windows)))
         scale_before = self._loss_scale()
@@ -301,8 +311,8 @@ class CompiledStep:
             auxes = [aux]
         else:
             auxes = [self._accumulate(*window, weight) for window in windows]
-            mean_loss = float(np.mean([a[0].asnumpy() for a in auxes]))
-            norm, lr, finite = self._apply_accumulated(Tensor(np.float32(mean_loss)))
+            mean_loss = Tensor(np.float32(np.mean([a[0].asnumpy() for a in auxes])))
+            norm, lr, finite = self._apply_accumulated(mean_loss, Tensor(sum(a[4].asnumpy() for a in auxes)))
         stats = self._global_stats(
             StepStats(
                 skipped=not bool(finite.asnumpy()),

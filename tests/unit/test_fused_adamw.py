@@ -66,3 +66,46 @@ def test_fused_adamw_matches_torch_adamw_with_decay_groups(warmup_ratio):
         np.testing.assert_allclose(exp_avg.asnumpy(), state["exp_avg"].numpy(), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(exp_avg_sq.asnumpy(), state["exp_avg_sq"].numpy(), rtol=1e-5, atol=1e-9)
     assert int(optimizer.global_step.asnumpy().reshape(-1)[0]) == steps
+
+
+def test_update_scales_multiply_each_rows_adamw_update_decay_included_and_leave_the_moments_unscaled():
+    """``optimizer(grads, update_scales)``: an ``[E, 1, 1]`` scale multiplies the whole update of each row of a
+    3-D tensor (weight decay included) against torch's AdamW; a None scale and the moments are unaffected."""
+    rng = np.random.default_rng(1)
+    shapes = {"experts.up_proj": (4, 3, 5), "layer.weight": (6, 5)}
+    initial = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+    scale_E = np.array([0.3, 1.0, 0.55, 0.0], np.float32)
+    cfg = TrainConfig(
+        max_steps=3, lr=1e-2, warmup_ratio=0.0, min_lr_ratio=1.0, weight_decay=0.1, betas=[0.9, 0.95], eps=1e-8
+    )
+    params = [Parameter(Tensor(value.copy()), name=name) for name, value in initial.items()]
+    optimizer = build_optimizer(params, cfg)
+
+    @ms.jit
+    def update(gradients, scale):
+        return optimizer(gradients, (scale, None))
+
+    torch_params = {name: torch.nn.Parameter(torch.from_numpy(value.copy())) for name, value in initial.items()}
+    reference = torch.optim.AdamW(list(torch_params.values()), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for _ in range(2):
+        before = {p.name: p.asnumpy().astype(np.float64) for p in params}
+        torch_before = {name: p.detach().numpy().astype(np.float64) for name, p in torch_params.items()}
+        grads = {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
+        update(tuple(Tensor(grads[p.name]) for p in params), Tensor(scale_E.reshape(-1, 1, 1)))
+        for name, p in torch_params.items():
+            p.grad = torch.from_numpy(grads[name])
+        reference.step()
+        # The reference update of this step from the same weights: torch's moved from torch's weights,
+        # which stay unscaled; scale it row by row and compare the updates.
+        for p in params:
+            torch_update = torch_params[p.name].detach().numpy() - torch_before[p.name]
+            expected = torch_update * (scale_E.reshape(-1, 1, 1) if p.name.startswith("experts.") else 1.0)
+            np.testing.assert_allclose(p.asnumpy() - before[p.name], expected, rtol=1e-4, atol=1e-7, err_msg=p.name)
+        # Keep torch's weights equal to ours, so the next step's updates start from the same point.
+        with torch.no_grad():
+            for p in params:
+                torch_params[p.name].copy_(torch.from_numpy(p.asnumpy()))
+    for p, exp_avg, exp_avg_sq in zip(optimizer.parameters, optimizer.exp_avg, optimizer.exp_avg_sq):
+        state = reference.state[torch_params[p.name]]
+        np.testing.assert_allclose(exp_avg.asnumpy(), state["exp_avg"].numpy(), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(exp_avg_sq.asnumpy(), state["exp_avg_sq"].numpy(), rtol=1e-5, atol=1e-9)
