@@ -1,4 +1,5 @@
-"""The opt-in ``scaling`` case: short ``mindmoe-train`` runs as the expert count, length and vocabulary grow.
+"""The opt-in ``scaling`` case: short ``mindmoe-train`` runs as the expert count, length and vocabulary grow,
+and two 2-worker ``mindmoe-launch`` runs of expert parallelism (``allgather`` against ``alltoall``).
 
 Each row is one ``mindmoe-train`` process on the bundled corpus, as a user would run it: its tokens/s
 is the median logged ``tokens_per_s`` after the first log row (which holds the compile), its peak RSS
@@ -11,6 +12,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -38,6 +40,10 @@ DROPLESS_SPEED_TARGET = {64: 0.8, 128: 0.7, 256: 0.7}
 DROPLESS_RSS_LIMIT = 1.3
 # (RSS(4k) - RSS(2k)) <= this x max(RSS(2k) - RSS(1k), 0.25 GiB): peak RSS about linear in length.
 LENGTH_GROWTH_LIMIT = 2.3
+# Expert parallelism on 2 workers, the experts group's 64/8 capacity model: alltoall / allgather tokens/s.
+EP_BASE = ("model.num_experts=64", *EXPERTS_BASE, *DISPATCH["capacity"], "launch.procs_per_node=2", "parallel.ep=2")
+EP_DISPATCHERS = ("allgather", "alltoall")
+ALLTOALL_SPEED_TARGET = 1.3
 
 
 @dataclass(frozen=True)
@@ -49,24 +55,30 @@ class Grid:
     long_row: tuple  # (seq_len, vocab) of the one run that must fit in memory, or ()
     experts_steps: tuple  # (train.max_steps, train.log_every)
     length_steps: tuple
+    expert_parallel: bool = True  # the two 2-worker runs
 
 
 GRIDS = {
     "full": Grid((8, 64, 128, 256), (1024, 2048, 4096, 8192), (8192, 151552), 2048, (8192, 151552), (20, 5), (3, 1)),
     # A smoke test of the case: figures meaningless.
-    "quick": Grid((8,), (128,), (8192,), 128, (), (2, 1), (2, 1)),
+    "quick": Grid((8,), (128,), (8192,), 128, (), (2, 1), (2, 1), expert_parallel=False),
 }
 
 
 @dataclass(frozen=True)
 class ScalingRun:
-    group: str  # experts | length | vocab
+    group: str  # experts | length | vocab | expert parallel
     label: str
     overrides: tuple
+    launcher: bool = False  # mindmoe-launch (msrun workers) instead of one mindmoe-train process
 
     @property
     def command(self) -> str:
-        return "mindmoe-train " + " ".join(self.overrides)
+        return ("mindmoe-launch " if self.launcher else "mindmoe-train ") + " ".join(self.overrides)
+
+    @property
+    def module(self) -> str:
+        return "mindmoe.launch.cli" if self.launcher else "mindmoe.train.cli"
 
 
 def _steps(steps: tuple) -> tuple:
@@ -91,7 +103,17 @@ def scaling_runs(size_name: str) -> list:
         length, vocab = grid.long_row
         overrides = (*LENGTH_BASE, f"data.seq_len={length}", f"model.vocab_size={vocab}", *length_steps)
         runs.append(ScalingRun("vocab", f"seq {length}, vocab {vocab}", overrides))
-    return [ScalingRun(r.group, r.label, r.overrides + COMMON) for r in runs]
+    if grid.expert_parallel:
+        for dispatcher in EP_DISPATCHERS:
+            overrides = (*EP_BASE, f"parallel.ep_dispatcher={dispatcher}", *_steps(grid.experts_steps))
+            runs.append(ScalingRun("expert parallel", f"ep 2 {dispatcher}", overrides, launcher=True))
+    return [ScalingRun(r.group, r.label, r.overrides + COMMON, r.launcher) for r in runs]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def median_tokens_per_s(metrics_path: Path):
@@ -112,11 +134,14 @@ def failure(returncode: int, stderr: str) -> str:
 
 
 def run_one(run: ScalingRun, root: Path, work: Path) -> dict:
-    """``run`` in a fresh process; its peak RSS from ``wait4`` (the process and the children it waited for)."""
+    """``run`` in a fresh process; its peak RSS from ``wait4``: the largest of the process and the children
+    it waited for (with ``mindmoe-launch``: the largest worker)."""
     run_dir = work / run.label.replace(" ", "_").replace("/", "-").replace(",", "")
     env = dict(os.environ)
     env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    command = [sys.executable, "-m", "mindmoe.train.cli", *run.overrides, f"hydra.run.dir={run_dir}"]
+    command = [sys.executable, "-m", run.module, *run.overrides, f"hydra.run.dir={run_dir}"]
+    if run.launcher:
+        command.append(f"launch.master_port={free_port()}")
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     with open(work / "stderr.txt", "w+") as stderr:
@@ -186,6 +211,10 @@ def ratios(rows: list) -> list:
         rss_1k, rss_2k, rss_4k = (row["peak_rss"] for row in lengths)
         growth = (rss_4k - rss_2k) / max(rss_2k - rss_1k, 0.25 * GIB)
         add("peak RSS (4k - 2k) / max(2k - 1k, 0.25 GiB)", growth, LENGTH_GROWTH_LIMIT, False)
+    gathered, routed = (by_label.get(f"ep 2 {dispatcher}") for dispatcher in EP_DISPATCHERS)
+    if gathered and routed and gathered["tokens_per_s"] and routed["tokens_per_s"]:
+        speed = routed["tokens_per_s"] / gathered["tokens_per_s"]
+        add("ep 2 alltoall / allgather tokens/s", speed, ALLTOALL_SPEED_TARGET, True)
     return out
 
 
@@ -215,7 +244,9 @@ def markdown_section(rows: list) -> list:
         "16 sequences per step), capacity factor 1.25 or dropless; **length** and **vocab** = micro-batch 1, "
         "one sequence per step, `model.max_position_embeddings=8192`. Each row is one `mindmoe-train` process: "
         "tokens/s = median logged `tokens_per_s` after the first log row; peak RSS = the whole process's "
-        "(data preparation and final validation included).",
+        "(data preparation and final validation included). **expert parallel** = the 64/8 capacity model on 2 "
+        "`mindmoe-launch` workers with `parallel.ep=2`, `allgather` (one replica) or `alltoall` (dp 2); its peak "
+        "RSS is the largest worker's.",
         "",
     ]
     table = [

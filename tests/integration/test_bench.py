@@ -215,10 +215,20 @@ def test_scaling_runs_are_the_issues_commands_and_compose_into_configs():
     ]
     for overrides in lengths + vocabs:
         assert one_sequence.items() <= overrides.items()
-    # Only training sizes change between rows of a group: nothing else of the default run is touched.
-    assert {key.split(".")[0] for r in runs for key in scaling_overrides(r)} == {"model", "data", "train"}
+    # The 64/8 capacity model of the experts group on 2 workers, the two dispatchers back to back.
+    gathered, routed = [r for r in runs if r.group == "expert parallel"]
+    assert (gathered.label, routed.label) == ("ep 2 allgather", "ep 2 alltoall") and gathered.launcher
+    different = dict(scaling_overrides(gathered).items() ^ scaling_overrides(routed).items())
+    assert different == {"parallel.ep_dispatcher": "allgather"} or different == {"parallel.ep_dispatcher": "alltoall"}
+    experts_64 = scaling_overrides(next(r for r in runs if r.label == "64/8 capacity"))
+    assert experts_64.items() <= scaling_overrides(routed).items()
+    assert {"launch.procs_per_node": "2", "parallel.ep": "2"}.items() <= scaling_overrides(routed).items()
+    # Only training sizes (and the layout of the two launches) change: nothing else of the default run is touched.
+    single = [r for r in runs if not r.launcher]
+    assert {key.split(".")[0] for r in single for key in scaling_overrides(r)} == {"model", "data", "train"}
     for run in runs:
-        assert run.command == "mindmoe-train " + " ".join(run.overrides)
+        tool = "mindmoe-launch " if run.launcher else "mindmoe-train "
+        assert run.command == tool + " ".join(run.overrides)
     # Every key is a config key, composed as mindmoe-train composes (one run per set of keys: 1.3 s each).
     register_configs()
     with initialize_config_module(config_module="mindmoe.conf", version_base="1.3"):
@@ -233,6 +243,7 @@ def fake_scaling_rows():
     from mindmoe.bench.scaling import GIB, scaling_runs
 
     speeds = {"64/8 capacity": 4000.0, "64/8 dropless": 3600.0, "128/8 capacity": 4000.0, "128/8 dropless": 2000.0}
+    speeds.update({"ep 2 allgather": 1000.0, "ep 2 alltoall": 1500.0})
     rss = {"seq 1024": 2.0, "seq 2048": 2.5, "seq 4096": 4.0}
     rows = []
     for run in scaling_runs("full"):
@@ -267,6 +278,8 @@ def test_scaling_ratios_are_formed_from_the_rows_they_name():
     # (4.0 - 2.5) / max(2.5 - 2.0, 0.25) = 3.0 > 2.3
     growth = figures["peak RSS (4k - 2k) / max(2k - 1k, 0.25 GiB)"]
     assert growth["value"] == pytest.approx(3.0) and not growth["holds"]
+    routed = figures["ep 2 alltoall / allgather tokens/s"]
+    assert routed["value"] == pytest.approx(1.5) and routed["target"] == ">= 1.3" and routed["holds"]
 
 
 def test_scaling_section_lists_every_run_with_its_command_and_failures_as_rows(tmp_path):
