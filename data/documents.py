@@ -1,10 +1,10 @@
-"""Documents of one file as a stream, tokenised in batches: what the shard writer reads.
+"""Documents of one file as a stream, tokenised in batches: what the tokenizer trainer and the shard writers read.
 
-The same documents :func:`data.reader.read_source` puts into a Dataset, in the same order, but one
-batch at a time, so preparing a corpus never holds more than a batch of its text or tokens. No
-Arrow file is memory-mapped either (its pages would count in the process's resident memory and
-grow with the corpus). ``num_proc > 1`` tokenises batches in worker processes, a bounded number of
-batches in flight, results in order.
+The documents of a file (read and checked by :mod:`data.reader`) in file order, one batch at a
+time, so preparing a corpus never holds more than a batch of its text or tokens. No Arrow file is
+memory-mapped either (its pages would count in the process's resident memory and grow with the
+corpus). ``num_proc > 1`` tokenises batches in worker processes, a bounded number of batches in
+flight, results in order.
 """
 
 import logging
@@ -17,11 +17,11 @@ from typing import Iterable, Iterator, List, Optional
 import numpy as np
 import pyarrow.parquet as pq
 
-from mindmoe.data.reader import SourceStats, _no_text, _text_rows, parquet_text_column
+from mindmoe.data.reader import SourceStats, no_text_error, parquet_text_column, text_documents
 
 logger = logging.getLogger(__name__)
 
-#: Documents tokenised together (what ``Dataset.map`` used per batch).
+#: Documents tokenised together: one call of the tokenizer, and the unit handed to a worker process.
 BATCH_DOCUMENTS = 1000
 #: Batches queued per tokenising process: keeps the workers busy without reading ahead of them.
 IN_FLIGHT_PER_PROCESS = 2
@@ -41,12 +41,12 @@ def iter_documents(path: Path, text_field: str, config_key: str, stats: SourceSt
     if path.suffix.lower() == ".parquet":
         texts = _parquet_texts(path, text_field, config_key, stats)
     else:
-        texts = (row["text"] for row in _text_rows(path, text_field, config_key, stats))
+        texts = text_documents(path, text_field, config_key, stats)
     for text in texts:
         stats.documents += 1
         yield text
     if stats.documents == 0:
-        raise _no_text(config_key, path, stats)
+        raise no_text_error(config_key, path, stats)
     if stats.skipped_empty:
         logger.warning("%s: skipped %d empty documents in %s", config_key, stats.skipped_empty, path)
     logger.info("%s: %d documents from %s", config_key, stats.documents, path)
@@ -106,7 +106,7 @@ class Tokenising:
 
     def __enter__(self) -> "Tokenising":
         if self.num_proc > 1:
-            # fork, as Dataset.map did: workers need no import of the caller's main module, and get the
+            # fork: workers need no import of the caller's main module, and get the
             # tokenizer without pickling. Workers only run the tokenizer, no framework code.
             context = multiprocessing.get_context("fork")
             self._pool = context.Pool(self.num_proc, initializer=_init_worker, initargs=(self.tokenizer,))

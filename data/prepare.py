@@ -206,15 +206,25 @@ def _cached_tokenizer(root: Path, cfg: DataConfig, train: Dict[str, Path], file_
     entry = root / "tokenizer" / key
 
     def build(staging: Path) -> Dict:
-        texts = (
-            text
-            for key, path in train.items()
-            for text in iter_documents(path, cfg.text_field, key, SourceStats(file=str(path)))
-        )
+        unreadable = []
+
+        def texts():
+            # The trainer consumes this in C++ and reports what it raises as its own failure
+            # ("vocab_size=...: INTERNAL: ..."): keep the reader's error to raise it as it is.
+            try:
+                for key, path in train.items():
+                    yield from iter_documents(path, cfg.text_field, key, SourceStats(file=str(path)))
+            except Exception as err:
+                unreadable.append(err)
+                raise
+
         try:
-            train_sentencepiece(texts, cfg.vocab_size, staging / "spm")
+            train_sentencepiece(texts(), cfg.vocab_size, staging / "spm")
         except ValueError as err:
-            raise ValueError(f"data.{err}") from None
+            if not unreadable:
+                raise ValueError(f"data.{err}") from None
+        if unreadable:
+            raise unreadable[0]
         return {"format": FORMAT_VERSION, "vocab_size": cfg.vocab_size, "train_files": [str(p) for p in train.values()]}
 
     build_once(entry, build)

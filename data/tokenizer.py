@@ -39,7 +39,7 @@ TRAINING_SEED = 0
 
 
 class Tokenizer:
-    """A loaded SentencePiece model. Picklable, so ``Dataset.map`` workers can use it."""
+    """A loaded SentencePiece model. Picklable, so the tokenising worker processes can use it."""
 
     def __init__(self, path: Union[str, Path]):
         self.path = str(path)

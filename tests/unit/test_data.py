@@ -19,7 +19,9 @@ import pytest
 from omegaconf import OmegaConf
 
 import mindmoe.data as data
+from mindmoe.data import documents
 from mindmoe.data.config import DataConfig
+from mindmoe.data.documents import Tokenising, iter_documents
 from mindmoe.data.mindrecord import EvalLoader, WindowLoader, write_shards
 from mindmoe.data.packing import (
     PackedWindows,
@@ -31,7 +33,7 @@ from mindmoe.data.packing import (
     unigram_loss,
 )
 from mindmoe.data.prepare import build_once, prepare_data
-from mindmoe.data.reader import DataInputError, read_source, tokenize_documents
+from mindmoe.data.reader import DataInputError, SourceStats, checked_file
 from mindmoe.data.tokenizer import load_tokenizer, train_sentencepiece
 
 SAMPLES = Path(data.__file__).parent / "samples"
@@ -160,6 +162,12 @@ def _write(path, content):
     return path
 
 
+def _read(path, text_field, config_key):
+    """A file's documents and stats, read the way ``prepare_data`` reads it: checked, then streamed."""
+    stats = SourceStats(file=str(path))
+    return list(iter_documents(checked_file(str(path), config_key), text_field, config_key, stats)), stats
+
+
 @pytest.mark.parametrize(
     "name, content, pattern",
     [
@@ -195,7 +203,34 @@ def _write(path, content):
 def test_bad_input_error_names_key_file_and_line(tmp_path, name, content, pattern):
     path = _write(tmp_path / name, content)
     with pytest.raises(DataInputError, match=pattern):
-        read_source(str(path), "text", "data.train_files[0]", tmp_path / "work")
+        _read(path, "text", "data.train_files[0]")
+
+
+@pytest.mark.parametrize("tokenizer", [None, str(SAMPLES / "tiny_base" / "tokenizer.model")], ids=["trained", "given"])
+@pytest.mark.parametrize(
+    "name, content, pattern",
+    [
+        ("bad.jsonl", '{"text": "a"}\n{"text": "b"}\n{"text": "c" "d"}\n', r"bad\.jsonl line 3 is not valid JSON"),
+        ("blank.jsonl", '{"text": ""}\n', r"blank\.jsonl contains no text \(1 empty documents skipped\)"),
+        ("list.parquet", None, r"list\.parquet column 'text' has type list<element: string>, expected string"),
+    ],
+    ids=["bad_json", "no_text", "list_column"],
+)
+def test_prepare_data_raises_the_readers_error_whether_it_trains_the_tokenizer_or_not(
+    tmp_path, small_corpus, tokenizer, name, content, pattern
+):
+    # The tokenizer trainer reads the training files first, from C++: its own failure must not hide the reader's.
+    path = tmp_path / name
+    if content is None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table({"text": [["a", "b"]]}), path)
+    else:
+        _write(path, content)
+    cfg = _small_config(small_corpus, train_files=[str(path)], tokenizer=tokenizer)
+    with pytest.raises(DataInputError, match=rf"^data\.train_files\[0\]: .*{pattern}"):
+        prepare_data(cfg)
 
 
 def test_missing_file_error_names_the_config_key(tmp_path, small_corpus):
@@ -210,18 +245,18 @@ def test_empty_texts_are_skipped_and_counted(tmp_path):
         tmp_path / "mixed.jsonl",
         '{"text": "one"}\n\n{"text": ""}\n{"text": null, "id": "x"}\n{"text": "two", "id": 3}\n',
     )
-    dataset, stats = read_source(str(path), "text", "data.train_files[0]", tmp_path / "work")
-    assert dataset["text"] == ["one", "two"]
+    texts, stats = _read(path, "text", "data.train_files[0]")
+    assert texts == ["one", "two"]
     assert (stats.documents, stats.skipped_empty) == (2, 2)
 
 
 def test_txt_documents_are_blank_line_separated_and_json_arrays_are_read(tmp_path):
     txt = _write(tmp_path / "notes.txt", "first line\nsecond line\n\n\nnext doc\n")
-    dataset, _ = read_source(str(txt), "text", "k", tmp_path / "work")
-    assert dataset["text"] == ["first line\nsecond line", "next doc"]
+    texts, _ = _read(txt, "text", "k")
+    assert texts == ["first line\nsecond line", "next doc"]
     array = _write(tmp_path / "rows.json", '[{"body": "a"}, {"body": "b"}]')
-    dataset, _ = read_source(str(array), "body", "k", tmp_path / "work")
-    assert dataset["text"] == ["a", "b"]
+    texts, _ = _read(array, "body", "k")
+    assert texts == ["a", "b"]
 
 
 def test_parquet_is_read_and_a_missing_column_is_named(tmp_path):
@@ -230,20 +265,25 @@ def test_parquet_is_read_and_a_missing_column_is_named(tmp_path):
 
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"content": ["alpha", "", None, "beta"], "id": [1, 2, 3, 4]}), path)
-    dataset, stats = read_source(str(path), "content", "k", tmp_path / "work")
-    assert dataset["text"] == ["alpha", "beta"] and stats.skipped_empty == 2
+    texts, stats = _read(path, "content", "k")
+    assert texts == ["alpha", "beta"] and stats.skipped_empty == 2
     with pytest.raises(DataInputError, match=r"k: .*rows\.parquet has no column 'text' \(columns: content, id\)"):
-        read_source(str(path), "text", "k", tmp_path / "work")
+        _read(path, "text", "k")
 
 
-def test_parallel_tokenisation_wraps_each_document_in_bos_and_eos(small_corpus, small_tokenizer, tmp_path):
-    dataset, _ = read_source(str(small_corpus / "valid.jsonl"), "text", "data.valid_files[0]", tmp_path)
-    expected = [
-        [small_tokenizer.bos_id] + small_tokenizer.encode(text) + [small_tokenizer.eos_id] for text in dataset["text"]
-    ]
-    stream = tokenize_documents(dataset, small_tokenizer, num_proc=2)
-    assert stream.doc_lengths.tolist() == [len(ids) for ids in expected]
-    assert stream.tokens.tolist() == [token for ids in expected for token in ids]
+def test_parallel_tokenisation_wraps_each_document_in_bos_and_eos(small_corpus, small_tokenizer, monkeypatch):
+    monkeypatch.setattr(documents, "BATCH_DOCUMENTS", 7)  # several batches, spread over the workers
+    path = small_corpus / "valid.jsonl"
+    texts = [json.loads(line)["text"] for line in path.open(encoding="utf-8")]
+    expected = [[small_tokenizer.bos_id] + small_tokenizer.encode(text) + [small_tokenizer.eos_id] for text in texts]
+    stats = SourceStats(file=str(path))
+    with Tokenising(small_tokenizer, num_proc=2) as tokenising:
+        batches = list(tokenising.batches(iter_documents(path, "text", "data.valid_files[0]", stats)))
+    assert len(batches) > 2
+    stream_lengths = np.concatenate([batch.doc_lengths for batch in batches])
+    stream_tokens = np.concatenate([batch.tokens for batch in batches])
+    assert stream_lengths.tolist() == [len(ids) for ids in expected]
+    assert stream_tokens.tolist() == [token for ids in expected for token in ids]
 
 
 # ---------------------------------------------------------------- packing

@@ -787,7 +787,7 @@ def test_tokenizer_json_encodes_decodes_and_templates_like_transformers(hf_token
         assert ours.apply_chat_template(MESSAGES, add_generation_prompt) == reference.apply_chat_template(
             MESSAGES, tokenize=False, add_generation_prompt=add_generation_prompt
         )
-    assert pickle.loads(pickle.dumps(ours)).encode(text) == ids  # Dataset.map workers get a copy
+    assert pickle.loads(pickle.dumps(ours)).encode(text) == ids  # the tokenising workers get a copy
 
 
 def test_chat_template_file_and_sentencepiece_fallback(hf_tokenizer_dir, tmp_path):
