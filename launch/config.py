@@ -7,9 +7,6 @@ schema and ``mindmoe-launch`` read them without importing either.
 from dataclasses import dataclass
 from typing import Optional
 
-#: Bytes per gradient element for each ``plan.grad_dtype``.
-GRAD_BYTES = {"fp32": 4, "bf16": 2}
-
 
 @dataclass
 class ParallelConfig:
@@ -93,38 +90,26 @@ def validate_launch_config(launch) -> None:
 
 @dataclass
 class PlanConfig:
-    """``plan.*`` keys of ``mindmoe-plan`` (planner only: the trainer has no tp/pp yet).
-
-    The layout planned is ``parallel.dp`` x ``plan.tp`` x ``plan.pp`` with ``parallel.ep``; the
-    micro-batch, sequence length and global batch are ``data.micro_batch_size``,
-    ``data.seq_len`` and ``data.global_batch_size``. The formulas are in :mod:`launch.plan`.
+    """``plan.*`` keys of ``mindmoe-plan``: the devices to plan for. The layout planned is the trainer's own
+    (``parallel.*``, ``train.recompute``, ``train.dtype``, ``lora.*``); formulas in :mod:`launch.plan`.
     """
 
-    #: Devices the layout search fills; 0 = those of the planned layout (dp * tp * pp).
+    #: Devices the layout search fills; 0 = those of the ``parallel.*`` layout. With devices and no
+    #: ``parallel.dp`` / ``parallel.ep`` given, the best layout found is the one planned in detail.
     devices: int = 0
     #: Memory of one device in GiB (Ascend 910B: 64).
     device_memory_gb: float = 64.0
     #: GiB kept free for the runtime (framework workspace, HCCL, fragmentation).
     reserved_gb: float = 4.0
-    #: Tensor-parallel degree, with sequence parallelism (must divide the query and key/value heads).
-    tp: int = 1
-    #: Pipeline stages, 1F1B schedule.
-    pp: int = 1
-    #: 0: optimizer replicated; 1: ZeRO-1, master weights and Adam states sharded over the
-    #: data-parallel group (edp for experts); 2: gradients sharded too.
-    zero: int = 1
-    #: Full activation recomputation of every layer.
-    recompute: bool = False
-    #: Fused attention that never stores the seq x seq scores (Ascend FlashAttentionScore).
-    flash_attention: bool = True
-    #: Gradient dtype: fp32 (Megatron's choice for bf16 training) or bf16.
-    grad_dtype: str = "fp32"
-    #: MiB of one gradient-reduction bucket (two are live while reducing).
-    grad_bucket_mb: float = 256.0
-    #: Largest tensor-parallel degree the search tries (8 = the devices of one 910B server).
-    max_tp: int = 8
+    #: Device the plan is for, ``Ascend`` or ``CPU``: resolves ``lora.base_dtype=auto`` and whether attention
+    #: runs blockwise, as the trainer does there.
+    device: str = "Ascend"
     #: Layouts the search prints.
     show_layouts: int = 5
+
+
+#: Values of ``plan.device``.
+PLAN_DEVICES = ("Ascend", "CPU")
 
 
 def validate_plan_config(plan: PlanConfig) -> None:
@@ -133,15 +118,10 @@ def validate_plan_config(plan: PlanConfig) -> None:
     def fail(key: str, why: str):
         raise ValueError(f"plan.{key}={getattr(plan, key)!r}: {why}")
 
-    for key in ("devices", "reserved_gb", "grad_bucket_mb", "show_layouts"):
+    for key in ("devices", "reserved_gb", "show_layouts"):
         if getattr(plan, key) < 0:
             fail(key, "must be >= 0")
-    for key in ("tp", "pp", "max_tp"):
-        if getattr(plan, key) < 1:
-            fail(key, "must be >= 1")
     if plan.device_memory_gb <= plan.reserved_gb:
         fail("device_memory_gb", f"must exceed plan.reserved_gb={plan.reserved_gb}")
-    if plan.zero not in (0, 1, 2):
-        fail("zero", "must be 0 (no sharding), 1 (optimizer states) or 2 (optimizer states and gradients)")
-    if plan.grad_dtype not in GRAD_BYTES:
-        fail("grad_dtype", f"must be one of {tuple(GRAD_BYTES)}")
+    if plan.device not in PLAN_DEVICES:
+        fail("device", f"must be one of {', '.join(PLAN_DEVICES)}")

@@ -1,92 +1,101 @@
-"""Per-device memory of a training layout, and the search for layouts that fit (``mindmoe-plan``).
+"""Per-rank memory of a layout of the trainer as it is, and the search for layouts that fit (``mindmoe-plan``).
 
 Everything is computed from the config (parameter shapes from :mod:`model.param_count`); nothing is
 allocated. Sizes are bytes; "GB" in config keys means GiB (2**30 bytes), the unit HBM is sold in.
 
-Layout. ``devices = dp * tp * pp``. Attention, dense FFN, shared experts and embeddings are split
-over ``tp`` (Megatron tensor parallelism *with sequence parallelism*, so activations are split too)
-and over ``pp`` pipeline stages (contiguous blocks of layers, the first ``L % pp`` stages one layer
-longer; stage 0 holds the input embedding, the last stage the final norm and the LM head, and a
-copy of the embedding when it is tied and ``pp > 1``). Norms and the router are replicated over
-``tp``. Routed experts are split over ``ep`` ranks taken from the ``dp * tp`` ranks of a stage
-(MoE parallel folding, expert tensor parallelism 1): ``ep`` divides both ``dp * tp`` and the
-expert count, and each expert is replicated over ``edp = dp * tp / ep`` ranks, which reduce its
-gradients and (ZeRO) shard its optimizer state. Every layout is checked for the worst pipeline stage.
+Layout: the trainer's ``parallel.dp``, ``parallel.ep``, ``parallel.ep_dispatcher`` and ``train.recompute``
+(resolved and checked by :func:`conf.checks.resolve_layout`, as ``mindmoe-launch`` does). Routed experts
+are split over the ``ep`` ranks of an expert group; attention, dense FFN, shared experts, router, norms,
+embedding and LM head are held whole by every rank. ``allgather``: the ``ep`` ranks of a group read the
+same micro-batch (one data-parallel replica, ``devices = dp * ep``) and repeat the non-expert work;
+``alltoall``: every rank reads its own micro-batch (``devices = dp``) and sends each routed row to the
+rank of its expert. There is no tensor or pipeline parallelism, and no optimizer sharding unless the
+config has ``parallel.zero``.
 
-Precision (fixed; what GLM-scale pretraining uses): bf16 weights, fp32 master weights, fp32 Adam
-``m`` and ``v``, gradients in ``plan.grad_dtype`` (fp32 by default, as Megatron does for bf16 runs).
-With ``P = split / tp + replicated + experts / ep`` the parameters a device of a stage holds,
-``S = split / (tp * dp) + replicated / dp + experts / (ep * edp)`` its share when sharded over its
-data-parallel groups, and ``g`` = 4 (fp32) or 2 (bf16) bytes per gradient:
+Stored state per rank (:mod:`launch.plan_params` for the dtypes and what is trained):
 
-- weights     ``2 * P``
-- gradients   ``g * P``; with ``zero=2`` ``g * S``
-- optimizer   ``12 * P`` (master 4 + m 4 + v 4); with ``zero>=1`` ``12 * S`` (ZeRO-1, Rajbhandari
-  et al. 2020; Megatron's distributed optimizer)
+- weights: fp32; with LoRA the frozen matrices in ``lora.base_dtype``, adapters fp32
+- gradients ``4 * trained``, AdamW ``m`` and ``v`` ``8 * trained`` (fp32, no master copy: the weights
+  are fp32), where ``trained`` = every parameter, or the adapters and ``lora.modules_to_save``
+- accumulation: ``4 * trained`` more when a step has several micro-batches (fp32 gradient sums)
+- update: the gradients the optimizer step reads are new tensors (train/step.py): ``4 * trained`` for the
+  clipped copy (``train.grad_clip > 0``), and ``4 * trained`` for the copy of the sums with accumulation
 
-Activations (bf16, bytes per token of a micro-batch, then ``* seq_len * micro_batch / tp``): the
-Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models") count,
-``34 h + 5 a s`` per layer, re-derived term by term for this network (no dropout, RMSNorm, GQA,
-SwiGLU, MoE). ``h`` hidden, ``q = heads * head_dim``, ``kv = kv_heads * head_dim``, ``f`` dense
-FFN width, ``f_e`` expert width, ``f_s = shared * f_e``, ``E`` experts, ``r`` expert copies per
-token (``top_k * capacity_factor`` with capacity dispatch, ``top_k`` dropless), ``a`` query heads:
+Activations, per token of one micro-batch (``T = seq_len * micro_batch_size`` tokens on every rank),
+``c`` bytes per element of ``train.dtype``; ``h`` hidden, ``q = heads * head_dim``, ``kv = kv_heads *
+head_dim``, ``f`` dense FFN width, ``f_e`` expert width, ``f_s = shared * f_e``, ``E`` experts, ``a``
+query heads, ``s`` = seq_len, ``r`` routed rows per token (below):
 
-- attention ``4h`` (norm input, qkv input) ``+ 2(q + 2kv)`` (q, k, v after RoPE) ``+ 2q`` (o_proj
-  input) ``+ 2(q + kv)`` if QK-norm (its inputs) ``+`` scores: ``4a`` (fp32 log-sum-exp) with flash
-  attention, else ``2 a s`` (the stored softmax, Korthikanti's ``5as`` without the dropout terms)
-- dense FFN ``4h`` (norm input, FFN input) ``+ 6f`` (gate, up, silu(gate)*up)
-- MoE FFN ``4h + 8E`` (fp32 router logits and scores) ``+ r (4h + 6 f_e)`` (each dispatched copy:
-  expert input, gate, up, product, expert output) ``+ 6 f_s`` (shared experts)
-- last stage ``4h + 4V`` (final norm input, LM-head input, fp32 logits for the loss)
+- attention ``c (2h + 2q + 2kv)`` (norm input, qkv input, q/k/v after RoPE, o_proj input) ``+ c (q + kv)``
+  with QK-norm ``+`` scores: ``4a`` (fp32 log-sum-exp) with blockwise attention (Ascend, ``s`` past
+  ``BLOCK_SIZE``), else ``c a s`` (the stored softmax); the full-mask path also keeps one fp32
+  ``[B, a, s, s]`` mask for all layers, ``4 a s`` per token
+- dense FFN ``c (2h + 3f)`` (norm input, FFN input, gate, up, product)
+- MoE FFN ``2 c h + 8E`` (fp32 router logits and scores) ``+ r c (2h + 3 f_e) + 3 c f_s``
+- after the last layer ``c h`` (final norm input) and the chunked loss (``model/lm_loss.py``): no
+  ``[T, V]`` fp32 tensor beyond one chunk of ``LOSS_CHUNK_BYTES``; the loss holds about
+  ``LOSS_BUFFERS`` chunk-sized buffers while it runs, and keeps the log-sum-exp ``4`` per token
+  (or the probabilities ``4V`` when all tokens fit in one chunk)
 
-Check: MHA with a 4h GeLU MLP, dropout masks added back, gives Korthikanti's ``34h + 5as``.
-Full recomputation keeps only each layer's input ``2h`` and rebuilds one layer at a time in the
-backward pass, so a stage holds ``in_flight * layers * 2h`` plus its largest layer's full set.
-1F1B pipelining keeps ``in_flight = min(pp - stage, micro-batches per step)`` micro-batches alive.
+Routed rows per token ``r`` (grouped dropless experts run on the routed rows only): dropless, one
+process or ``allgather``: ``top_k`` (every rank of a group runs its experts over the whole sorted buffer);
+dropless ``alltoall``: ``ep * min(top_k, E/ep)`` (each rank receives a fixed worst-case slot from every
+rank of its group, :mod:`train.grouped_exchange`); capacity dispatch: ``top_k * capacity_factor``.
+``train.recompute`` keeps each layer's input ``c h`` and rebuilds one layer at a time. The backward
+pass adds the gradients of one layer's activations (``max layer``) on top.
 
-Communication buffers (a fixed estimate, bf16): two gradient buckets of ``plan.grad_bucket_mb``
-MiB when gradients are reduced (``dp > 1`` or ``edp > 1``); all-to-all send and receive buffers for one MoE layer
-``2 * tokens/tp * r * h * 2`` when ``ep > 1``; sequence-parallel all-gather and reduce-scatter
-buffers ``2 * tokens * h * 2`` when ``tp > 1``; pipeline send/receive of activations and their
-gradients ``4 * tokens/tp * h * 2`` when ``pp > 1``. A layout fits when the sum is at most
-``device_memory_gb - reserved_gb`` (runtime workspace, HCCL, fragmentation).
+Communication buffers (estimates): a reduced copy of the gradients when they are reduced over several
+ranks; ``2 r T h c`` for the expert exchange when ``ep > 1`` (sent and received rows, or the summed
+expert outputs of ``allgather``). A layout fits when the sum is at most ``device_memory_gb -
+reserved_gb`` (runtime workspace, HCCL, fragmentation).
 """
 
-from dataclasses import dataclass
-from math import gcd, prod
-from typing import Dict, List, Optional
+from dataclasses import dataclass, fields
+from math import gcd
+from typing import List
 
-from mindmoe.launch.config import (
-    GRAD_BYTES,
-    PlanConfig,
-    validate_plan_config,  # noqa: F401 (launch/plan_cli.py imports it from here)
-)
+from mindmoe.conf.checks import resolve_layout
+from mindmoe.launch.config import PlanConfig, validate_plan_config  # noqa: F401 (plan_cli imports it from here)
+from mindmoe.launch.plan_params import RankParameters, Trained, rank_parameters
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.param_count import layer_index, parameter_category, parameter_shapes
 
 GIB = 2**30
 MIB = 2**20
-#: Bytes per parameter: bf16 weights; fp32 master weights + Adam m and v.
-WEIGHT_BYTES, OPTIMIZER_BYTES, ACT_BYTES = 2, 12, 2
+#: model/attention.py BLOCK_SIZE and BLOCKWISE_DEVICES, model/lm_loss.py CHUNK_BYTES (copied so that a
+#: plan imports no MindSpore; tests/unit/test_plan.py checks they are equal).
+BLOCK_SIZE = 512
+BLOCKWISE_DEVICES = ("Ascend",)
+LOSS_CHUNK_BYTES = 32 * MIB
+#: Chunk-sized buffers the chunked loss holds at once (model/lm_loss.py: about 20 on CPU).
+LOSS_BUFFERS = 20
+#: Bytes per element of ``train.dtype``.
+COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass(frozen=True)
 class Layout:
     dp: int
-    tp: int
-    pp: int
-    ep: int
-    zero: int = 1
+    ep: int = 1
+    dispatcher: str = "allgather"
     recompute: bool = False
 
     @property
-    def devices(self) -> int:
-        return self.dp * self.tp * self.pp
+    def routed(self) -> bool:
+        return self.dispatcher == "alltoall" and self.ep > 1
 
     @property
-    def edp(self) -> int:
-        """Replicas of each expert (its gradient-reduction and optimizer-sharding group)."""
-        return self.dp * self.tp // self.ep
+    def devices(self) -> int:
+        return self.dp if self.routed else self.dp * self.ep
+
+    @property
+    def expert_replicas(self) -> int:
+        """Ranks holding the same experts (they reduce those experts' gradients)."""
+        return self.dp // self.ep if self.routed else self.dp
+
+    def keys(self) -> str:
+        """The trainer's keys of this layout (``mindmoe-launch`` also needs the process count)."""
+        dispatcher = f" parallel.ep_dispatcher={self.dispatcher}" if self.ep > 1 else ""
+        return f"parallel.dp={self.dp} parallel.ep={self.ep}{dispatcher} train.recompute={str(self.recompute).lower()}"
 
 
 @dataclass(frozen=True)
@@ -95,184 +104,152 @@ class Batch:
     micro_batch: int
     global_batch: int
 
+    @property
+    def tokens(self) -> int:
+        return self.seq_len * self.micro_batch
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What the run is, besides its layout: the device it plans for, ``train.dtype``, what is trained."""
+
+    device: str = "Ascend"
+    compute_dtype: str = "fp32"
+    trained: Trained = Trained()
+    #: ``parallel.zero`` when the trainer has it (optimizer states sharded over the data-parallel ranks).
+    zero: int = 0
+    #: ``train.grad_clip > 0``: the update reads a clipped copy of the gradients.
+    clip: bool = True
+
+    @property
+    def compute_bytes(self) -> int:
+        return COMPUTE_BYTES[self.compute_dtype]
+
+    def blockwise(self, seq_len: int) -> bool:
+        return self.device in BLOCKWISE_DEVICES and seq_len > BLOCK_SIZE
+
 
 @dataclass
-class StageMemory:
-    """Bytes on one device of pipeline stage ``stage``."""
-
-    stage: int
-    layers: int
-    weights: float
-    grads: float
-    optimizer: float
-    activations: float
-    comm: float
+class RankMemory:
+    weights: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    accumulation: float = 0.0
+    update: float = 0.0
+    activations: float = 0.0
+    loss: float = 0.0
+    comm: float = 0.0
 
     @property
     def total(self) -> float:
-        return self.weights + self.grads + self.optimizer + self.activations + self.comm
+        return sum(getattr(self, f.name) for f in fields(self))
 
 
 @dataclass
 class Plan:
     layout: Layout
-    stages: List[StageMemory]
+    memory: RankMemory
     micro_batches: int
     tokens_per_step: int
     #: Bytes a device may use: ``device_memory_gb - reserved_gb``.
     budget: float = 0.0
 
     @property
-    def worst(self) -> StageMemory:
-        return max(self.stages, key=lambda stage: stage.total)
-
-    @property
     def fits(self) -> bool:
-        return self.worst.total <= self.budget
-
-    @property
-    def bubble(self) -> float:
-        """Idle share of a 1F1B step, ``(pp - 1) / (m + pp - 1)``."""
-        pp = self.layout.pp
-        return (pp - 1) / (self.micro_batches + pp - 1)
+        return self.memory.total <= self.budget
 
 
 def layout_errors(cfg: ModelConfig, layout: Layout, batch: Batch) -> List[str]:
-    """Why ``layout`` cannot run ``cfg`` (empty when it can)."""
-    errors = []
-    if min(layout.dp, layout.tp, layout.pp, layout.ep) < 1:
-        return ["every parallel degree (parallel.dp, parallel.ep, plan.tp, plan.pp) must be >= 1"]
-    if min(batch.seq_len, batch.micro_batch, batch.global_batch) < 1:
-        return ["data.seq_len, data.micro_batch_size and data.global_batch_size must be >= 1"]
-    if cfg.num_heads % layout.tp or cfg.num_kv_heads % layout.tp:
-        errors.append(
-            f"plan.tp={layout.tp} must divide model.num_heads={cfg.num_heads} and model.num_kv_heads={cfg.num_kv_heads}"
+    """Why the trainer would refuse ``layout`` (empty when it takes it), in its own words."""
+    try:
+        resolve_layout(
+            layout.devices,
+            layout.dp,
+            layout.ep,
+            cfg.num_experts,
+            batch.global_batch,
+            batch.micro_batch,
+            cfg.num_moe_layers > 0,
+            layout.dispatcher,
         )
-    if batch.seq_len % layout.tp:
-        errors.append(f"plan.tp={layout.tp} must divide data.seq_len={batch.seq_len} (sequence parallelism)")
-    if layout.pp > cfg.num_layers:
-        errors.append(f"plan.pp={layout.pp} exceeds model.num_layers={cfg.num_layers}")
-    if cfg.num_experts % layout.ep or (layout.dp * layout.tp) % layout.ep:
-        errors.append(
-            f"parallel.ep={layout.ep} must divide model.num_experts={cfg.num_experts} and "
-            f"parallel.dp*plan.tp={layout.dp * layout.tp}"
-        )
-    if batch.global_batch % (layout.dp * batch.micro_batch):
-        errors.append(
-            f"data.global_batch_size={batch.global_batch} must be a multiple of "
-            f"parallel.dp*data.micro_batch_size={layout.dp * batch.micro_batch}"
-        )
-    return errors
+    except ValueError as error:
+        return [str(error)]
+    return []
 
 
-def stage_layers(num_layers: int, pp: int) -> List[range]:
-    """Contiguous layer blocks; the first ``num_layers % pp`` stages get one more layer."""
-    base, extra = divmod(num_layers, pp)
-    blocks, start = [], 0
-    for stage in range(pp):
-        size = base + (stage < extra)
-        blocks.append(range(start, start + size))
-        start += size
-    return blocks
+def routed_rows_per_token(cfg: ModelConfig, layout: Layout) -> float:
+    """Expert input rows per token of this rank's micro-batch (module docstring)."""
+    if cfg.dispatch != "dropless":
+        return cfg.top_k * cfg.capacity_factor
+    if layout.routed:
+        return layout.ep * min(cfg.top_k, cfg.num_experts // layout.ep)
+    return cfg.top_k
 
 
-def stage_parameters(cfg: ModelConfig, pp: int) -> List[Dict[str, int]]:
-    """Per stage: parameters split over tp (``split``), replicated over tp (``replicated``), experts."""
-    stage_of_layer = {layer: stage for stage, block in enumerate(stage_layers(cfg.num_layers, pp)) for layer in block}
-    stages = [{"split": 0, "replicated": 0, "experts": 0} for _ in range(pp)]
-    for name, shape in parameter_shapes(cfg).items():
-        layer = layer_index(name)
-        if layer >= 0:
-            holders = [stage_of_layer[layer]]
-        elif name.startswith("embed_tokens."):
-            # A tied embedding is also the LM head: the last stage keeps a copy (Megatron does).
-            holders = [0, pp - 1] if cfg.tie_word_embeddings and pp > 1 else [0]
-        else:
-            holders = [pp - 1]
-        category = parameter_category(name)
-        kind = "experts" if category == "experts" else "replicated" if category in ("norms", "router") else "split"
-        for stage in holders:
-            stages[stage][kind] += prod(shape)
-    return stages
-
-
-def activation_bytes_per_token(cfg: ModelConfig, moe: bool, seq_len: int, flash_attention: bool) -> int:
+def activation_bytes_per_token(cfg: ModelConfig, moe: bool, seq_len: int, setup: Setup, rows: float) -> float:
     """Bytes one token leaves alive in one decoder layer until its backward (module docstring)."""
-    hidden, head_dim = cfg.hidden_size, cfg.resolved_head_dim
+    c, hidden, head_dim = setup.compute_bytes, cfg.hidden_size, cfg.resolved_head_dim
     q_width, kv_width = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
-    attention = 4 * hidden + 2 * (q_width + 2 * kv_width) + 2 * q_width
+    attention = c * (2 * hidden + 2 * q_width + 2 * kv_width)
     if cfg.qk_norm:
-        attention += 2 * (q_width + kv_width)
-    attention += 4 * cfg.num_heads if flash_attention else 2 * cfg.num_heads * seq_len
+        attention += c * (q_width + kv_width)
+    attention += 4 * cfg.num_heads if setup.blockwise(seq_len) else c * cfg.num_heads * seq_len
     if not moe:
-        return attention + 4 * hidden + 6 * cfg.intermediate_size
-    copies = expert_copies(cfg)
+        return attention + c * (2 * hidden + 3 * cfg.intermediate_size)
     shared_width = cfg.num_shared_experts * cfg.moe_intermediate_size
-    ffn = 4 * hidden + 8 * cfg.num_experts + copies * (4 * hidden + 6 * cfg.moe_intermediate_size) + 6 * shared_width
-    return attention + ffn
+    router = 8 * cfg.num_experts
+    experts = rows * c * (2 * hidden + 3 * cfg.moe_intermediate_size)
+    return attention + c * 2 * hidden + router + experts + 3 * c * shared_width
 
 
-def expert_copies(cfg: ModelConfig) -> float:
-    """Expert inputs per token: top_k, padded by the capacity factor when tokens can be dropped."""
-    return cfg.top_k * (cfg.capacity_factor if cfg.dispatch == "capacity" else 1.0)
+def loss_bytes(cfg: ModelConfig, tokens: int) -> float:
+    """The chunked loss: its chunk buffers plus what it keeps for the backward."""
+    rows = max(1, LOSS_CHUNK_BYTES // (4 * cfg.vocab_size))
+    kept = 4 * cfg.vocab_size * tokens if tokens <= rows else 4 * tokens
+    return LOSS_BUFFERS * 4 * cfg.vocab_size * min(tokens, rows) + kept
 
 
-def plan_layout(
-    cfg: ModelConfig,
-    layout: Layout,
-    batch: Batch,
-    plan: PlanConfig,
-    stage_params: Optional[List[Dict[str, int]]] = None,
-) -> Plan:
-    """Per-device memory of every pipeline stage of ``layout`` (formulas in the module docstring).
+def activation_memory(cfg: ModelConfig, layout: Layout, batch: Batch, setup: Setup) -> float:
+    c, tokens = setup.compute_bytes, batch.tokens
+    rows = routed_rows_per_token(cfg, layout)
+    per_layer = [
+        activation_bytes_per_token(cfg, layer >= cfg.first_k_dense, batch.seq_len, setup, rows)
+        for layer in range(cfg.num_layers)
+    ]
+    largest = max(per_layer, default=0)
+    kept = cfg.num_layers * c * cfg.hidden_size + largest if layout.recompute else sum(per_layer)
+    mask = 0 if setup.blockwise(batch.seq_len) else 4 * cfg.num_heads * batch.seq_len
+    # + the backward's gradients of one layer's activations, + the final norm's input
+    return tokens * (kept + mask + largest + c * cfg.hidden_size)
 
-    ``stage_params`` is :func:`stage_parameters` for ``layout.pp``, when the caller already has it.
-    """
+
+def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig, setup: Setup = Setup()) -> Plan:
+    """Per-rank memory of ``layout`` (formulas in the module docstring); ValueError if the trainer refuses it."""
     errors = layout_errors(cfg, layout, batch)
     if errors:
         raise ValueError("; ".join(errors))
-    if stage_params is None:
-        stage_params = stage_parameters(cfg, layout.pp)
-    dp, tp, pp, ep, edp = layout.dp, layout.tp, layout.pp, layout.ep, layout.edp
-    grad_bytes = GRAD_BYTES[plan.grad_dtype]
-    micro_batches = batch.global_batch // (dp * batch.micro_batch)
-    tokens = batch.seq_len * batch.micro_batch
-    local_tokens = tokens / tp
-    hidden = cfg.hidden_size
-    stages = []
-    for stage, (params, block) in enumerate(zip(stage_params, stage_layers(cfg.num_layers, pp))):
-        held = params["split"] / tp + params["replicated"] + params["experts"] / ep
-        sharded = params["split"] / (tp * dp) + params["replicated"] / dp + params["experts"] / (ep * edp)
-        weights = WEIGHT_BYTES * held
-        grads = grad_bytes * (sharded if layout.zero >= 2 else held)
-        optimizer = OPTIMIZER_BYTES * (sharded if layout.zero >= 1 else held)
-
-        in_flight = min(pp - stage, micro_batches)
-        per_layer = [
-            activation_bytes_per_token(cfg, layer >= cfg.first_k_dense, batch.seq_len, plan.flash_attention)
-            for layer in block
-        ]
-        if layout.recompute:
-            per_token = in_flight * len(block) * ACT_BYTES * hidden + max(per_layer, default=0)
-        else:
-            per_token = in_flight * sum(per_layer)
-        if stage == pp - 1:
-            per_token += 4 * hidden + 4 * cfg.vocab_size
-        activations = local_tokens * per_token
-
-        comm = 0.0
-        if dp > 1 or edp > 1:
-            comm += 2 * plan.grad_bucket_mb * MIB
-        if ep > 1:
-            comm += 2 * local_tokens * expert_copies(cfg) * hidden * ACT_BYTES
-        if tp > 1:
-            comm += 2 * tokens * hidden * ACT_BYTES
-        if pp > 1:
-            comm += 4 * local_tokens * hidden * ACT_BYTES
-        stages.append(StageMemory(stage, len(block), weights, grads, optimizer, activations, comm))
+    params: RankParameters = rank_parameters(cfg, setup.trained, layout.ep)
+    replicas = layout.dp
+    micro_batches = batch.global_batch // (layout.dp * batch.micro_batch)
+    memory = RankMemory(weights=params.weight_bytes, grads=4 * params.trained)
+    dense_trained = params.trained - params.trained_experts
+    if setup.zero:
+        memory.optimizer = 8 * (dense_trained / replicas + params.trained_experts / layout.expert_replicas)
+    else:
+        memory.optimizer = 8 * params.trained
+    if micro_batches > 1:
+        memory.accumulation = 4 * params.trained
+    memory.update = 4 * params.trained * (int(setup.clip) + int(micro_batches > 1))
+    memory.activations = activation_memory(cfg, layout, batch, setup)
+    memory.loss = loss_bytes(cfg, batch.tokens)
+    if replicas > 1 or layout.expert_replicas > 1:
+        memory.comm += 4 * params.trained
+    if layout.ep > 1:
+        rows = routed_rows_per_token(cfg, layout)
+        memory.comm += 2 * rows * batch.tokens * cfg.hidden_size * setup.compute_bytes
     return Plan(
         layout,
-        stages,
+        memory,
         micro_batches,
         batch.global_batch * batch.seq_len,
         budget=(plan.device_memory_gb - plan.reserved_gb) * GIB,
@@ -283,30 +260,50 @@ def divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def search_layouts(cfg: ModelConfig, devices: int, batch: Batch, plan: PlanConfig) -> List[Plan]:
-    """Every valid layout of exactly ``devices`` that fits, smallest first.
+def candidate_layouts(cfg: ModelConfig, devices: int, recompute_options=(False, True)) -> List[Layout]:
+    """Every layout of exactly ``devices`` ranks the trainer has: each ``ep`` dividing ``gcd(E, devices)``
+    with both dispatchers, recompute off and on."""
+    eps = divisors(gcd(cfg.num_experts, devices)) if cfg.num_moe_layers else [1]
+    layouts = []
+    for ep in eps:
+        for dispatcher in ("allgather", "alltoall") if ep > 1 else ("allgather",):
+            dp = devices if dispatcher == "alltoall" else devices // ep
+            layouts += [Layout(dp, ep, dispatcher, recompute) for recompute in recompute_options]
+    return layouts
 
-    Tried: ``tp`` up to ``plan.max_tp``, every ``pp``, every ``ep`` dividing ``gcd(E, dp*tp)``,
-    recompute off and on; ``plan.zero`` as configured. Smallest = fewest devices per model
-    replica of the dense part (``tp * pp``), then no recompute before recompute, then the
-    smallest ``ep`` (least all-to-all traffic), then the lowest memory.
+
+def planned_candidates(
+    cfg: ModelConfig,
+    devices: int,
+    batch: Batch,
+    plan: PlanConfig,
+    setup: Setup = Setup(),
+    recompute_options=(False, True),
+) -> List[Plan]:
+    """The plan of every layout of ``devices`` ranks that the trainer takes (fitting or not), best first.
+
+    Best: fits, then no recompute before recompute (a third less compute), then the smallest ``ep`` (the
+    least repeated attention or exchanged rows), then ``alltoall`` before ``allgather`` (more data-parallel
+    replicas for the same devices), then the lowest memory.
     """
-    fitting = []
-    params_by_pp = {}
-    for tp in divisors(devices):
-        if tp > plan.max_tp:
-            break
-        for pp in divisors(devices // tp):
-            dp = devices // (tp * pp)
-            if pp <= cfg.num_layers and pp not in params_by_pp:
-                params_by_pp[pp] = stage_parameters(cfg, pp)
-            for ep in divisors(gcd(cfg.num_experts, dp * tp)):
-                for recompute in (False, True):
-                    layout = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=plan.zero, recompute=recompute)
-                    if layout_errors(cfg, layout, batch):
-                        continue
-                    candidate = plan_layout(cfg, layout, batch, plan, params_by_pp[pp])
-                    if candidate.fits:
-                        fitting.append(candidate)
-    fitting.sort(key=lambda p: (p.layout.tp * p.layout.pp, p.layout.recompute, p.layout.ep, p.worst.total))
-    return fitting
+    plans = [
+        plan_layout(cfg, layout, batch, plan, setup)
+        for layout in candidate_layouts(cfg, devices, recompute_options)
+        if not layout_errors(cfg, layout, batch)
+    ]
+    plans.sort(
+        key=lambda p: (not p.fits, p.layout.recompute, p.layout.ep, p.layout.dispatcher != "alltoall", p.memory.total)
+    )
+    return plans
+
+
+def search_layouts(
+    cfg: ModelConfig,
+    devices: int,
+    batch: Batch,
+    plan: PlanConfig,
+    setup: Setup = Setup(),
+    recompute_options=(False, True),
+) -> List[Plan]:
+    """Every layout of ``devices`` ranks that the trainer takes and that fits, best first."""
+    return [p for p in planned_candidates(cfg, devices, batch, plan, setup, recompute_options) if p.fits]

@@ -1,24 +1,36 @@
-"""``mindmoe-plan``: parameter counts and per-device training memory from the config alone.
+"""``mindmoe-plan``: parameter counts and per-device training memory of the trainer, from the config alone.
 
-    mindmoe-plan model=glm45 data.seq_len=4096 data.micro_batch_size=1 data.global_batch_size=4096 \\
-        parallel.dp=128 parallel.ep=32 plan.pp=8 plan.devices=1024
+    mindmoe-plan model=glm45_air model.bias_update_rate=0 lora.enabled=true plan.devices=8 plan.device_memory_gb=64
 
 The first two lines are always ``total parameters: N`` and ``active parameters: N``; then the
-breakdown, the memory of the layout ``parallel.dp`` x ``plan.tp`` x ``plan.pp`` (``parallel.ep``)
-and the smallest layouts that fit on ``plan.devices``. No weights are allocated and no files are
-written. Exit 0 whenever a plan was made (also when nothing fits), 2 for a config it cannot plan.
+breakdown and the memory of one layout: the ``parallel.*`` / ``train.recompute`` layout when one is
+given, else (with ``plan.devices``) the best layout that fits, whose trainer keys it prints; then every
+layout that fits on ``plan.devices``. No weights are allocated and no files are written. Exit 0
+whenever a plan was made (also when nothing fits), 2 for a config it cannot plan.
 """
 
 import sys
-from typing import List
+from typing import List, Optional
 
 import hydra
 from omegaconf import OmegaConf
 
-from mindmoe.conf.exit_codes import reports_errors
+from mindmoe.conf.exit_codes import CONFIG_ERROR, reports_errors
 from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
-from mindmoe.launch.plan import GIB, Batch, Layout, Plan, PlanConfig, plan_layout, search_layouts, validate_plan_config
+from mindmoe.launch.plan import (
+    COMPUTE_BYTES,
+    Batch,
+    Layout,
+    PlanConfig,
+    Setup,
+    layout_errors,
+    plan_layout,
+    planned_candidates,
+    validate_plan_config,
+)
+from mindmoe.launch.plan_params import Trained, lora_trained
+from mindmoe.launch.plan_report import memory_lines, search_lines
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.param_count import CATEGORIES, count_parameters, mtp_layer_parameters
 
@@ -81,68 +93,27 @@ def count_lines(cfg: ModelConfig) -> List[str]:
     return lines
 
 
-def gib(num_bytes: float) -> str:
-    return f"{num_bytes / GIB:8.2f}"
+#: ``plan.*`` keys of the old planner that the trainer's own keys replace, or that it does not have.
+REMOVED_PLAN_KEYS = {
+    "tp": "tensor parallelism is not implemented in the trainer",
+    "max_tp": "tensor parallelism is not implemented in the trainer",
+    "pp": "pipeline parallelism is not implemented in the trainer",
+    "zero": "use parallel.zero (ZeRO is not implemented in the trainer yet: the optimizer is not sharded)",
+    "recompute": "use train.recompute",
+    "flash_attention": "attention is the trainer's: blockwise on Ascend past 512 positions; set plan.device",
+    "grad_dtype": "gradients are fp32 like the parameters; train.dtype sets the compute dtype",
+    "grad_bucket_mb": "removed: the trainer reduces gradients without a configurable bucket",
+}
 
 
-def layout_name(layout: Layout) -> str:
-    return (
-        f"dp={layout.dp} tp={layout.tp} pp={layout.pp} ep={layout.ep} (edp={layout.edp}), "
-        f"zero={layout.zero}, recompute={'on' if layout.recompute else 'off'}"
-    )
-
-
-def memory_lines(plan: Plan, plan_cfg: PlanConfig, grad_dtype: str) -> List[str]:
-    worst = plan.worst
-    verdict = "fits" if plan.fits else "DOES NOT FIT"
-    optimizer = "fp32 master + Adam m, v" + (f", ZeRO-{plan.layout.zero}" if plan.layout.zero else ", replicated")
-    usable = (
-        f"of {plan.budget / GIB:.1f} usable ({plan_cfg.device_memory_gb:g} GiB - "
-        f"{plan_cfg.reserved_gb:g} reserved): {verdict}"
-    )
-    rows = [
-        ("weights", worst.weights, "bf16"),
-        ("gradients", worst.grads, grad_dtype),
-        ("optimizer", worst.optimizer, optimizer),
-        ("activations", worst.activations, "recomputed per layer" if plan.layout.recompute else "all kept"),
-        ("communication buffers", worst.comm, "estimate"),
-        ("total", worst.total, usable),
-    ]
-    lines = [
-        f"layout: {layout_name(plan.layout)} on {plan.layout.devices} devices",
-        f"  tokens per step: {plan.tokens_per_step:,}; micro-batches per step per data-parallel rank: "
-        f"{plan.micro_batches}; 1F1B pipeline bubble {100 * plan.bubble:.1f}%",
-        f"  per-device memory, GiB (worst: pipeline stage {worst.stage} of {len(plan.stages)}, {worst.layers} layers):",
-    ]
-    lines += [f"    {label:<23}{gib(value)}   {note}" for label, value, note in rows]
-    if len(plan.stages) > 1:
-        lines.append("  per stage (GiB): " + " ".join(f"{stage.total / GIB:.1f}" for stage in plan.stages))
-    return lines
-
-
-def search_lines(fitting: List[Plan], devices: int, plan_cfg: PlanConfig) -> List[str]:
-    header = (
-        f"smallest layouts that fit on {devices} devices of {plan_cfg.device_memory_gb:g} GiB "
-        f"(zero={plan_cfg.zero}, tp <= {plan_cfg.max_tp}): {len(fitting)} fit"
-    )
-    if not fitting:
-        return [
-            header,
-            "  none: add devices, raise plan.zero, lower data.micro_batch_size, or check that "
-            "data.global_batch_size is a multiple of dp * data.micro_batch_size",
-        ]
-    lines = [
-        header,
-        f"  {'tp':>3} {'pp':>3} {'ep':>4} {'dp':>5} {'edp':>5} {'recompute':>9} {'GiB/device':>10} {'bubble':>7}",
-    ]
-    for plan in fitting[: plan_cfg.show_layouts]:
-        layout = plan.layout
-        lines.append(
-            f"  {layout.tp:>3} {layout.pp:>3} {layout.ep:>4} {layout.dp:>5} {layout.edp:>5} "
-            f"{'on' if layout.recompute else 'off':>9} {plan.worst.total / GIB:>10.2f} "
-            f"{100 * plan.bubble:>6.1f}%"
-        )
-    return lines
+def removed_key_error(args) -> Optional[str]:
+    """The message for the first removed ``plan.*`` key among command-line ``args``, or None."""
+    for arg in args:
+        key = arg.split("=", 1)[0].lstrip("+~")
+        name = key[len("plan.") :] if key.startswith("plan.") else ""
+        if name in REMOVED_PLAN_KEYS:
+            return f"{key}: {REMOVED_PLAN_KEYS[name]}"
+    return None
 
 
 def resolve_vocab(model: ModelConfig, data) -> List[str]:
@@ -158,28 +129,66 @@ def resolve_vocab(model: ModelConfig, data) -> List[str]:
     return [f"(model.vocab_size=0: using data.vocab_size={data.vocab_size}, the tokenizer trained here)"]
 
 
+def run_setup(cfg, model: ModelConfig, plan_cfg: PlanConfig) -> Setup:
+    """The trainer's keys besides the layout: ``train.dtype``, ``lora.*``, ``parallel.zero`` if it exists."""
+    dtype = cfg.train.dtype
+    if dtype not in COMPUTE_BYTES:
+        raise ValueError(f"train.dtype={dtype!r} must be one of {', '.join(COMPUTE_BYTES)}")
+    if dtype != "fp32" and plan_cfg.device == "CPU":
+        raise ValueError(f"train.dtype={dtype} with plan.device=CPU: the trainer runs fp32 on CPU")
+    trained = Trained()
+    if cfg.lora.enabled:
+        trained = lora_trained(model, OmegaConf.to_object(cfg.lora), plan_cfg.device)
+    zero = int(cfg.parallel.get("zero", 0) or 0)
+    clip = cfg.train.grad_clip > 0
+    return Setup(device=plan_cfg.device, compute_dtype=dtype, trained=trained, zero=zero, clip=clip)
+
+
+def given_layout(cfg, devices: int) -> Layout:
+    """The ``parallel.*`` layout on ``devices`` processes (0: the fewest that layout needs)."""
+    parallel = cfg.parallel
+    routed = parallel.ep_dispatcher == "alltoall" and parallel.ep > 1
+    if not devices:
+        devices = (parallel.dp or parallel.ep) if routed else (parallel.dp or 1) * parallel.ep
+    dp = parallel.dp or (devices if routed else devices // max(parallel.ep, 1))
+    return Layout(dp=dp, ep=parallel.ep, dispatcher=parallel.ep_dispatcher, recompute=cfg.train.recompute)
+
+
+def layout_errors_of(model: ModelConfig, devices: int, batch: Batch) -> str:
+    """Why the plainest layout of ``devices`` ranks (data parallel only) is refused."""
+    return "; ".join(layout_errors(model, Layout(dp=devices), batch))
+
+
 def report(cfg) -> List[str]:
     model: ModelConfig = OmegaConf.to_object(cfg.model)
     plan_cfg: PlanConfig = OmegaConf.to_object(cfg.plan)
     notes = resolve_vocab(model, cfg.data)
     validate_model_config(model)
     validate_plan_config(plan_cfg)
+    setup = run_setup(cfg, model, plan_cfg)
     batch = Batch(
         seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch_size, global_batch=cfg.data.global_batch_size
     )
-    layout = Layout(
-        dp=cfg.parallel.dp or 1,
-        tp=plan_cfg.tp,
-        pp=plan_cfg.pp,
-        ep=cfg.parallel.ep,
-        zero=plan_cfg.zero,
-        recompute=plan_cfg.recompute,
-    )
-    planned = plan_layout(model, layout, batch, plan_cfg)
-    devices = plan_cfg.devices or layout.devices
+    layout_given = cfg.parallel.dp != 0 or cfg.parallel.ep != 1
+    recompute_options = (True,) if cfg.train.recompute else (False, True)
+    devices = plan_cfg.devices
     lines = count_lines(model) + notes + [""]
-    lines += memory_lines(planned, plan_cfg, plan_cfg.grad_dtype) + [""]
-    lines += search_lines(search_layouts(model, devices, batch, plan_cfg), devices, plan_cfg)
+    candidates = planned_candidates(model, devices, batch, plan_cfg, setup, recompute_options) if devices else []
+    fitting = [p for p in candidates if p.fits]
+    if devices and not layout_given:
+        if not candidates:
+            raise ValueError(f"no layout of plan.devices={devices} is valid: {layout_errors_of(model, devices, batch)}")
+        planned = fitting[0] if fitting else min(candidates, key=lambda p: p.memory.total)
+        lines.append(
+            f"best layout that fits on {devices} devices (give these keys to mindmoe-launch):"
+            if planned.fits
+            else f"no layout fits on {devices} devices; the one needing the least memory:"
+        )
+    else:
+        planned = plan_layout(model, given_layout(cfg, devices), batch, plan_cfg, setup)
+    lines += memory_lines(model, planned, batch, setup, plan_cfg)
+    if devices:
+        lines += [""] + search_lines(fitting, devices, plan_cfg)
     return lines
 
 
@@ -191,6 +200,10 @@ def _main(cfg) -> None:
 
 def main() -> None:
     quiet_framework_logs()
+    removed = removed_key_error(sys.argv[1:])
+    if removed:
+        print(f"mindmoe-plan: error: {removed}", file=sys.stderr)
+        sys.exit(CONFIG_ERROR)
     given = {arg.split("=", 1)[0].lstrip("+~") for arg in sys.argv[1:]}
     sys.argv[1:1] = [f"{key}={value}" for key, value in QUIET_HYDRA.items() if key not in given]
     _main()

@@ -108,7 +108,7 @@ def test_readme_key_tables_are_generated_from_the_dataclasses():
 def test_reference_table_takes_the_field_comment_and_default():
     table = markdown_table("plan", PlanConfig)
     assert "| `plan.device_memory_gb` | `64.0` | Memory of one device in GiB (Ascend 910B: 64). |" in table
-    assert "| `plan.zero` | `1` | 0: optimizer replicated; 1: ZeRO-1," in table
+    assert "| `plan.device` | `Ascend` | Device the plan is for, `Ascend` or `CPU`" in table
     assert table.count("\n") == 2 + len(dataclasses.fields(PlanConfig))
 
 

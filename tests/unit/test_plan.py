@@ -1,6 +1,6 @@
 """mindmoe-plan: exact parameter counts (vs the instantiated model and HF ``num_parameters()``),
-the GLM-4.5 recipes against their published sizes, the memory model against hand arithmetic,
-and the layout search."""
+the GLM-4.5 recipes against their published sizes, the memory model of the trainer against hand
+arithmetic, the layout search and what it prints."""
 
 import re
 import subprocess
@@ -16,14 +16,14 @@ from mindmoe.conf.schema import register_configs
 from mindmoe.launch.config import PlanConfig, validate_plan_config
 from mindmoe.launch.plan import (
     GIB,
-    MIB,
     Batch,
     Layout,
-    activation_bytes_per_token,
+    Setup,
     layout_errors,
-    plan_layout,
     search_layouts,
 )
+from mindmoe.launch.plan_cli import removed_key_error, report
+from mindmoe.launch.plan_params import lora_trained
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.param_count import count_parameters, parameter_shapes
 
@@ -63,11 +63,14 @@ TINY_CONFIGS = {
 }
 
 
-def model_config(name):
+def composed(overrides):
     register_configs()
     with initialize_config_module(config_module="mindmoe.conf", version_base="1.3"):
-        cfg = compose(config_name="config", overrides=[f"model={name}"])
-    return OmegaConf.to_object(cfg.model)
+        return compose(config_name="config", overrides=overrides)
+
+
+def model_config(name):
+    return OmegaConf.to_object(composed([f"model={name}"]).model)
 
 
 @pytest.mark.parametrize("name", list(TINY_CONFIGS))
@@ -212,108 +215,12 @@ def test_cli_writes_no_files_and_rejects_an_impossible_layout(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
-# Hand-worked example: h=8, 2 layers (layer 0 dense, layer 1 MoE), 4 query heads / 2 KV heads of
-# width 2 (q = 8, kv = 4), QK-norm, q/k/v bias, dense FFN 16, 4 experts of width 4, top-2, one shared
-# expert, vocab 100, untied, dropless. Layout dp=2 tp=1 pp=2 ep=2 (edp=1); seq 16, micro-batch 2,
-# global batch 8 -> 2 micro-batches per rank, 32 tokens per micro-batch.
-HAND = dict(
-    vocab_size=100,
-    hidden_size=8,
-    num_layers=2,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=2,
-    intermediate_size=16,
-    first_k_dense=1,
-    num_experts=4,
-    top_k=2,
-    moe_intermediate_size=4,
-    num_shared_experts=1,
-    qkv_bias=True,
-    qk_norm=True,
-    dispatch="dropless",
-    tie_word_embeddings=False,
-)
-HAND_BATCH = Batch(seq_len=16, micro_batch=2, global_batch=8)
-ATTENTION = 8 * 8 + 8 + 2 * (8 * 4 + 4) + 8 * 8  # q, k, v (+ bias), o = 208
-NORMS_PER_LAYER = 8 + 8 + 2 + 2  # two RMSNorms + q_norm, k_norm
-STAGE0_SPLIT = 100 * 8 + ATTENTION + 3 * 8 * 16  # embedding, attention, dense FFN = 1392
-STAGE0_REPLICATED = NORMS_PER_LAYER  # 20
-STAGE1_SPLIT = ATTENTION + 3 * 8 * 4 + 100 * 8  # attention, shared expert, LM head = 1104
-STAGE1_REPLICATED = NORMS_PER_LAYER + 4 * 8 + 8  # + router, final norm = 60
-STAGE1_EXPERTS = 4 * 3 * 8 * 4  # 384
-# bytes per token: norm+qkv inputs 4h, q/k/v 2(q+2kv), o_proj input 2q, qk-norm inputs 2(q+kv), lse 4a
-ATTN_ACT = 4 * 8 + 2 * (8 + 8) + 2 * 8 + 2 * (8 + 4) + 4 * 4  # 120
-DENSE_ACT = ATTN_ACT + 4 * 8 + 6 * 16  # 248
-MOE_ACT = ATTN_ACT + 4 * 8 + 8 * 4 + 2 * (4 * 8 + 6 * 4) + 6 * 4  # 320
-HEAD_ACT = 4 * 8 + 4 * 100  # 432
-
-
-def hand_plan(**plan_overrides):
-    plan = PlanConfig(grad_bucket_mb=1.0, **{k: v for k, v in plan_overrides.items() if k != "layout"})
-    layout = plan_overrides.get("layout", Layout(dp=2, tp=1, pp=2, ep=2, zero=plan.zero, recompute=plan.recompute))
-    return plan_layout(ModelConfig(**HAND), layout, HAND_BATCH, plan)
-
-
-def test_memory_matches_hand_arithmetic_zero1():
-    stage0, stage1 = hand_plan().stages
-    assert stage0.weights == 2 * (STAGE0_SPLIT + STAGE0_REPLICATED)
-    assert stage0.grads == 4 * (STAGE0_SPLIT + STAGE0_REPLICATED)
-    assert stage0.optimizer == 12 * (STAGE0_SPLIT + STAGE0_REPLICATED) / 2  # ZeRO-1 over dp=2
-    assert stage0.activations == 2 * 32 * DENSE_ACT  # 2 micro-batches in flight
-    assert stage0.comm == 2 * MIB + 2 * 32 * 2 * 8 * 2 + 4 * 32 * 8 * 2  # buckets, all-to-all, p2p
-    held1 = STAGE1_SPLIT + STAGE1_REPLICATED + STAGE1_EXPERTS / 2  # experts over ep=2
-    assert stage1.weights == 2 * held1
-    assert stage1.grads == 4 * held1
-    # dense states over dp=2, expert states over edp = dp*tp/ep = 1
-    assert stage1.optimizer == 12 * (STAGE1_SPLIT / 2 + STAGE1_REPLICATED / 2 + STAGE1_EXPERTS / 2)
-    assert stage1.activations == 1 * 32 * (MOE_ACT + HEAD_ACT)  # last stage: 1 in flight
-
-
-def test_memory_zero_levels_recompute_and_scores():
-    full = hand_plan(zero=0).stages[0]
-    assert full.optimizer == 12 * (STAGE0_SPLIT + STAGE0_REPLICATED)
-    sharded_grads = hand_plan(zero=2, grad_dtype="bf16").stages[0]
-    assert sharded_grads.grads == 2 * (STAGE0_SPLIT + STAGE0_REPLICATED) / 2
-    recompute = hand_plan(recompute=True).stages[0]
-    assert recompute.activations == 32 * (2 * 1 * 2 * 8 + DENSE_ACT)  # inputs kept + one layer
-    no_flash = hand_plan(flash_attention=False).stages[0]
-    assert no_flash.activations == 2 * 32 * (DENSE_ACT - 4 * 4 + 2 * 4 * 16)  # stored softmax 2as
-
-
-def test_memory_with_tensor_parallelism():
-    layout = Layout(dp=1, tp=2, pp=1, ep=2)  # edp = 1
-    stage = hand_plan(layout=layout).stages[0]
-    held = (STAGE0_SPLIT + STAGE1_SPLIT) / 2 + STAGE0_REPLICATED + STAGE1_REPLICATED + STAGE1_EXPERTS / 2
-    assert stage.weights == 2 * held
-    assert stage.activations == 32 / 2 * (DENSE_ACT + MOE_ACT + HEAD_ACT)  # sequence parallel
-    assert stage.comm == 2 * 32 / 2 * 2 * 8 * 2 + 2 * 32 * 8 * 2  # all-to-all, SP gather
-
-
-def test_attention_activations_are_korthikanti_without_dropout():
-    """MHA, no QK-norm, stored softmax: Korthikanti's attention 11h + 5as plus its norm 2h, minus the
-    dropout mask h and the dropout's 3as, is 12h + 2as per token."""
-    cfg = ModelConfig(
-        vocab_size=10,
-        hidden_size=64,
-        num_heads=8,
-        num_kv_heads=8,
-        qk_norm=False,
-        intermediate_size=32,
-        first_k_dense=1,
-        num_layers=1,
-    )
-    seq = 128
-    attention = activation_bytes_per_token(cfg, False, seq, flash_attention=False) - (4 * 64 + 6 * 32)
-    assert attention == 12 * 64 + 2 * 8 * seq
-
-
 @pytest.mark.parametrize(
     "key, value, message",
     [
-        ("zero", 3, "plan.zero=3: must be 0"),
-        ("grad_dtype", "fp16", "plan.grad_dtype='fp16': must be one of"),
         ("reserved_gb", 64.0, "plan.device_memory_gb=64.0: must exceed"),
+        ("device", "GPU", "plan.device='GPU': must be one of Ascend, CPU"),
+        ("devices", -1, "plan.devices=-1: must be >= 0"),
     ],
 )
 def test_plan_config_errors_name_the_key(key, value, message):
@@ -321,37 +228,87 @@ def test_plan_config_errors_name_the_key(key, value, message):
         validate_plan_config(PlanConfig(**{key: value}))
 
 
-def test_layout_errors_name_the_key():
-    cfg = ModelConfig(**HAND)
-    errors = layout_errors(cfg, Layout(dp=3, tp=4, pp=3, ep=8), HAND_BATCH)
-    assert any(e.startswith("plan.tp=4 must divide model.num_heads") for e in errors)
-    assert any(e.startswith("plan.pp=3 exceeds model.num_layers=2") for e in errors)
-    assert any(e.startswith("parallel.ep=8 must divide") for e in errors)
-    assert any(e.startswith("data.global_batch_size=8 must be a multiple") for e in errors)
+@pytest.mark.parametrize(
+    "arg, replacement",
+    [
+        ("plan.zero=1", "use parallel.zero (ZeRO is not implemented"),
+        ("plan.recompute=true", "use train.recompute"),
+        ("+plan.tp=2", "tensor parallelism is not implemented"),
+        ("plan.pp=4", "pipeline parallelism is not implemented"),
+        ("plan.flash_attention=false", "blockwise on Ascend"),
+        ("plan.grad_dtype=bf16", "gradients are fp32"),
+    ],
+)
+def test_old_plan_keys_name_their_replacement(arg, replacement):
+    assert replacement in removed_key_error(["model=glm45", arg])
+    assert removed_key_error(["plan.devices=8", "train.recompute=true"]) is None
 
 
-def test_search_returns_only_fitting_layouts_of_the_device_count():
-    cfg = model_config("glm45_air")
-    batch = Batch(seq_len=4096, micro_batch=1, global_batch=1024)
-    plan = PlanConfig()
-    found = search_layouts(cfg, 256, batch, plan)
-    assert found
+def test_cli_rejects_an_old_plan_key_before_composing():
+    result = run_cli(["plan.zero=1"], REPO)
+    assert result.returncode == 2
+    assert "mindmoe-plan: error: plan.zero: use parallel.zero" in result.stderr
+
+
+AIR_LORA = ["model=glm45_air", "model.bias_update_rate=0", "lora.enabled=true", "plan.device_memory_gb=64"]
+
+
+def table_verdict(lines):
+    """The memory table's last line (the total) and the layout line above the table."""
+    layout = next(line for line in lines if line.startswith("layout: "))
+    total = next(line for line in lines if line.startswith("    total "))
+    return layout, total
+
+
+def test_glm45_air_lora_on_8_devices_of_64gb_fits_and_names_its_keys():
+    result = run_cli([*AIR_LORA, "plan.devices=8"], REPO)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == f"total parameters: {count_parameters(model_config('glm45_air')).total}"
+    layout, total = table_verdict(lines)
+    assert total.endswith(": fits")
+    assert "DOES NOT FIT" not in result.stdout  # no proposed layout is printed as not fitting
+    keys = layout[len("layout: ") : layout.index(" on 8 devices")]
+    assert "parallel.ep=8" in keys and "tp" not in keys  # 128 experts of bf16 need all 8 devices
+    cfg = composed([*AIR_LORA, *keys.split()])
+    assert not layout_errors(
+        OmegaConf.to_object(cfg.model),
+        Layout(dp=cfg.parallel.dp, ep=cfg.parallel.ep, dispatcher=cfg.parallel.ep_dispatcher),
+        Batch(cfg.data.seq_len, cfg.data.micro_batch_size, cfg.data.global_batch_size),
+    )
+
+
+def test_search_proposes_only_fitting_layouts_best_first_and_plans_the_best():
+    """GLM-4.5-Air LoRA at 4,096 positions on 16 devices (full training of it fits nowhere without ZeRO:
+    the fp32 non-expert weights, gradients and moments alone are over 100 GiB)."""
+    overrides = [*AIR_LORA, "data.seq_len=4096", "data.micro_batch_size=1", "data.global_batch_size=16"]
+    cfg = composed(overrides)
+    model, batch = OmegaConf.to_object(cfg.model), Batch(4096, 1, 16)
+    setup = Setup(trained=lora_trained(model, OmegaConf.to_object(cfg.lora), "Ascend"))
+    found = search_layouts(model, 16, batch, PlanConfig(), setup)
+    assert len(found) >= 2
     for candidate in found:
-        layout = candidate.layout
-        assert layout.dp * layout.tp * layout.pp == 256
-        assert candidate.fits and candidate.worst.total <= (64 - 4) * GIB
-        assert not layout_errors(cfg, layout, batch)
-    sizes = [c.layout.tp * c.layout.pp for c in found]
-    assert sizes == sorted(sizes)
-    # A layout that does not fit is never offered.
-    assert not plan_layout(cfg, Layout(dp=256, tp=1, pp=1, ep=1), batch, plan).fits
+        assert candidate.layout.devices == 16 and candidate.fits
+        assert candidate.memory.total <= 60 * GIB and not layout_errors(model, candidate.layout, batch)
+    order = [(c.layout.recompute, c.layout.ep) for c in found]
+    assert order == sorted(order)
+    assert not search_layouts(model, 16, batch, PlanConfig(device_memory_gb=8.0), setup)
+    lines = report(composed([*overrides, "plan.devices=16"]))
+    layout, total = table_verdict(lines)
+    assert layout.startswith(f"layout: {found[0].layout.keys()} on 16 devices") and total.endswith(": fits")
+    assert "DOES NOT FIT" not in "\n".join(lines)
 
 
-def test_search_finds_glm45_pretraining_layouts_on_1024_devices_of_64gb():
-    cfg = model_config("glm45")
-    batch = Batch(seq_len=4096, micro_batch=1, global_batch=4096)
-    found = search_layouts(cfg, 1024, batch, PlanConfig(device_memory_gb=64.0))
-    assert found
-    best = found[0]
-    assert best.layout.devices == 1024 and best.fits
-    assert best.tokens_per_step == 4096 * 4096
+def test_a_given_layout_is_planned_and_nothing_fitting_says_so():
+    lines = report(composed(["model=glm45", "plan.devices=8", "parallel.ep=8"]))
+    layout, total = table_verdict(lines)
+    assert layout.startswith("layout: parallel.dp=1 parallel.ep=8 parallel.ep_dispatcher=allgather")
+    assert total.endswith(": DOES NOT FIT")  # 355 B fp32 parameters on 8 devices
+    assert "layouts that fit on 8 devices of 64 GiB: 0 fit" in "\n".join(lines)
+
+
+def test_when_nothing_fits_the_least_memory_layout_is_shown_as_not_fitting():
+    lines = report(composed(["model=glm45", "plan.devices=8"]))  # full training of 355 B: fp32, no ZeRO
+    assert "no layout fits on 8 devices; the one needing the least memory:" in lines
+    layout, total = table_verdict(lines)
+    assert layout.startswith("layout: parallel.dp=1 parallel.ep=8 ") and total.endswith(": DOES NOT FIT")

@@ -1,0 +1,79 @@
+"""The printed memory table and layout list of ``mindmoe-plan`` (the numbers are :mod:`launch.plan`'s)."""
+
+from typing import List
+
+from mindmoe.launch.config import PlanConfig
+from mindmoe.launch.plan import GIB, Batch, Plan, Setup, routed_rows_per_token
+from mindmoe.model.config import ModelConfig
+
+#: What the trainer does not have, so no layout uses it.
+NOT_IMPLEMENTED = "tensor parallelism, pipeline parallelism"
+
+
+def gib(num_bytes: float) -> str:
+    return f"{num_bytes / GIB:8.2f}"
+
+
+def weight_note(setup: Setup) -> str:
+    trained = setup.trained
+    if not trained.lora:
+        return "fp32, every parameter trained"
+    return f"LoRA: frozen base {trained.base_dtype}, norms/router/biases and adapters (r={trained.rank}) fp32"
+
+
+def optimizer_note(setup: Setup) -> str:
+    sharding = f"ZeRO-{setup.zero} over data-parallel ranks" if setup.zero else "ZeRO: not implemented"
+    return f"AdamW m, v fp32, trained tensors only; {sharding}"
+
+
+def activation_note(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup) -> str:
+    kept = "recomputed per layer" if plan.layout.recompute else "all kept"
+    attention = "blockwise attention" if setup.blockwise(batch.seq_len) else "full S x S scores"
+    rows = routed_rows_per_token(model, plan.layout)
+    return f"{kept}; {attention}; {rows:g} expert rows per token, train.dtype={setup.compute_dtype}"
+
+
+def memory_lines(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup, plan_cfg: PlanConfig) -> List[str]:
+    memory, layout = plan.memory, plan.layout
+    verdict = "fits" if plan.fits else "DOES NOT FIT"
+    usable = (
+        f"of {plan.budget / GIB:.1f} usable ({plan_cfg.device_memory_gb:g} GiB - "
+        f"{plan_cfg.reserved_gb:g} reserved): {verdict}"
+    )
+    accumulation = f"fp32 gradient sums of {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else "none"
+    rows = [
+        ("weights", memory.weights, weight_note(setup)),
+        ("gradients", memory.grads, "fp32, trained tensors only"),
+        ("optimizer", memory.optimizer, optimizer_note(setup)),
+        ("accumulation", memory.accumulation, accumulation),
+        ("update", memory.update, "fp32 gradient copies the step reads (clipped, summed)"),
+        ("activations", memory.activations, activation_note(model, plan, batch, setup)),
+        ("loss", memory.loss, "chunked: no [T, V] fp32 tensor beyond one chunk"),
+        ("communication buffers", memory.comm, "estimate"),
+        ("total", memory.total, usable),
+    ]
+    lines = [
+        f"layout: {layout.keys()} on {layout.devices} devices (launch.nodes x launch.procs_per_node)",
+        f"  tokens per step: {plan.tokens_per_step:,}; micro-batches per step per data-parallel replica: "
+        f"{plan.micro_batches}; planned for {setup.device}",
+        f"  not implemented in the trainer, so not planned: {NOT_IMPLEMENTED}"
+        + ("" if setup.zero else ", ZeRO (parallel.zero)"),
+        "  per-device memory, GiB:",
+    ]
+    return lines + [f"    {label:<23}{gib(value)}   {note}" for label, value, note in rows]
+
+
+def search_lines(fitting: List[Plan], devices: int, plan_cfg: PlanConfig) -> List[str]:
+    header = (
+        f"layouts that fit on {devices} devices of {plan_cfg.device_memory_gb:g} GiB: {len(fitting)} fit (best first)"
+    )
+    if not fitting:
+        return [
+            header,
+            "  none: add devices, use LoRA (lora.enabled=true), lower data.micro_batch_size or data.seq_len, "
+            "or check that data.global_batch_size is a multiple of the data-parallel size x data.micro_batch_size",
+        ]
+    lines = [header, f"  {'GiB/device':>10}  keys"]
+    for plan in fitting[: plan_cfg.show_layouts]:
+        lines.append(f"  {plan.memory.total / GIB:>10.2f}  {plan.layout.keys()}")
+    return lines

@@ -1,0 +1,156 @@
+"""mindmoe-plan's memory model of the trainer against hand arithmetic: full training, LoRA in its base dtype,
+recompute, both expert dispatchers, blockwise attention, the chunked loss; and the layouts it may propose."""
+
+import re
+
+import pytest
+
+from mindmoe.launch.config import PlanConfig
+from mindmoe.launch.plan import Batch, Layout, Setup, candidate_layouts, layout_errors, plan_layout
+from mindmoe.launch.plan_params import lora_trained
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.lora import LoraConfig
+
+# Hand-worked example: h=8, 2 layers (layer 0 dense, layer 1 MoE), 4 query heads / 2 KV heads of
+# width 2 (q = 8, kv = 4), QK-norm, q/k/v bias, dense FFN 16, 4 experts of width 4, top-2, one shared
+# expert, a correction bias, vocab 100, untied, dropless; seq 16, micro-batch 2 (T = 32 tokens), global
+# batch 8. Full training: every parameter fp32 (4 B), gradients 4 B, AdamW m and v 8 B.
+HAND = dict(
+    vocab_size=100,
+    hidden_size=8,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=2,
+    intermediate_size=16,
+    first_k_dense=1,
+    num_experts=4,
+    top_k=2,
+    moe_intermediate_size=4,
+    num_shared_experts=1,
+    qkv_bias=True,
+    qk_norm=True,
+    expert_bias=True,
+    score_func="sigmoid",
+    dispatch="dropless",
+    tie_word_embeddings=False,
+)
+HAND_BATCH = Batch(seq_len=16, micro_batch=2, global_batch=8)
+T = 32
+MATRICES = 100 * 8 * 2 + 2 * (8 * 8 + 8 * 4 * 2 + 8 * 8) + 3 * 8 * 16 + 3 * 8 * 4  # embed+head, attn, dense, shared
+EXPERTS = 4 * 3 * 8 * 4  # 384, split over ep
+SMALL = 2 * (8 + 4 + 4) + (2 * (8 + 8 + 2 + 2) + 8) + 4 * 8  # q/k/v biases 32, norms 48, router 32
+BUFFER = 4  # e_score_correction_bias, fp32, not trained
+# Activation bytes per token, fp32 (c = 4): attention c(2h + 2q + 2kv) + c(q + kv) qk-norm + stored softmax c*a*s
+ATTN = 4 * (16 + 16 + 8) + 4 * 12 + 4 * 4 * 16  # 464
+DENSE = ATTN + 4 * (2 * 8 + 3 * 16)  # 720
+MOE_K2 = ATTN + 4 * 2 * 8 + 8 * 4 + 2 * 4 * (2 * 8 + 3 * 4) + 3 * 4 * 4  # 832: r = top_k = 2
+MASK = 4 * 4 * 16  # fp32 [B, a, s, s] once
+FINAL_NORM = 4 * 8
+LOSS = 20 * 4 * 100 * T + 4 * 100 * T  # one chunk holds all T: its buffers + the kept probabilities
+
+
+def hand_plan(layout, setup=None, batch=HAND_BATCH, **model):
+    setup = setup or Setup(device="CPU")
+    return plan_layout(ModelConfig(**{**HAND, **model}), layout, batch, PlanConfig(), setup)
+
+
+def test_full_training_memory_matches_hand_arithmetic():
+    memory = hand_plan(Layout(dp=2, ep=2, dispatcher="allgather")).memory  # 4 ranks, 2 micro-batches each
+    held = MATRICES + SMALL + EXPERTS / 2
+    assert memory.weights == 4 * (held + BUFFER)
+    assert memory.grads == 4 * held
+    assert memory.optimizer == 8 * held  # no ZeRO in the trainer: every rank keeps its moments
+    assert memory.accumulation == 4 * held  # 2 micro-batches per step
+    assert memory.update == 2 * 4 * held  # the copy of the sums and the clipped copy
+    assert memory.activations == T * (DENSE + MOE_K2 + MASK + MOE_K2 + FINAL_NORM)  # + backward of the largest
+    assert memory.loss == LOSS
+    assert memory.comm == 4 * held + 2 * 2 * T * 8 * 4  # reduced gradients, expert outputs of T*K rows
+
+
+def test_recompute_alltoall_blockwise_and_zero():
+    recompute = hand_plan(Layout(dp=1, recompute=True)).memory
+    assert recompute.activations == T * (2 * 4 * 8 + MOE_K2 + MASK + MOE_K2 + FINAL_NORM)
+    assert recompute.comm == 0 and recompute.accumulation == 4 * (MATRICES + SMALL + EXPERTS)  # 4 micro-batches
+    # alltoall, ep=2: each rank receives a worst-case slot from both ranks, ep * min(K, E/ep) = 4 rows a token
+    routed = hand_plan(Layout(dp=2, ep=2, dispatcher="alltoall")).memory
+    moe_r4 = MOE_K2 + 2 * 4 * (2 * 8 + 3 * 4)
+    assert routed.activations == T * (DENSE + moe_r4 + MASK + moe_r4 + FINAL_NORM)
+    # Ascend past 512 positions: blockwise attention keeps an fp32 log-sum-exp per head, no mask
+    long = Batch(seq_len=1024, micro_batch=1, global_batch=1)
+    tokens, attn = 1024, 4 * (16 + 16 + 8) + 4 * 12 + 4 * 4
+    moe = attn + 4 * 2 * 8 + 8 * 4 + 2 * 4 * (2 * 8 + 3 * 4) + 3 * 4 * 4
+    blockwise = hand_plan(Layout(dp=1), Setup(device="Ascend"), long).memory
+    assert blockwise.activations == tokens * (attn + 4 * (2 * 8 + 3 * 16) + moe + moe + FINAL_NORM)
+    full = hand_plan(Layout(dp=1), Setup(device="CPU"), long).memory
+    assert full.activations > blockwise.activations + tokens * 4 * 4 * 1024  # the mask alone
+    # parallel.zero (when the trainer has it): moments split over the ranks holding the same tensors
+    sharded = hand_plan(Layout(dp=2, ep=2, dispatcher="alltoall"), Setup(device="CPU", zero=1)).memory
+    assert sharded.optimizer == 8 * ((MATRICES + SMALL) / 2 + EXPERTS / 2 / 1)
+
+
+def test_chunked_loss_keeps_no_full_logits():
+    """GLM-4.5's vocabulary: 32 MiB chunks of 55 rows; the loss of 4,096 tokens stays near 0.6 GiB."""
+    memory = hand_plan(Layout(dp=1), batch=Batch(4096, 1, 1), vocab_size=151_552).memory
+    rows = 32 * 2**20 // (4 * 151_552)
+    assert rows == 55
+    assert memory.loss == 20 * 4 * 151_552 * rows + 4 * 4096
+    assert memory.loss < 4 * 151_552 * 4096 / 3
+
+
+# LoRA r=2 on the default targets (q, k, v, o, gate, up, down; dense, shared and routed experts).
+ADAPTERS = 2 * (2 * (8 + 8) + 2 * 2 * (8 + 4) + 2 * (8 + 8)) + 3 * 2 * (8 + 16) + 3 * 2 * (8 + 4)  # 440, not experts
+EXPERT_ADAPTERS = 4 * 3 * 2 * (8 + 4)  # 288, split over ep
+
+
+@pytest.mark.parametrize(
+    "device, base_dtype, base_bytes", [("Ascend", "auto", 2), ("CPU", "auto", 2), ("CPU", "fp32", 4)]
+)
+def test_lora_memory_frozen_base_in_base_dtype_and_only_adapters_trained(device, base_dtype, base_bytes):
+    model = ModelConfig(**HAND)
+    trained = lora_trained(model, LoraConfig(enabled=True, r=2, base_dtype=base_dtype), device)
+    assert trained.base_dtype == {("Ascend", "auto"): "bf16", ("CPU", "auto"): "fp16"}.get((device, base_dtype), "fp32")
+    memory = hand_plan(Layout(dp=1, ep=2), Setup(device=device, trained=trained), batch=Batch(16, 2, 2)).memory
+    adapters = ADAPTERS + EXPERT_ADAPTERS / 2
+    assert memory.weights == base_bytes * (MATRICES + EXPERTS / 2) + 4 * (SMALL + BUFFER) + 4 * adapters
+    assert memory.grads == 4 * adapters and memory.optimizer == 8 * adapters
+    assert memory.accumulation == 0  # one micro-batch per step
+    assert memory.update == 4 * adapters  # the clipped copy
+    unclipped = hand_plan(Layout(dp=1, ep=2), Setup(device=device, trained=trained, clip=False), Batch(16, 2, 2))
+    assert unclipped.memory.update == 0
+
+
+def test_lora_keeps_refusing_bias_updates():
+    with pytest.raises(ValueError, match=re.escape("model.bias_update_rate=0.001: LoRA keeps the base")):
+        lora_trained(ModelConfig(**HAND, bias_update_rate=0.001), LoraConfig(enabled=True), "Ascend")
+
+
+def test_layout_errors_are_the_trainers():
+    cfg = ModelConfig(**HAND)
+    assert layout_errors(cfg, Layout(dp=2, ep=3), HAND_BATCH) == ["parallel.ep=3 must divide model.num_experts=4"]
+    [error] = layout_errors(cfg, Layout(dp=3, ep=1), HAND_BATCH)
+    assert error.startswith("data.global_batch_size=8 must be a positive multiple")
+    with pytest.raises(ValueError, match="parallel.ep=3 must divide"):
+        hand_plan(Layout(dp=2, ep=3))
+
+
+def test_candidates_are_the_trainers_layouts_only():
+    layouts = candidate_layouts(ModelConfig(**HAND), 8)
+    assert {(lay.ep, lay.dispatcher) for lay in layouts} == {
+        (1, "allgather"),
+        (2, "allgather"),
+        (2, "alltoall"),
+        (4, "allgather"),
+        (4, "alltoall"),
+    }
+    assert all(lay.devices == 8 for lay in layouts)
+    assert not any(hasattr(lay, "tp") or hasattr(lay, "pp") for lay in layouts)
+
+
+def test_copied_trainer_constants_equal_the_models():
+    from mindmoe.launch import plan
+    from mindmoe.model import attention, lm_loss
+
+    assert plan.BLOCK_SIZE == attention.BLOCK_SIZE
+    assert plan.BLOCKWISE_DEVICES == attention.BLOCKWISE_DEVICES
+    assert plan.LOSS_CHUNK_BYTES == lm_loss.CHUNK_BYTES
