@@ -64,10 +64,6 @@ def validate_run_config(cfg, device_target: Optional[str]) -> None:
             "step makes of the embedding table (TensorMove), nor bf16 MatMul; use lora.base_dtype=auto (fp16 on "
             "CPU, bf16 on Ascend) or fp16 / fp32 on CPU"
         )
-    if cfg.lora.enabled and cfg.parallel.ep > 1:
-        raise ValueError(
-            f"lora.enabled=true with parallel.ep={cfg.parallel.ep}: LoRA runs are data parallel only; set parallel.ep=1"
-        )
 
 
 @dataclass(frozen=True)

@@ -82,13 +82,18 @@ def peft_config_dict(cfg: LoraConfig, base_model_name_or_path=None) -> dict:
     }
 
 
-def save_adapter(model, out_dir, cfg: LoraConfig, model_type: str = "glm4_moe", base_model_name_or_path=None) -> Path:
-    """Write the model's adapters (and modules_to_save) into ``out_dir`` in PEFT format."""
+def save_adapter(
+    model, out_dir, cfg: LoraConfig, model_type: str = "glm4_moe", base_model_name_or_path=None, arrays=None
+) -> Path:
+    """Write the model's adapters (and modules_to_save) into ``out_dir`` in PEFT format.
+
+    ``arrays`` (name -> array): the values to write instead of the model's own, e.g. the full expert
+    adapters of a checkpoint when this process holds only a share of the experts (``parallel.ep``)."""
     names = NameMap(model_type)
     tensors = {}
     for param in adapter_parameters(model):
-        array = param.asnumpy()
-        for key, row in peft_tensor_names(param.name, param.shape, names):
+        array = param.asnumpy() if arrays is None else np.asarray(arrays[param.name])
+        for key, row in peft_tensor_names(param.name, array.shape, names):
             tensors[key] = np.ascontiguousarray(array if row is None else array[row])
     if not any(key.endswith((".lora_A.weight", ".lora_B.weight")) for key in tensors):
         raise AdapterError("save_adapter: the model has no LoRA adapters (build it with lora=plan_adapters(...))")

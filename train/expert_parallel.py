@@ -27,7 +27,9 @@ usual backward) or AlltoAll, hence the custom backwards. The token-routed ``allt
 whose ranks read different micro-batches, is :mod:`train.token_exchange`.
 
 Checkpoints always hold full expert tensors: :class:`ShardedState` gathers on save and slices on
-load, so a run can resume with any ``ep``.
+load, so a run can resume with any ``ep``. LoRA adapters of the routed experts (``A [e, r, in]``,
+``B [e, out, r]``) are sharded with their experts and treated like them everywhere: gradient reduction,
+gradient norm, checkpoints (and so the PEFT adapter files written from them).
 
 Shape legend: T tokens, E experts, e = E/ep local experts, C rows per expert, H hidden.
 """
@@ -181,7 +183,8 @@ EXPERT_PARALLEL_DISPATCHERS = (AllGatherDispatcher, AllToAllDispatcher, GroupedE
 
 def expert_shards(model, num_experts: int, ep: int) -> dict:
     """``{parameter name: first row}`` of the expert weights ``model`` holds a share of (built with an
-    :class:`ExpertParallelDispatch`); raises if its experts are whole, i.e. it was built without one."""
+    :class:`ExpertParallelDispatch`), and of their LoRA adapters ``A [e, r, in]``, ``B [e, out, r]``;
+    raises if its experts are whole, i.e. it was built without one."""
     sharded = {}
     for layer in model.layers:
         if not layer.is_moe:
@@ -196,6 +199,9 @@ def expert_shards(model, num_experts: int, ep: int) -> dict:
                     "model with MoETransformer(..., expert_dispatcher=dist.expert_dispatcher)"
                 )
             sharded[param.name] = experts.first_expert
+            # LoRA: the expert's adapter rows live with it (model/moe/lora_experts.py).
+            for factor in getattr(experts, f"{name}_lora", None) or ():
+                sharded[factor.name] = experts.first_expert
     return sharded
 
 

@@ -56,12 +56,35 @@ def checkpoint_base_config(path: str):
     return directory, model_cfg
 
 
-def load_checkpoint_base(model, directory: Path, path: str) -> None:
-    """Copy the base weights of ``lora.base_checkpoint`` into the (LoRA) ``model`` before it compiles."""
-    from mindmoe.train.checkpoint import load_model_weights
+def held_expert_rows(model) -> dict:
+    """``{name: range}`` of the stacked expert weights of which ``model`` holds a share (``parallel.ep``):
+    the rows of the full tensor it holds."""
+    from mindmoe.model.lora import EXPERT_PROJECTIONS
+    from mindmoe.model.moe.experts import RoutedExperts
 
+    return {
+        getattr(cell, proj).name: range(cell.first_expert, cell.first_expert + cell.num_held)
+        for _, cell in model.cells_and_names()
+        if isinstance(cell, RoutedExperts) and cell.num_held < cell.num_experts
+        for proj in EXPERT_PROJECTIONS
+    }
+
+
+def load_checkpoint_base(model, directory: Path, path: str) -> None:
+    """Copy the base weights of ``lora.base_checkpoint`` into the (LoRA) ``model`` before it compiles; a model
+    holding a share of the experts (``parallel.ep``) takes its rows of the full expert tensors."""
+    from safetensors.numpy import load_file
+
+    from mindmoe.model.checkpoint_files import MODEL_FILE
+    from mindmoe.train.checkpoint import load_parameters
+
+    source = Path(directory) / MODEL_FILE
     try:
-        load_model_weights([p for p in model.get_parameters() if not is_adapter(p.name)], directory)
+        tensors = load_file(str(source))
+        for name, rows in held_expert_rows(model).items():
+            if name in tensors:
+                tensors[name] = tensors[name][rows.start : rows.stop]
+        load_parameters([p for p in model.get_parameters() if not is_adapter(p.name)], tensors, str(source))
     except ValueError as err:
         raise ValueError(f"lora.base_checkpoint={path!r}: {err}") from None
     log.info("lora.base_checkpoint: base weights from %s", directory)
@@ -90,10 +113,20 @@ class LoraRun:
         self.checkpoint_params = list(model.trainable_params())
 
     def write_adapter(self, directory: Path) -> list:
-        """Write the PEFT adapter into ``directory/adapter``; returns the relative file names."""
+        """Write the PEFT adapter of the checkpoint being written in ``directory`` into ``directory/adapter``;
+        returns the relative file names.
+
+        The values are read back from the checkpoint's model file (written first, :func:`save_checkpoint`):
+        it holds every trained tensor at full size, expert adapters gathered over the expert group
+        (``parallel.ep``), so the adapter is that of one process whatever the layout, and writing it needs
+        no collective of its own."""
+        from safetensors.numpy import load_file
+
+        from mindmoe.model.checkpoint_files import MODEL_FILE
         from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
 
-        save_adapter(self.model, Path(directory) / ADAPTER_DIR, self.config, self.model_type, self.base_name)
+        arrays = load_file(str(Path(directory) / MODEL_FILE))
+        save_adapter(self.model, Path(directory) / ADAPTER_DIR, self.config, self.model_type, self.base_name, arrays)
         return [f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}", f"{ADAPTER_DIR}/{ADAPTER_CONFIG}"]
 
 

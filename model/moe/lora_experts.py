@@ -2,8 +2,11 @@
 
 Routed experts are stacked ``[E, O, F]`` tensors; their adapters are stacked too: ``A [E, R, F]``,
 ``B [E, O, R]``, row e being the factors PEFT gives HF module ``experts.{e}.<proj>`` (see
-:mod:`model.lora`). Shape legend (docs/architecture.md): E experts, C rows per expert, R rank,
-F input features, O output features, H hidden, I expert width.
+:mod:`model.lora`). A process holding a share of the experts (``held_experts``, ``parallel.ep``) holds
+the adapter rows of those experts only: ``A [e, R, F]``, ``B [e, O, R]``.
+
+Shape legend (docs/architecture.md): E experts (e held here), C rows per expert, R rank, F input
+features, O output features, H hidden, I expert width.
 """
 
 import numpy as np
@@ -40,18 +43,24 @@ class LoraRoutedExperts(RoutedExperts):
         self.scaling = adapter.scaling
         self.dropout = adapter.dropout
         self.projections = tuple(p for p in EXPERT_PROJECTIONS if p in projections)
+        held = range(self.first_expert, self.first_expert + self.num_held)
         for proj in EXPERT_PROJECTIONS:
             factors = None
             if proj in self.projections:
-                experts, out_features, in_features = getattr(self, proj).shape
+                _, out_features, in_features = getattr(self, proj).shape
+                # Like the expert weights, A is drawn for every expert and this process keeps its rows: a
+                # process holding a share (parallel.ep) starts from the rows one process would, and the
+                # random stream of the adapters built after these is the same.
+                lora_A = lora_a_init(adapter.rng, (num_experts, adapter.rank, in_features))
+                if len(held) != num_experts:
+                    lora_A = Tensor(lora_A.asnumpy()[held.start : held.stop])
                 # A ParameterTuple keeps the dotted names: a parameter attribute cannot contain a dot.
                 factors = ParameterTuple(
                     (
+                        Parameter(lora_A, name=f"{proj}.lora_A"),
                         Parameter(
-                            lora_a_init(adapter.rng, (experts, adapter.rank, in_features)), name=f"{proj}.lora_A"
-                        ),
-                        Parameter(
-                            Tensor(np.zeros((experts, out_features, adapter.rank), np.float32)), name=f"{proj}.lora_B"
+                            Tensor(np.zeros((len(held), out_features, adapter.rank), np.float32)),
+                            name=f"{proj}.lora_B",
                         ),
                     )
                 )

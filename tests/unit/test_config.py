@@ -152,16 +152,19 @@ def run_config(**sections):
         ({"train": TrainConfig(loss_scale=0.0)}, None, r"train.loss_scale=0.0 must be > 0"),
         ({"train": TrainConfig(resume="/nonexistent/ckpt")}, None, r"train.resume='/nonexistent/ckpt'"),
         ({"train": TrainConfig(on_corrupt_checkpoint="skip")}, None, r"train.on_corrupt_checkpoint='skip'"),
-        (
-            {"lora": SimpleNamespace(enabled=True), "parallel": SimpleNamespace(dp=0, ep=2)},
-            None,
-            r"lora.enabled=true with parallel.ep=2: LoRA runs are data parallel only",
-        ),
     ],
 )
 def test_run_config_errors_name_the_key(sections, device, message):
     with pytest.raises(ValueError, match=message):
         checks.validate_run_config(run_config(**sections), device)
+
+
+@pytest.mark.parametrize("ep_dispatcher", checks.EP_DISPATCHERS)
+def test_lora_runs_accept_expert_parallelism(ep_dispatcher):
+    # The routed experts' adapters are sharded with their experts (tests/integration/test_lora_expert_parallel.py).
+    lora = SimpleNamespace(enabled=True, base_dtype="auto")
+    parallel = SimpleNamespace(dp=0, ep=2, ep_dispatcher=ep_dispatcher)
+    checks.validate_run_config(run_config(lora=lora, parallel=parallel), "CPU")
 
 
 def test_device_checks_apply_only_where_the_device_is_known():

@@ -1,0 +1,79 @@
+"""LoRA with expert parallelism: 2 workers with ``parallel.ep=2`` must train the routed experts' adapters
+exactly as one process accumulating the same micro-batches, and write the same PEFT adapter files.
+
+``parallel.ep_dispatcher=allgather``: the 2 ranks form one replica reading the same micro-batches; each
+builds only the adapter rows of its 2 of the 4 experts, trains them from its rows of the gathered expert
+outputs, and the checkpoint and its PEFT copy gather all 4. The dense adapters are replicated.
+"""
+
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from safetensors.numpy import load_file
+
+from tests.helpers.processes import free_port
+from tests.helpers.runs import metrics_rows
+from tests.integration.test_distributed import finish, launch_command, processes, start  # noqa: F401
+
+REPO = Path(__file__).resolve().parents[2]
+STEPS = 4
+# LoRA needs a frozen router bias (model.bias_update_rate=0); the default target_modules adapt the attention,
+# the dense MLP and every routed expert's projections. A large learning rate makes the adapters matter.
+LORA = [
+    "model.bias_update_rate=0",
+    "lora.enabled=true",
+    "lora.r=4",
+    "train.lr=0.01",
+    f"train.max_steps={STEPS}",
+    f"train.save_every={STEPS}",
+]
+ADAPTER = Path("checkpoints") / f"step_{STEPS:06d}" / "adapter" / "adapter_model.safetensors"
+EXPERT_KEY = "base_model.model.model.layers.1.mlp.experts.{e}.{proj}.lora_{factor}.weight"
+
+
+def single_process_run(run_dir, data_cache):
+    command = launch_command(run_dir, data_cache, *LORA)
+    command[2] = "mindmoe.train.cli"  # the same overrides, one process accumulating both micro-batches
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
+
+
+def by_step(run_dir, key):
+    return {row["step"]: row[key] for row in metrics_rows(run_dir) if key in row}
+
+
+@pytest.mark.msrun
+def test_lora_with_expert_parallel_workers_reproduces_one_process_and_its_adapter(tmp_path, data_cache, processes):  # noqa: F811
+    single_dir, ep_dir = tmp_path / "single", tmp_path / "ep2"
+    launcher = start(
+        processes,
+        launch_command(
+            ep_dir,
+            data_cache,
+            *LORA,
+            "launch.procs_per_node=2",
+            "parallel.ep=2",
+            "parallel.ep_dispatcher=allgather",
+            f"launch.master_port={free_port()}",
+        ),
+    )
+    single_process_run(single_dir, data_cache)  # while the workers compile
+    code, stdout, stderr = finish(launcher)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert "data parallel 1, accumulation 2" in stdout
+
+    for key in ("loss", "grad_norm"):
+        expected, actual = by_step(single_dir, key), by_step(ep_dir, key)
+        assert sorted(actual) == sorted(expected) == list(range(1, STEPS + 1)), key
+        for step, value in expected.items():
+            assert abs(actual[step] - value) <= 1e-5 * abs(value), f"{key} step {step}: {actual[step]} vs {value}"
+
+    expected, actual = load_file(str(single_dir / ADAPTER)), load_file(str(ep_dir / ADAPTER))
+    assert sorted(actual) == sorted(expected)
+    for name, tensor in expected.items():  # the same float32 operations in the same order: byte-equal
+        assert actual[name].dtype == tensor.dtype and actual[name].tobytes() == tensor.tobytes(), name
+    # Every expert's adapter, the ones rank 1 held included, was trained (B starts at zero) and written.
+    for e in range(4):
+        assert np.abs(actual[EXPERT_KEY.format(e=e, proj="down_proj", factor="B")]).max() > 0, e
+    assert actual[EXPERT_KEY.format(e=3, proj="gate_proj", factor="A")].shape == (4, 64)
