@@ -41,7 +41,15 @@ DROPLESS_RSS_LIMIT = 1.3
 # (RSS(4k) - RSS(2k)) <= this x max(RSS(2k) - RSS(1k), 0.25 GiB): peak RSS about linear in length.
 LENGTH_GROWTH_LIMIT = 2.3
 # Expert parallelism on 2 workers, the experts group's 64/8 capacity model: alltoall / allgather tokens/s.
-EP_BASE = ("model.num_experts=64", *EXPERTS_BASE, *DISPATCH["capacity"], "launch.procs_per_node=2", "parallel.ep=2")
+# Micro-batches of 4 of the 16 sequences: allgather accumulates 4 per group, alltoall 2 per rank (dp 2).
+EP_BASE = (
+    "model.num_experts=64",
+    *EXPERTS_BASE,
+    *DISPATCH["capacity"],
+    "data.micro_batch_size=4",
+    "launch.procs_per_node=2",
+    "parallel.ep=2",
+)
 EP_DISPATCHERS = ("allgather", "alltoall")
 ALLTOALL_SPEED_TARGET = 1.3
 

@@ -223,6 +223,8 @@ def test_scaling_runs_are_the_issues_commands_and_compose_into_configs():
     experts_64 = scaling_overrides(next(r for r in runs if r.label == "64/8 capacity"))
     assert experts_64.items() <= scaling_overrides(routed).items()
     assert {"launch.procs_per_node": "2", "parallel.ep": "2"}.items() <= scaling_overrides(routed).items()
+    # 16 sequences per step in micro-batches of 4: a whole number of them per rank for both layouts.
+    assert scaling_overrides(routed)["data.micro_batch_size"] == "4"
     # Only training sizes (and the layout of the two launches) change: nothing else of the default run is touched.
     single = [r for r in runs if not r.launcher]
     assert {key.split(".")[0] for r in single for key in scaling_overrides(r)} == {"model", "data", "train"}
