@@ -83,6 +83,7 @@ DATA_RANGES = {
     "vocab_size": at_least(1),
     "num_proc": at_least(1),
     "shard_windows": at_least(1),
+    "wait_timeout_s": above(0, "seconds"),
 }
 
 
