@@ -3,7 +3,6 @@ trainable-parameter report, adapters-only checkpoints with a PEFT copy, and resu
 reload the frozen base, since checkpoints do not hold it, and continue the dropout masks: a run killed
 with SIGKILL and resumed logs the losses of the uninterrupted run)."""
 
-import dataclasses
 import json
 import signal
 import subprocess
@@ -18,6 +17,7 @@ from safetensors.numpy import load_file
 from mindmoe.model.peft_adapter import read_adapter_config
 from mindmoe.train.checkpoint import list_checkpoints, verify_checkpoint
 from mindmoe.train.resume import DROPOUT_DRAWS
+from tests.helpers.base_checkpoint import save_tiny_base_checkpoint
 from tests.helpers.runs import compose_config, losses_by_step
 
 REPO = Path(__file__).resolve().parents[2]
@@ -144,27 +144,11 @@ def test_base_checkpoint_gives_the_architecture_and_weights_of_a_mindmoe_checkpo
     """One model is built: the checkpoint's architecture with the adapters in place, its weights in the
     base, parameter names those of the checkpoint plus ``<projection>.lora_A/B``."""
     from mindmoe.model import transformer
-    from mindmoe.model.config import ModelConfig
     from mindmoe.model.transformer import MoETransformer
-    from mindmoe.train.checkpoint import save_checkpoint
     from mindmoe.train.init_model import build_model, planned_model_config
     from mindmoe.train.lora_setup import lora_run_for
 
-    base_cfg = ModelConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=24,
-        num_experts=4,
-        moe_intermediate_size=8,
-        max_position_embeddings=64,
-    )
-    base = MoETransformer(base_cfg, seed=7)
-    saved = save_checkpoint(
-        tmp_path, 5, list(base.get_parameters()), [], {"model_config": dataclasses.asdict(base_cfg)}, keep_last=1
-    )
+    base_cfg, base, saved = save_tiny_base_checkpoint(tmp_path, 5)
     cfg = compose_config([f"lora.base_checkpoint={saved}", "lora.enabled=true", "lora.r=2", "model.hidden_size=32"])
     assert planned_model_config(cfg) == base_cfg
     built = []

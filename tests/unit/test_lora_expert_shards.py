@@ -2,8 +2,6 @@
 gets exactly those rows of the adapters one process builds (the random stream after them unchanged), and
 those rows of a ``lora.base_checkpoint``'s expert weights."""
 
-import dataclasses
-
 import numpy as np
 
 from mindmoe.model.lora_layers import AdapterSpec
@@ -40,26 +38,11 @@ class SecondHalf(ExpertPlacement):
 
 
 def test_a_base_checkpoint_gives_a_share_of_the_experts_its_rows(tmp_path):
-    from mindmoe.model.config import ModelConfig
-    from mindmoe.model.transformer import MoETransformer
-    from mindmoe.train.checkpoint import save_checkpoint
     from mindmoe.train.init_model import build_model
+    from tests.helpers.base_checkpoint import save_tiny_base_checkpoint
     from tests.helpers.runs import compose_config
 
-    base_cfg = ModelConfig(
-        vocab_size=64,
-        hidden_size=16,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=24,
-        num_experts=4,
-        moe_intermediate_size=8,
-        max_position_embeddings=64,
-    )
-    base = MoETransformer(base_cfg, seed=7)
-    state = {"model_config": dataclasses.asdict(base_cfg)}
-    saved = save_checkpoint(tmp_path, 1, list(base.get_parameters()), [], state, keep_last=1)
+    _, base, saved = save_tiny_base_checkpoint(tmp_path, 1)
     cfg = compose_config([f"lora.base_checkpoint={saved}", "lora.enabled=true", "lora.r=2", "lora.base_dtype=fp32"])
     _, model = build_model(cfg, vocab_size=64, expert_dispatcher=SecondHalf())
     weights = {p.name: p.asnumpy() for p in model.get_parameters()}
