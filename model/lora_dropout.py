@@ -76,14 +76,16 @@ def drop_threshold(p: float) -> int:
     return int(round(p * (1 << KEEP_BITS))) * 2 - (1 << 31)
 
 
-def _odd_hash(count: int, key):
-    """``mix32(arange(count) ^ key) | 1``: the factors of ``count`` rows or columns."""
-    return ops.bitwise_or(mix32(ops.bitwise_xor(ops.arange(0, count, dtype=ms.int32), key)), Tensor(1, ms.int32))
+def _odd_hash(count: int, key, first: int = 0):
+    """``mix32(arange(first, first + count) ^ key) | 1``: the factors of ``count`` rows or columns."""
+    indices = ops.arange(first, first + count, dtype=ms.int32)
+    return ops.bitwise_or(mix32(ops.bitwise_xor(indices, key)), Tensor(1, ms.int32))
 
 
-def keep_mask(rows: int, cols: int, p: float, key):
-    """``[rows, cols]`` bool: True where the draw of int32 scalar ``key`` keeps the element."""
-    row_Z = _odd_hash(rows, key)
+def keep_mask(rows: int, cols: int, p: float, key, first_row: int = 0):
+    """``[rows, cols]`` bool: True where the draw of int32 scalar ``key`` keeps the element; rows
+    ``first_row .. first_row + rows - 1`` of the draw (a share of a larger input gets that share's mask)."""
+    row_Z = _odd_hash(rows, key, first_row)
     col_F = _odd_hash(cols, ops.bitwise_xor(key, Tensor(_COLUMNS, ms.int32)))
     h_ZF = row_Z.expand_dims(-1) * col_F  # uniform odd; the only per-element work is below
     return h_ZF * h_ZF + h_ZF >= drop_threshold(p)
@@ -104,12 +106,15 @@ class DropoutStream:
         self.rank = Parameter(Tensor(0, ms.int32), name=f"{name}.dropout_rank", requires_grad=False)
         self.draws = Parameter(Tensor(0, ms.int32), name=f"{name}.dropout_draws", requires_grad=False)
 
-    def drop(self, x):
-        """``x`` with elements zeroed at probability ``p`` and the rest scaled by ``1 / (1 - p)``; one draw."""
+    def drop(self, x, first_row: int = 0):
+        """``x`` with elements zeroed at probability ``p`` and the rest scaled by ``1 / (1 - p)``; one draw.
+
+        ``first_row``: ``x`` holds rows ``first_row ..`` of a larger input (flattened to rows of its last axis),
+        e.g. a process's share of the expert buffer under ``parallel.ep``, and is dropped as those rows of it."""
         # The key reads the counter before this draw advances it (side effects run in program order).
         key = mix32(ops.bitwise_xor(mix32(ops.bitwise_xor(mix32(self.draws * 1), self.rank)), self.salt))
         cols = x.shape[-1]
-        keep = keep_mask(x.size // cols, cols, self.p, key).reshape(x.shape)
+        keep = keep_mask(x.size // cols, cols, self.p, key, first_row).reshape(x.shape)
         ops.assign_add(self.draws, Tensor(1, ms.int32))
         # One scaled mask: the backward then multiplies by it once.
         return x * (keep.astype(x.dtype) * (1.0 / (1.0 - self.p)))

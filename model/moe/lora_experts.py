@@ -74,7 +74,10 @@ class LoraRoutedExperts(RoutedExperts):
         if factors is None:
             return y_ECO
         if self.dropout > 0 and self.training:
-            x_ECF = dropout.drop(x_ECF)
+            # A share of the experts' [E, C, F] buffer (parallel.ep, allgather) is dropped as those rows of the
+            # whole buffer: the masks of one process. Grouped rows are the whole sorted buffer on every rank.
+            first_row = self.first_expert * x_ECF.shape[1] if group_sizes is None else 0
+            x_ECF = dropout.drop(x_ECF, first_row)
         lora_A_ERF = factors[0].astype(x_ECF.dtype)
         lora_B_EOR = factors[1].astype(x_ECF.dtype)
         low_ECR = self.expert_matmul(x_ECF, lora_A_ERF, scale_EC, group_sizes)

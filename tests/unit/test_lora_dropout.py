@@ -151,6 +151,22 @@ def test_a_stream_drops_a_3d_input_by_the_documented_mask_at_any_rank_and_draw_c
         np.testing.assert_array_equal(drop(Tensor(x)).asnumpy(), np.float32(keep * np.float32(1 / 0.8)))
 
 
+def test_a_share_of_the_expert_buffer_is_dropped_as_those_rows_of_the_whole_buffer():
+    """Under ``parallel.ep`` (allgather) a process runs experts 2..3 of an [E, C, F] buffer: its mask is those
+    experts' rows of the one-process mask (the documented rows E * C), so both drop the same elements."""
+    name = "layers.1.mlp.experts.up_proj"
+    stream = DropoutStream(name, 7, 0.3)
+
+    @ms.jit
+    def drop_share(x):
+        return stream.drop(x, 2 * 5)  # first held expert 2, C = 5
+
+    share = drop_share(Tensor(np.ones((2, 5, 24), np.float32))).asnumpy()
+    whole_keep = np_keep(4 * 5, 24, 0.3, 7, name, 0, 0).reshape(4, 5, 24)
+    np.testing.assert_array_equal(share, np.float32(whole_keep[2:4] * np.float32(1 / 0.7)))
+    assert not np.array_equal(whole_keep[2:4], whole_keep[0:2])  # the offset matters
+
+
 def assert_independent(a, b, p):
     """Two independent masks agree with probability p^2 + (1-p)^2 (within 5 standard errors)."""
     expected = p * p + (1 - p) ** 2
