@@ -1,4 +1,4 @@
-"""The domain of every numeric ``train.*`` and ``data.*`` key, checked before a run builds or reads anything.
+"""The domain of every numeric ``train.*`` and ``data.*`` key (and ``parallel.zero``), checked before a run builds.
 
 Hydra's structured config checks types only, so ``train.lr=-0.001`` would train the model away from the
 data with exit 0. :func:`range_errors` lists every value outside its domain (all of them, not only the
@@ -87,6 +87,13 @@ DATA_RANGES = {
 }
 
 
+#: Domains of the numeric ``parallel.*`` keys checked here (``dp`` and ``ep`` are checked against the world size,
+#: :func:`conf.checks.resolve_layout`).
+PARALLEL_RANGES = {
+    "zero": Range(0, 1, note="0 = every rank holds all its AdamW moments, 1 = ZeRO-1: moments split over ranks"),
+}
+
+
 def _betas_errors(betas, domain: Range) -> list:
     values = list(betas)
     if len(values) != 2 or not all(domain.contains(value) for value in values):
@@ -94,12 +101,12 @@ def _betas_errors(betas, domain: Range) -> list:
     return []
 
 
-RANGES = {"train": TRAIN_RANGES, "data": DATA_RANGES}
+RANGES = {"train": TRAIN_RANGES, "data": DATA_RANGES, "parallel": PARALLEL_RANGES}
 
 
 def section_range_errors(section: str, values, keys=None) -> list:
-    """``"<section>.<key>=<value> must be <range>"`` for every value of ``values`` (a ``train`` or ``data``
-    section) outside its domain; ``keys`` limits the check to those keys."""
+    """``"<section>.<key>=<value> must be <range>"`` for every value of ``values`` (a ``train``, ``data`` or
+    ``parallel`` section) outside its domain; ``keys`` limits the check to those keys."""
     errors = []
     for key, domain in RANGES[section].items():
         if keys is not None and key not in keys:
@@ -113,8 +120,12 @@ def section_range_errors(section: str, values, keys=None) -> list:
 
 
 def range_errors(cfg) -> list:
-    """Every out-of-range ``train.*`` and ``data.*`` value of the run config ``cfg``."""
-    return section_range_errors("train", cfg.train) + section_range_errors("data", cfg.data)
+    """Every out-of-range ``train.*``, ``data.*`` and ``parallel.*`` value of the run config ``cfg``."""
+    errors = section_range_errors("train", cfg.train) + section_range_errors("data", cfg.data)
+    # A partial config (a caller's own sections) is checked on the parallel.* keys it has.
+    parallel = getattr(cfg, "parallel", None)
+    keys = [key for key in PARALLEL_RANGES if hasattr(parallel, key)]
+    return errors + (section_range_errors("parallel", parallel, keys) if keys else [])
 
 
 def raise_range_errors(errors: list) -> None:

@@ -24,6 +24,11 @@ class ParallelConfig:
     #: ``ep`` divides it) and sends each assignment only to the rank holding its expert; experts are
     #: then data parallel over ``dp / ep`` ranks.
     ep_dispatcher: str = "allgather"
+    #: ZeRO stage. 0: every rank holds the AdamW moments of all its parameters. 1 (ZeRO-1): each parameter's
+    #: moments are split over the ranks holding the same copy of it (all ranks; an expert shard's data-parallel
+    #: ranks), gradients are reduce-scattered and the updated ranges all-gathered; same losses, checkpoints
+    #: hold full moments.
+    zero: int = 0
 
 
 @dataclass

@@ -9,17 +9,21 @@ are split over the ``ep`` ranks of an expert group; attention, dense FFN, shared
 embedding and LM head are held whole by every rank. ``allgather``: the ``ep`` ranks of a group read the
 same micro-batch (one data-parallel replica, ``devices = dp * ep``) and repeat the non-expert work;
 ``alltoall``: every rank reads its own micro-batch (``devices = dp``) and sends each routed row to the
-rank of its expert. There is no tensor or pipeline parallelism, and no optimizer sharding unless the
-config has ``parallel.zero``.
+rank of its expert. There is no tensor or pipeline parallelism. ``parallel.zero=1`` (ZeRO-1) splits the
+optimizer state of a tensor over the ranks holding the same copy of it: every rank (``devices``) for the
+replicated tensors, the expert replicas for the routed experts.
 
 Stored state per rank (:mod:`launch.plan_params` for the dtypes and what is trained):
 
 - weights: fp32; with LoRA the frozen matrices in ``lora.base_dtype``, adapters fp32
 - gradients ``4 * trained``, AdamW ``m`` and ``v`` ``8 * trained`` (fp32, no master copy: the weights
-  are fp32), where ``trained`` = every parameter, or the adapters and ``lora.modules_to_save``
+  are fp32), where ``trained`` = every parameter, or the adapters and ``lora.modules_to_save``; with
+  ZeRO-1 ``12 * trained / k`` (``m``, ``v`` and the fp32 working copy of the owned range, train/zero.py),
+  ``k`` the ranks holding the tensor
 - accumulation: ``4 * trained`` more when a step has several micro-batches (fp32 gradient sums)
 - update: the gradients the optimizer step reads are new tensors (train/step.py): ``4 * trained`` for the
-  clipped copy (``train.grad_clip > 0``), and ``4 * trained`` for the copy of the sums with accumulation
+  clipped copy (``train.grad_clip > 0``; ZeRO-1: of the owned ranges, ``/ k``), and ``4 * trained`` for
+  the copy of the sums with accumulation
 
 Activations, per token of one micro-batch (``T = seq_len * micro_batch_size`` tokens on every rank),
 ``c`` bytes per element of ``train.dtype``; ``h`` hidden, ``q = heads * head_dim``, ``kv = kv_heads *
@@ -116,7 +120,7 @@ class Setup:
     device: str = "Ascend"
     compute_dtype: str = "fp32"
     trained: Trained = Trained()
-    #: ``parallel.zero`` when the trainer has it (optimizer states sharded over the data-parallel ranks).
+    #: ``parallel.zero``: 1 splits the optimizer state over the ranks holding the same tensor (ZeRO-1).
     zero: int = 0
     #: ``train.grad_clip > 0``: the update reads a clipped copy of the gradients.
     clip: bool = True
@@ -233,13 +237,13 @@ def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig
     micro_batches = batch.global_batch // (layout.dp * batch.micro_batch)
     memory = RankMemory(weights=params.weight_bytes, grads=4 * params.trained)
     dense_trained = params.trained - params.trained_experts
-    if setup.zero:
-        memory.optimizer = 8 * (dense_trained / replicas + params.trained_experts / layout.expert_replicas)
-    else:
-        memory.optimizer = 8 * params.trained
+    # ZeRO-1: each rank's share of what the ranks holding a tensor (all devices; the expert replicas) keep once.
+    owned = dense_trained / layout.devices + params.trained_experts / layout.expert_replicas
+    memory.optimizer = 12 * owned if setup.zero else 8 * params.trained
     if micro_batches > 1:
         memory.accumulation = 4 * params.trained
-    memory.update = 4 * params.trained * (int(setup.clip) + int(micro_batches > 1))
+    memory.update = 4 * (owned if setup.zero else params.trained) * int(setup.clip)
+    memory.update += 4 * params.trained * int(micro_batches > 1)
     memory.activations = activation_memory(cfg, layout, batch, setup)
     memory.loss = loss_bytes(cfg, batch.tokens)
     if replicas > 1 or layout.expert_replicas > 1:

@@ -98,7 +98,7 @@ REMOVED_PLAN_KEYS = {
     "tp": "tensor parallelism is not implemented in the trainer",
     "max_tp": "tensor parallelism is not implemented in the trainer",
     "pp": "pipeline parallelism is not implemented in the trainer",
-    "zero": "use parallel.zero (ZeRO is not implemented in the trainer yet: the optimizer is not sharded)",
+    "zero": "use parallel.zero (1: ZeRO-1, the AdamW state split over the ranks holding the same tensor)",
     "recompute": "use train.recompute",
     "flash_attention": "attention is the trainer's: blockwise on Ascend past 512 positions; set plan.device",
     "grad_dtype": "gradients are fp32 like the parameters; train.dtype sets the compute dtype",
@@ -130,7 +130,7 @@ def resolve_vocab(model: ModelConfig, data) -> List[str]:
 
 
 def run_setup(cfg, model: ModelConfig, plan_cfg: PlanConfig) -> Setup:
-    """The trainer's keys besides the layout: ``train.dtype``, ``lora.*``, ``parallel.zero`` if it exists."""
+    """The trainer's keys besides the layout: ``train.dtype``, ``lora.*``, ``parallel.zero``."""
     dtype = cfg.train.dtype
     if dtype not in COMPUTE_BYTES:
         raise ValueError(f"train.dtype={dtype!r} must be one of {', '.join(COMPUTE_BYTES)}")
@@ -139,7 +139,9 @@ def run_setup(cfg, model: ModelConfig, plan_cfg: PlanConfig) -> Setup:
     trained = Trained()
     if cfg.lora.enabled:
         trained = lora_trained(model, OmegaConf.to_object(cfg.lora), plan_cfg.device)
-    zero = int(cfg.parallel.get("zero", 0) or 0)
+    zero = cfg.parallel.zero
+    if zero not in (0, 1):
+        raise ValueError(f"parallel.zero={zero} must be 0 or 1 (ZeRO-1; ZeRO-2 and 3 are not implemented)")
     clip = cfg.train.grad_clip > 0
     return Setup(device=plan_cfg.device, compute_dtype=dtype, trained=trained, zero=zero, clip=clip)
 

@@ -22,8 +22,9 @@ def weight_note(setup: Setup) -> str:
 
 
 def optimizer_note(setup: Setup) -> str:
-    sharding = f"ZeRO-{setup.zero} over data-parallel ranks" if setup.zero else "ZeRO: not implemented"
-    return f"AdamW m, v fp32, trained tensors only; {sharding}"
+    if setup.zero:
+        return "AdamW m, v and a working copy, fp32, of the owned ranges only (ZeRO-1, parallel.zero=1)"
+    return "AdamW m, v fp32, trained tensors only; not split (parallel.zero=0)"
 
 
 def activation_note(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup) -> str:
@@ -56,8 +57,7 @@ def memory_lines(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup, pla
         f"layout: {layout.keys()} on {layout.devices} devices (launch.nodes x launch.procs_per_node)",
         f"  tokens per step: {plan.tokens_per_step:,}; micro-batches per step per data-parallel replica: "
         f"{plan.micro_batches}; planned for {setup.device}",
-        f"  not implemented in the trainer, so not planned: {NOT_IMPLEMENTED}"
-        + ("" if setup.zero else ", ZeRO (parallel.zero)"),
+        f"  not implemented in the trainer, so not planned: {NOT_IMPLEMENTED}",
         "  per-device memory, GiB:",
     ]
     return lines + [f"    {label:<23}{gib(value)}   {note}" for label, value, note in rows]

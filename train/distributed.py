@@ -23,7 +23,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from mindmoe.conf.checks import Layout, resolve_layout
-from mindmoe.train.step import global_squared_norm
+from mindmoe.train.grad_norm import global_squared_norm
 
 log = logging.getLogger("mindmoe.train")
 
@@ -52,7 +52,9 @@ class Distributed:
         self.rank_in_group = rank % layout.ep
         self.ep_group = ep_group
         self.expert_dp_group = expert_dp_group
-        self.sharded = {}
+        # {expert shard's name: first row held}; the moment views of ZeRO-1 (train/zero.py) by moment name.
+        self.expert_rows = {}
+        self.zero_views = {}
         self.is_main = rank == 0
         if self.world_size > 1:
             all_reduce = ops.AllReduce()
@@ -84,13 +86,30 @@ class Distributed:
         if self.ep > 1:
             from mindmoe.train.expert_parallel import expert_shards
 
-            self.sharded = expert_shards(model, model.config.num_experts, self.ep)
+            self.expert_rows = expert_shards(model, model.config.num_experts, self.ep)
+
+    def track_zero(self, optimizer) -> None:
+        """Record the moment views of a ZeRO-1 optimizer (train/zero.py) for :meth:`checkpoint_views`."""
+        from mindmoe.train.zero import moment_views
+
+        self.zero_views = moment_views(optimizer, self)
+
+    @property
+    def sharded(self) -> dict:
+        """``{name: first expert row or None}`` of every tensor whose checkpoint view gathers over ranks (a
+        collective every rank must take part in): expert shards (``parallel.ep > 1``) and, with ZeRO-1, every
+        trained parameter (its moments are split; None unless it is an expert shard)."""
+        zero = {view.spec.name: None for view in self.zero_views.values()}
+        return {**zero, **self.expert_rows}
 
     def checkpoint_views(self, params) -> list:
-        """``params`` as checkpoints see them: expert tensors (and their moments) at full size."""
+        """``params`` as checkpoints see them: expert tensors and AdamW moments at full size."""
         from mindmoe.train.expert_parallel import sharded_views
 
-        return sharded_views(params, self.sharded, self.rank_in_group, self.ep, self.ep_group)
+        params = list(params)
+        plain = [p for p in params if p.name not in self.zero_views]
+        viewed = iter(sharded_views(plain, self.expert_rows, self.rank_in_group, self.ep, self.ep_group))
+        return [self.zero_views[p.name] if p.name in self.zero_views else next(viewed) for p in params]
 
     def grad_reducer(self, params):
         """``(grads, loss) -> (grads, loss)`` of the global objective (the mean over data-parallel
@@ -111,8 +130,8 @@ class Distributed:
 
             return synchronise
         params = list(params)
-        expert_idx = [i for i, p in enumerate(params) if p.name in self.sharded]
-        dense_idx = [i for i, p in enumerate(params) if p.name not in self.sharded]
+        expert_idx = [i for i, p in enumerate(params) if p.name in self.expert_rows]
+        dense_idx = [i for i, p in enumerate(params) if p.name not in self.expert_rows]
         dense_reducer = nn.DistributedGradReducer([params[i] for i in dense_idx], mean=True, degree=self.world_size)
         expert_reducer = None
         # Without other groups, dp is 1 (allgather) or ep (alltoall: the gradient summed the group's replicas).
@@ -151,8 +170,8 @@ class Distributed:
         Each rank holds only its experts' gradients, so their share is summed over the expert group.
         """
         params = list(params)
-        expert_idx = [i for i, p in enumerate(params) if p.name in self.sharded]
-        dense_idx = [i for i, p in enumerate(params) if p.name not in self.sharded]
+        expert_idx = [i for i, p in enumerate(params) if p.name in self.expert_rows]
+        dense_idx = [i for i, p in enumerate(params) if p.name not in self.expert_rows]
         if not expert_idx:
             return global_squared_norm
         group_all_reduce = ops.AllReduce(group=self.ep_group)

@@ -22,7 +22,8 @@ from mindspore import ops
 from mindspore.ops import composite as C
 from mindspore.ops import functional as F
 
-_fused_update = C.MultitypeFuncGraph("fused_adamw_update")
+#: ``(beta1^t, beta2^t, beta1, beta2, eps', lr, weight decay, update scale or None, param, grad, m, v)`` -> param.
+fused_update = C.MultitypeFuncGraph("fused_adamw_update")
 _adam = ops.Adam()
 
 
@@ -68,15 +69,15 @@ def _scaled_update(
 _SCALARS = ("Tensor",) * 6
 _STATE = ("Tensor",) * 4
 for _decay_type in ("Tensor", "Number"):
-    _fused_update.register(*_SCALARS, _decay_type, "Tensor", *_STATE)(_scaled_update)
+    fused_update.register(*_SCALARS, _decay_type, "Tensor", *_STATE)(_scaled_update)
 
 
-@_fused_update.register(*_SCALARS, "Tensor", "None", *_STATE)
+@fused_update.register(*_SCALARS, "Tensor", "None", *_STATE)
 def _unscaled_update(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, _, param, grad, m, v):
     return _update(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, param, grad, m, v)
 
 
-@_fused_update.register(*_SCALARS, "Number", "None", *_STATE)
+@fused_update.register(*_SCALARS, "Number", "None", *_STATE)
 def _unscaled_update_number_decay(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, _, param, grad, m, v):
     return _update_number_decay(beta1_power, beta2_power, beta1, beta2, eps, lr, weight_decay, param, grad, m, v)
 
@@ -88,7 +89,10 @@ def fused_adamw_class(base):
     broadcast over it, or None), multiplies each parameter's update (train/routing.py, gradient isolation)."""
 
     class FusedAdamW(base):
-        def construct(self, gradients, update_scales=None):
+        def step_scalars(self):
+            """Advance ``global_step``; ``(weight decay per parameter, (beta1^t, beta2^t, beta1, beta2, eps', lr))``,
+            the first arguments of :data:`fused_update` (a partial returned from here fails MindSpore 2.9's
+            graph specialisation when it is applied to other tensors than the parameters)."""
             weight_decay = self.get_weight_decay()
             lr = self.get_lr()
             self.assignadd(self.global_step, self.global_step_increase_tensor)
@@ -99,9 +103,13 @@ def fused_adamw_class(base):
             beta2_power = ops.pow(beta2, step).reshape(())
             lr = lr.reshape(()).astype(ms.float32)
             eps = self.eps.reshape(()) * ops.sqrt(1.0 - beta2_power)
-            update = F.partial(_fused_update, beta1_power, beta2_power, beta1, beta2, eps, lr)
             if not self.is_group:
                 weight_decay = (weight_decay,) * len(self._parameters)
+            return weight_decay, (beta1_power, beta2_power, beta1, beta2, eps, lr)
+
+        def construct(self, gradients, update_scales=None):
+            weight_decay, (beta1_power, beta2_power, beta1, beta2, eps, lr) = self.step_scalars()
+            update = F.partial(fused_update, beta1_power, beta2_power, beta1, beta2, eps, lr)
             if update_scales is None:
                 update_scales = (None,) * len(self._parameters)
             result = self.hyper_map(

@@ -39,8 +39,12 @@ def build_lr_schedule(cfg: TrainConfig):
     )
 
 
-def build_optimizer(params, cfg: TrainConfig):
-    """mindformers AdamW (fused update, train/fused_adamw.py) over ``params`` with two weight-decay groups."""
+def build_optimizer(params, cfg: TrainConfig, dist=None, zero: int = 0, collectives=None):
+    """mindformers AdamW (fused update, train/fused_adamw.py) over ``params`` with two weight-decay groups.
+
+    ``zero=1`` (``parallel.zero``): the ZeRO-1 variant (train/zero.py), moments split over the ranks of
+    ``dist`` (None: one process) holding the same parameter, which then checkpoints them through their views;
+    ``collectives``: stand-ins for its reduce-scatter and all-gather (tests)."""
     raise_range_errors(section_range_errors("train", cfg, OPTIMIZER_KEYS))
     _, AdamW = _import_mindformers()
     params = list(params)
@@ -53,6 +57,15 @@ def build_optimizer(params, cfg: TrainConfig):
         if group["params"]
     ]
     groups.append({"order_params": params})
-    return AdamW(
-        groups, learning_rate=build_lr_schedule(cfg), betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    kwargs = dict(
+        learning_rate=build_lr_schedule(cfg), betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
     )
+    if not zero:
+        return AdamW(groups, **kwargs)
+    from mindmoe.train.zero import log_moment_share, shard_specs, zero_adamw_class
+
+    optimizer = zero_adamw_class(AdamW)(groups, shard_specs(params, dist), collectives, **kwargs)
+    log_moment_share(optimizer, 0 if dist is None else dist.rank)
+    if dist is not None:
+        dist.track_zero(optimizer)
+    return optimizer

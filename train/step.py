@@ -26,6 +26,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from mindmoe.data.packing import PackedWindows, label_mask
+from mindmoe.train.grad_norm import global_squared_norm, sum_of_squares  # noqa: F401 (imported from here)
 from mindmoe.train.head_loss import head_loss, head_nll, masked_sum
 
 
@@ -40,24 +41,6 @@ def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
     nll_sum = (nll_BS * mask_BS).sum()
     count = mask_BS.sum()
     return nll_sum / ops.maximum(count, 1.0), nll_sum, count
-
-
-_DOT = ops.MatMul(transpose_b=True)
-
-
-def sum_of_squares(tensor):
-    """``sum(tensor ** 2)`` in fp32 as a ``[1, n] x [n, 1]`` MatMul.
-
-    On CPU, MindSpore 2.9's full ReduceSum of a squared [8192, 512] gradient ran 4-5x slower than
-    this dot product, and the global norm takes one per parameter every step.
-    """
-    flat_1N = tensor.astype(ms.float32).reshape(1, -1)
-    return _DOT(flat_1N, flat_1N).reshape(())
-
-
-def global_squared_norm(grads):
-    """``sum_i |g_i|^2`` over a tuple of gradients (fp32)."""
-    return ops.stack([sum_of_squares(g) for g in grads]).sum()
 
 
 def split_window(batch: dict):
@@ -155,20 +138,26 @@ def _grad_buffers(params, accum_steps: int):
     )
 
 
-def _reductions(dist, params):
-    """``(synchronise, squared_norm)``: the mean of gradients and loss over data-parallel ranks, and the
-    global squared gradient norm; one process needs no reduction."""
+def _reductions(dist, optimizer):
+    """``(synchronise, squared_norm)``: the mean of gradients (ZeRO-1: this rank's ranges of it, train/zero.py)
+    and loss over data-parallel ranks, and the global squared gradient norm; one process reduces nothing."""
+    if hasattr(optimizer, "load_ranges"):
+        from mindmoe.train.zero import zero_reductions
+
+        return zero_reductions(optimizer, dist)
     if dist is None:
 
         def synchronise(grads, loss):
             return grads, loss
 
         return synchronise, global_squared_norm
-    return dist.grad_reducer(params), dist.squared_grad_norm(params)
+    return dist.grad_reducer(optimizer.parameters), dist.squared_grad_norm(optimizer.parameters)
 
 
 def _clip_and_apply(optimizer, clip: float, synchronise, squared_norm, adjust_scale, update_scales):
     """The update of a step from its (loss-unscaled) gradients, traced into each compiled step function."""
+    # ZeRO-1: the update of this rank's ranges and their all-gather, which every rank runs every step.
+    ranges = hasattr(optimizer, "load_ranges")
 
     def clip_and_apply(grads, loss, routing_L3E):
         """Clip to the global norm and update, unless loss or gradients are not finite.
@@ -184,7 +173,11 @@ def _clip_and_apply(optimizer, clip: float, synchronise, squared_norm, adjust_sc
             grads = tuple(g * factor for g in grads)
         lr = optimizer.get_lr()
         finite = ops.logical_and(ops.isfinite(norm), ops.isfinite(loss))
-        if finite:
+        if ranges and update_scales is None:
+            optimizer.apply(grads, finite)
+        elif ranges:
+            optimizer.apply(grads, finite, update_scales(routing_L3E))
+        elif finite:
             optimizer(grads) if update_scales is None else optimizer(grads, update_scales(routing_L3E))
         adjust_scale(finite)
         return norm, lr, finite
@@ -265,7 +258,7 @@ class CompiledStep:
 
         grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
         self.grad_buffers = _grad_buffers(params, accum_steps)
-        self._step_parts = (grad_fn, unscale, float(grad_clip), _reductions(dist, params), adjust_scale)
+        self._step_parts = (grad_fn, unscale, float(grad_clip), _reductions(dist, optimizer), adjust_scale)
         self.router_updates = router_updates
         self._evaluate = _compile_evaluate(model, head_loss(model))
 

@@ -25,6 +25,11 @@ grouped_matmul :class:`~.cpu_grouped.BlockGroupedMatmul`  ``gmm`` (GroupedMatmul
                (groups padded to blocks of b rows)        (alignment 1: no padding rows)
 all_to_all     ``cpu_collectives.EmulatedAllToAll``       ``ops.AlltoAll`` (split and concat on axis 0)
                (AllGather + local selection)
+reduce_scatter ``cpu_collectives.EmulatedReduceScatter``  ``ops.ReduceScatter(op="sum", group=...)``
+               (AllReduce, then this rank's rows)
+all_gather     ``cpu_collectives.EmulatedAllGather``      ``ops.AllGather(group=...)``
+               (AllGather on the world group, else
+               zero-padded buffers summed by AllReduce)
 ============== ========================================== ==============================================
 
 ``blockwise_attention`` (training attention, memory linear in the length): on CPU
@@ -32,8 +37,7 @@ all_to_all     ``cpu_collectives.EmulatedAllToAll``       ``ops.AlltoAll`` (spli
 in the future or in no document of the query block are skipped), on Ascend
 :class:`~.ascend_attention.AscendFlashAttention` (``ops.flash_attention_score`` with a boolean mask and
 ``next_tokens=0``: the future is skipped, the other documents are masked).
-``grouped_matmul_row_scaled`` and ``grouped_alignment`` go with ``grouped_matmul``. The collectives
-(``reduce_scatter``, ``all_gather``) are to join this table the same way.
+``grouped_matmul_row_scaled`` and ``grouped_alignment`` go with ``grouped_matmul``.
 """
 
 import mindspore as ms
@@ -59,6 +63,8 @@ CPU_KERNELS = {
     "grouped_matmul_row_scaled": cpu_grouped.RowScaledBlockGroupedMatmul,
     "grouped_alignment": lambda: cpu_grouped.block_rows,
     "all_to_all": cpu_collectives.EmulatedAllToAll,
+    "reduce_scatter": cpu_collectives.EmulatedReduceScatter,
+    "all_gather": cpu_collectives.EmulatedAllGather,
 }
 
 ASCEND_KERNELS = dict(
@@ -71,6 +77,8 @@ ASCEND_KERNELS = dict(
     grouped_matmul_row_scaled=ascend.AscendRowScaledGroupedMatmul,
     grouped_alignment=lambda: ascend.alignment,
     all_to_all=ascend_collectives.AscendAllToAll,
+    reduce_scatter=ascend_collectives.AscendReduceScatter,
+    all_gather=ascend_collectives.AscendAllGather,
 )
 
 #: device target -> kernel name -> factory called at build time with the kernel's static arguments.
@@ -151,8 +159,22 @@ def all_to_all(group: str, group_size: int, rank_in_group: int, device_target: s
     return implementation("all_to_all", device_target)(group, group_size, rank_in_group)
 
 
+def reduce_scatter(group: str, group_size: int, rank_in_group: int, device_target: str = None):
+    """``x [G * m, ...] -> [m, ...]`` over communication ``group`` of G ranks (this one ``rank_in_group``): the
+    element-wise sum of every rank's ``x``, of which this rank keeps rows ``rank_in_group * m`` to
+    ``(rank_in_group + 1) * m``. No backward (the optimizer step uses it on gradients)."""
+    return implementation("reduce_scatter", device_target)(group, group_size, rank_in_group)
+
+
+def all_gather(group: str, group_size: int, rank_in_group: int, device_target: str = None):
+    """``x [m, ...] -> [G * m, ...]`` over communication ``group`` of G ranks: every rank's ``x`` concatenated
+    on axis 0 in rank order. No backward (the optimizer step uses it on updated parameters)."""
+    return implementation("all_gather", device_target)(group, group_size, rank_in_group)
+
+
 __all__ = [
     "IMPLEMENTATIONS",
+    "all_gather",
     "all_to_all",
     "attention_core",
     "blockwise_attention",
@@ -160,6 +182,7 @@ __all__ = [
     "grouped_matmul",
     "grouped_matmul_row_scaled",
     "implementation",
+    "reduce_scatter",
     "rms_norm",
     "rope",
     "swiglu",

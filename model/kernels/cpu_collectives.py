@@ -1,4 +1,6 @@
-"""CPU all-to-all over an expert group: an exact emulation from AllGather (or AllReduce) and local selection.
+"""CPU collectives missing from MindSpore 2.9's CPU backend, emulated exactly from AllGather / AllReduce.
+
+All-to-all over an expert group: AllGather (or AllReduce) and local selection.
 
 Shape legend: G ranks of the group, n rows sent to each rank, F the trailing feature axes.
 
@@ -66,3 +68,44 @@ class EmulatedAllToAll(nn.Cell):
 
     def bprop(self, x_GnF, out, dout_GnF):
         return (self.sends(dout_GnF)[:, self.rank_in_group],)
+
+
+class EmulatedReduceScatter(nn.Cell):
+    """``x [G * m, ...] -> [m, ...]``: rows ``rank_in_group * m`` .. of the sum of every rank's ``x`` over the group.
+
+    MindSpore 2.9 has no CPU ReduceScatter kernel: the whole sum is all-reduced and this rank's rows kept, so
+    it moves and holds G times the bytes of a real reduce-scatter (the values are the same). ``all_reduce``:
+    the summing cell (default AllReduce over ``group``); tests pass a stand-in to run it in one process.
+    """
+
+    def __init__(self, group: str, group_size: int, rank_in_group: int, all_reduce=None):
+        super().__init__()
+        self.all_reduce = ops.AllReduce(group=group) if all_reduce is None else all_reduce
+        self.group_size = group_size
+        self.rank_in_group = rank_in_group
+
+    def construct(self, x):
+        rows = x.shape[0] // self.group_size
+        start = self.rank_in_group * rows
+        return self.all_reduce(x)[start : start + rows]
+
+
+class EmulatedAllGather(nn.Cell):
+    """``x [m, ...] -> [G * m, ...]``: every rank's ``x`` of the group in rank order. The world group takes
+    AllGather; a smaller group (the CPU AllGather kernel accepts only the world group) sums zero-padded
+    buffers, each rank's rows at its own place, with AllReduce."""
+
+    def __init__(self, group: str, group_size: int, rank_in_group: int):
+        super().__init__()
+        self.use_all_gather = all_gather_takes(group)
+        self.all_gather = ops.AllGather(group=group)
+        self.all_reduce = ops.AllReduce(group=group)
+        self.before = rank_in_group
+        self.after = group_size - 1 - rank_in_group
+
+    def construct(self, x):
+        if self.use_all_gather:
+            return self.all_gather(x)
+        rows = x.shape[0]
+        padding = (0, 0) * (x.ndim - 1) + (self.before * rows, self.after * rows)
+        return self.all_reduce(ops.pad(x, padding))

@@ -84,9 +84,13 @@ def test_recompute_alltoall_blockwise_and_zero():
     assert blockwise.activations == tokens * (attn + 4 * (2 * 8 + 3 * 16) + moe + moe + FINAL_NORM)
     full = hand_plan(Layout(dp=1), Setup(device="CPU"), long).memory
     assert full.activations > blockwise.activations + tokens * 4 * 4 * 1024  # the mask alone
-    # parallel.zero (when the trainer has it): moments split over the ranks holding the same tensors
+    # parallel.zero=1: m, v and the working copy of the owned ranges, over the ranks holding the same tensors
     sharded = hand_plan(Layout(dp=2, ep=2, dispatcher="alltoall"), Setup(device="CPU", zero=1)).memory
-    assert sharded.optimizer == 8 * ((MATRICES + SMALL) / 2 + EXPERTS / 2 / 1)
+    owned = (MATRICES + SMALL) / 2 + EXPERTS / 2 / 1
+    assert sharded.optimizer == 12 * owned and sharded.update == 4 * owned + 4 * (MATRICES + SMALL + EXPERTS / 2)
+    # allgather: the replicated tensors are split over all 4 devices, the experts over their 2 replicas
+    grouped = hand_plan(Layout(dp=2, ep=2, dispatcher="allgather"), Setup(device="CPU", zero=1)).memory
+    assert grouped.optimizer == 12 * ((MATRICES + SMALL) / 4 + EXPERTS / 2 / 2)
 
 
 def test_chunked_loss_keeps_no_full_logits():

@@ -1,0 +1,66 @@
+"""ZeRO-1 (``parallel.zero=1``) on 2 data-parallel CPU workers (mccl) through ``mindmoe-launch``: the per-step losses
+of one process without it, half of the AdamW moments on each rank, and a checkpoint with full moments that one
+process without ZeRO resumes on the same loss curve."""
+
+import re
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.helpers.launches import LAUNCH_RUN, assert_same_losses, finish, start
+from tests.helpers.processes import free_port
+from tests.helpers.runs import REPO, losses_by_step
+
+STEPS, SAVE_AT = 4, 2
+RUN = [o for o in LAUNCH_RUN if not o.startswith(("train.max_steps=", "train.save_every="))] + [
+    f"train.max_steps={STEPS}",
+    f"train.save_every={SAVE_AT}",
+]
+MOMENT_LINE = re.compile(r"zero: rank (\d) holds (\d+) of (\d+) AdamW moment elements")
+
+
+def train_one_process(run_dir, data_cache, *extra):
+    command = [sys.executable, "-m", "mindmoe.train.cli", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}"]
+    subprocess.run([*command, *RUN, *extra], cwd=REPO, check=True, capture_output=True, timeout=900)
+    return losses_by_step(run_dir)
+
+
+@pytest.mark.msrun
+def test_zero1_on_two_workers_gives_the_losses_of_one_process_with_half_the_moments_and_resumes_without_it(
+    tmp_path, data_cache, processes
+):
+    from mindmoe.model.checkpoint_shards import read_tensors
+
+    single = train_one_process(tmp_path / "single", data_cache)
+    run_dir = tmp_path / "zero1"
+    launch = [sys.executable, "-m", "mindmoe.launch.cli", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}"]
+    launcher = start(
+        processes, [*launch, *RUN, "parallel.zero=1", "launch.procs_per_node=2", f"launch.master_port={free_port()}"]
+    )
+    code, stdout, stderr = finish(launcher)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    assert_same_losses(losses_by_step(run_dir), single, range(1, STEPS + 1))
+
+    # Each rank's moments are half of the full ones (a tensor of odd size pads its last range by one element).
+    shares = {}
+    for rank in (0, 1):
+        log = (run_dir / "msrun" / f"worker_{rank}.log").read_text()
+        (match,) = [m for m in MOMENT_LINE.finditer(log) if int(m.group(1)) == rank]
+        shares[rank] = int(match.group(2)), int(match.group(3))
+    checkpoint = run_dir / "checkpoints" / f"step_{SAVE_AT:06d}"
+    moments = dict(read_tensors(checkpoint, "optimizer"))
+    weights = dict(read_tensors(checkpoint, "model"))
+    trained = [name for name in weights if f"adam_m.{name}" in moments]
+    full = 2 * sum(weights[name].size for name in trained)
+    for held, total in shares.values():
+        assert total == full and 0 <= 2 * held - full <= 2 * 2 * len(trained), shares
+    # The checkpoint holds the full moments, from both ranks (rank 1 owns the second halves).
+    for name in trained:
+        assert moments[f"adam_v.{name}"].shape == weights[name].shape
+    assert all(np.any(moments[f"adam_v.{name}"].reshape(-1)[-(weights[name].size // 2) :]) for name in trained)
+
+    resumed = train_one_process(tmp_path / "resumed", data_cache, f"train.resume={checkpoint}")
+    assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
+    assert_same_losses(resumed, single, range(SAVE_AT + 1, STEPS + 1))
