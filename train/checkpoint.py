@@ -1,13 +1,24 @@
 """Checkpoints: a directory per step with safetensors files, written atomically.
 
     <run dir>/checkpoints/step_000300/
-        model.safetensors       parameters by their model names (the checkpoint format)
-        optimizer.safetensors   AdamW moments (``adam_m.*``, ``adam_v.*``) and ``global_step``
+        model.safetensors       rank 0's parts of the parameters, by their model names (in one
+                                process: every parameter, whole)
+        model-rank00001.safetensors ...   the parts other ranks own (expert shards, ``parallel.ep``)
+        optimizer.safetensors   AdamW moments (``adam_m.*``, ``adam_v.*``) and ``global_step``; other
+          optimizer-rank*.safetensors     ranks' parts (expert moments, ZeRO-1 ranges) beside it
+        tensors.json            the index: every tensor's shape, dtype and which file holds which
+                                element range (:mod:`model.checkpoint_shards`)
         tokenizer.model         the run's tokenizer: a sentencepiece file, or a HF tokenizer's
           or tokenizer/*          files (tokenizer.json, tokenizer_config.json, ..., config.json)
         config.yaml             the run's resolved config
         state.json              step, data position, seed, model_config, tokenizer (the names of
                                 its files, relative to this directory), file hashes; written last
+
+Each rank writes only the parts it owns (:mod:`train.checkpoint_shards`), and a checkpoint written with
+any world size, ``parallel.ep`` or ``parallel.zero`` loads into any other: each rank reads only the pieces
+overlapping what it holds, and hash-checks only the files it reads. Rank 0's files keep the one-process
+names, so a one-process checkpoint is the same files as before the index existed (and one written before
+it, without ``tensors.json``, still loads).
 
 A checkpoint carries its tokenizer and config so that it can be exported, evaluated or resumed on
 another machine, with the training data's cache gone.
@@ -27,8 +38,8 @@ import shutil
 from pathlib import Path
 from typing import Dict, Optional
 
+import numpy as np
 from mindspore import Tensor
-from safetensors.numpy import load_file, save_file
 
 from mindmoe.data.prepare import file_sha256
 from mindmoe.data.tokenizer_files import read_tokenizer
@@ -42,10 +53,19 @@ from mindmoe.model.checkpoint_files import (  # noqa: F401
     checkpoint_model_config,
     read_state,
 )
+from mindmoe.model.checkpoint_shards import INDEX_FILE, OPTIMIZER_FILE, merge_manifests, read_index  # noqa: F401
 from mindmoe.model.linear import numpy_of
+from mindmoe.train.checkpoint_shards import (
+    OneProcess,
+    files_to_read,
+    fsync,
+    fsync_dir,
+    load_group,
+    read_manifests,
+    write_pieces,
+)
 from mindmoe.train.lineage import move_aside, step_dirs, step_of, temporary_dir
 
-OPTIMIZER_FILE = "optimizer.safetensors"
 #: ``state.json`` key: the size in bytes of each file of ``files``, checked without hashing.
 SIZES_KEY = "file_sizes"
 
@@ -116,40 +136,86 @@ def save_checkpoint(
     keep_last: int,
     write_extra=None,
     carried: Optional[CarriedFiles] = None,
+    dist=None,
 ) -> Path:
     """Write ``step_{step:06d}`` under ``checkpoint_root`` atomically and prune to ``keep_last``
-    (:func:`prune_checkpoints`).
+    (:func:`prune_checkpoints`). Every rank of ``dist`` (None: one process) calls it: each writes the parts it
+    owns (:mod:`train.checkpoint_shards`) into one shared temporary directory; after a barrier rank 0 writes
+    the index, the rest and ``state.json``, and renames the directory into place.
 
     ``write_extra(directory) -> [relative file names]`` adds files (hashed like the others), e.g. a
     LoRA run's PEFT adapter; ``carried`` adds the tokenizer (named in ``state.json`` ``tokenizer``) and
-    ``config.yaml``. A ``step_*`` directory of the same name (which :func:`train.lineage.settle_lineage`
-    makes impossible in a training run) is moved aside, never deleted."""
-    checkpoint_root.mkdir(parents=True, exist_ok=True)
+    ``config.yaml``; both run on rank 0 only, after the index is written. A ``step_*`` directory of the same
+    name (which :func:`train.lineage.settle_lineage` makes impossible in a training run) is moved aside, never
+    deleted."""
+    dist = dist or OneProcess()
     final = checkpoint_root / f"step_{step:06d}"
-    # The name carries this process's pid: one left by an earlier process with the same pid is stale.
-    tmp = temporary_dir(checkpoint_root, step)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(parameters_to_numpy(model_params), str(tmp / MODEL_FILE))
-    save_file(parameters_to_numpy(optimizer_params), str(tmp / OPTIMIZER_FILE))
-    names = [MODEL_FILE, OPTIMIZER_FILE] + (list(write_extra(tmp)) if write_extra else [])
+    tmp = _shared_temporary_dir(checkpoint_root, step, dist)
+    error = None
+    try:
+        write_pieces(tmp, dist.rank, {"model": list(model_params), "optimizer": list(optimizer_params)})
+    except Exception as caught:  # every rank must reach the barrier, or the others would wait forever
+        error = caught
+    if dist.any_rank(error is not None):
+        raise error or RuntimeError(f"checkpoint of step {step}: another rank failed to write its part")
+    if dist.is_main:
+        try:
+            _finish_checkpoint(tmp, final, step, state, dist, write_extra, carried)
+            prune_checkpoints(checkpoint_root, keep_last, final)
+        except Exception as caught:
+            error = caught
+    # Every rank returns once the checkpoint is in place (or every rank raises).
+    if dist.any_rank(error is not None):
+        raise error or RuntimeError(f"checkpoint of step {step}: rank 0 failed to complete it")
+    return final
+
+
+def _shared_temporary_dir(checkpoint_root: Path, step: int, dist) -> Path:
+    """Rank 0 creates the temporary directory, named by its pid; the others learn the pid (a barrier too:
+    below 2**24, exact in the float32 sum)."""
+    pid = 0
+    if dist.is_main:
+        checkpoint_root.mkdir(parents=True, exist_ok=True)
+        tmp = temporary_dir(checkpoint_root, step)
+        # The name carries this process's pid: one left by an earlier process with the same pid is stale.
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        pid = os.getpid()
+    pid = int(dist.sum_over_ranks(np.array([pid]))[0]) if dist.active else os.getpid()
+    return checkpoint_root / f".step_{step:06d}.tmp-{pid}"
+
+
+def _finish_checkpoint(tmp: Path, final: Path, step: int, state: dict, dist, write_extra, carried) -> None:
+    """Rank 0: the index from every rank's manifest, the extra and carried files, ``state.json`` last; fsync
+    everything, rename into place, fsync the parent directory."""
+    manifests = read_manifests(tmp, getattr(dist, "world_size", 1))
+    with open(tmp / INDEX_FILE, "w", encoding="utf-8") as handle:
+        json.dump({"format": 1, "groups": merge_manifests(manifests)}, handle, indent=1, sort_keys=True)
+        handle.flush()
+        os.fsync(handle.fileno())
+    # Each rank hashed the files it wrote; rank 0 hashes only its own and the small files.
+    files, sizes = {}, {}
+    for manifest in manifests:
+        files.update(manifest["files"])
+        sizes.update(manifest["sizes"])
+    names = [INDEX_FILE] + (list(write_extra(tmp)) if write_extra else [])
     if carried is not None:
         names += carried.write(tmp)
         state = dict(state, **{TOKENIZER_KEY: sorted(carried.tokenizer)})
     for name in names:
-        _fsync(tmp / name)
-    files = {name: file_sha256(tmp / name) for name in names}
-    sizes = {name: (tmp / name).stat().st_size for name in names}
+        fsync(tmp / name)
+        files[name] = file_sha256(tmp / name)
+        sizes[name] = (tmp / name).stat().st_size
     with open(tmp / STATE_FILE, "w", encoding="utf-8") as handle:
         json.dump(dict(state, step=step, files=files, **{SIZES_KEY: sizes}), handle, indent=2, sort_keys=True)
         handle.flush()
         os.fsync(handle.fileno())
+    fsync_dir(tmp)
     if final.exists():
-        move_aside(checkpoint_root, [final], f"a checkpoint of step {step} is being written again")
+        move_aside(final.parent, [final], f"a checkpoint of step {step} is being written again")
     os.replace(tmp, final)
-    prune_checkpoints(checkpoint_root, keep_last, final)
-    return final
+    fsync_dir(final.parent)
 
 
 def prune_checkpoints(checkpoint_root: Path, keep_last: int, newest: Path) -> list:
@@ -179,11 +245,6 @@ def prune_checkpoints(checkpoint_root: Path, keep_last: int, newest: Path) -> li
     for path in doomed:
         shutil.rmtree(path)
     return doomed
-
-
-def _fsync(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
 
 
 class CorruptCheckpointError(ValueError):
@@ -220,9 +281,17 @@ def check_complete(checkpoint_dir: Path) -> dict:
     return expected
 
 
-def verify_checkpoint(checkpoint_dir: Path) -> None:
-    """Raise :class:`CorruptCheckpointError` naming every file that is missing or altered (sizes, then hashes)."""
+def verify_checkpoint(checkpoint_dir: Path, names=None) -> None:
+    """Raise :class:`CorruptCheckpointError` naming every file that is missing or altered: the sizes of all,
+    then the hashes of ``names`` (None: every file)."""
     expected = check_complete(checkpoint_dir)
+    if names is not None:
+        unknown = sorted(set(names) - set(expected))
+        if unknown:
+            raise CorruptCheckpointError(
+                f"checkpoint {checkpoint_dir}: {', '.join(unknown)} not listed in {STATE_FILE}"
+            )
+        expected = {name: expected[name] for name in names}
     problems = [
         f"{name} does not match its recorded sha256 (truncated or modified)"
         for name, digest in sorted(expected.items())
@@ -239,9 +308,9 @@ def list_checkpoints(checkpoint_root: Path) -> list:
 
 
 def resolve_checkpoint(path: str) -> Path:
-    """Accept a checkpoint directory or its ``model.safetensors``; fail clearly otherwise."""
+    """Accept a checkpoint directory or one of its ``.safetensors`` files; fail clearly otherwise."""
     candidate = Path(path).expanduser()
-    if candidate.is_file() and candidate.name == MODEL_FILE:
+    if candidate.is_file() and candidate.suffix == ".safetensors":
         candidate = candidate.parent
     if not (candidate / MODEL_FILE).is_file():
         raise FileNotFoundError(
@@ -251,11 +320,33 @@ def resolve_checkpoint(path: str) -> Path:
     return candidate
 
 
-def load_model_weights(model_params, checkpoint_dir: Path) -> None:
-    load_parameters(model_params, load_file(str(checkpoint_dir / MODEL_FILE)), str(checkpoint_dir / MODEL_FILE))
+def load_model_weights(model_params, checkpoint_dir: Path, dist=None) -> None:
+    """Load the model tensors; with ``dist`` (a job of several ranks), each rank first hash-checks the files it
+    reads (the caller verified every file otherwise, :func:`verify_checkpoint`)."""
+    _load(model_params, checkpoint_dir, "model", dist)
 
 
-def load_optimizer_state(optimizer_params, checkpoint_dir: Path) -> None:
-    load_parameters(
-        optimizer_params, load_file(str(checkpoint_dir / OPTIMIZER_FILE)), str(checkpoint_dir / OPTIMIZER_FILE)
-    )
+def load_optimizer_state(optimizer_params, checkpoint_dir: Path, dist=None) -> None:
+    _load(optimizer_params, checkpoint_dir, "optimizer", dist)
+
+
+def _load(tensors, checkpoint_dir: Path, group: str, dist) -> None:
+    tensors = list(tensors)
+    if dist is None or not dist.active:
+        load_group(tensors, checkpoint_dir, group)
+        return
+    error = None
+    try:
+        verify_checkpoint(checkpoint_dir, [INDEX_FILE] if (checkpoint_dir / INDEX_FILE).is_file() else [])
+        verify_checkpoint(checkpoint_dir, sorted(files_to_read(tensors, checkpoint_dir, group)))
+    except CorruptCheckpointError as caught:
+        error = caught
+    # Every rank stops if one found a corrupt file (it hashed only what it reads).
+    if dist.any_rank(error is not None):
+        raise error or CorruptCheckpointError(f"checkpoint {checkpoint_dir}: another rank found a corrupt file")
+    load_group(tensors, checkpoint_dir, group)
+
+
+def checkpoint_groups(checkpoint_dir: Path) -> dict:
+    """``{group: {name: entry}}`` of the tensors a checkpoint holds (:func:`model.checkpoint_shards.read_index`)."""
+    return read_index(checkpoint_dir)

@@ -26,10 +26,10 @@ run on every rank of a group. CPU has AllGather and AllReduce but no ReduceScatt
 usual backward) or AlltoAll, hence the custom backwards. The token-routed ``alltoall`` dispatcher,
 whose ranks read different micro-batches, is :mod:`train.token_exchange`.
 
-Checkpoints always hold full expert tensors: :class:`ShardedState` gathers on save and slices on
-load, so a run can resume with any ``ep``. LoRA adapters of the routed experts (``A [e, r, in]``,
-``B [e, out, r]``) are sharded with their experts and treated like them everywhere: gradient reduction,
-gradient norm, checkpoints (and so the PEFT adapter files written from them).
+Checkpoints hold each expert shard once, written by the rank of the first expert group holding it
+(:class:`ShardedState`), and a run can resume with any ``ep`` (each rank reads its rows). LoRA adapters
+of the routed experts (``A [e, r, in]``, ``B [e, out, r]``) are sharded with their experts and treated like
+them everywhere: gradient reduction, gradient norm, checkpoints (and so the PEFT adapter files written from them).
 
 Shape legend: T tokens, E experts, e = E/ep local experts, C rows per expert, H hidden.
 """
@@ -38,6 +38,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from mindmoe.model.linear import numpy_of
 from mindmoe.model.moe.token_dispatcher import CapacityDispatcher, ExpertPlacement, local_dispatcher
 from mindmoe.train.grouped_exchange import GroupedExchange
 from mindmoe.train.token_exchange import AllToAllDispatcher
@@ -208,23 +209,45 @@ def expert_shards(model, num_experts: int, ep: int) -> dict:
 class ShardedState:
     """A local expert tensor seen as the full one by checkpoint code (``name``, ``shape``,
     ``dtype``, ``asnumpy``, ``set_data``). ``asnumpy`` is a collective: every rank of the
-    group must call it, in the same order."""
+    group must call it, in the same order. Checkpoints written per rank use ``part`` (the flat element range
+    of the full tensor held: whole rows), ``writer`` (only the first expert group writes: the other groups
+    hold the same rows), ``local_part()`` (no collective) and ``set_part``."""
 
-    def __init__(self, local, first_row: int, ep: int, gather):
+    def __init__(self, local, first_row: int, ep: int, gather, writer: bool = True):
         self.local = local
         self.name = local.name
         self.dtype = local.dtype
         self.first_row = first_row
         self.rows = local.shape[0]
         self.shape = (local.shape[0] * ep,) + tuple(local.shape[1:])
+        row = int(np.prod(self.shape[1:]))
+        self.part = ("flat", first_row * row, (first_row + self.rows) * row)
+        self.writer = writer
         self._gather = gather
 
     def asnumpy(self) -> np.ndarray:
         return self._gather(self.local.value()).asnumpy()
 
+    def local_part(self) -> np.ndarray:
+        return numpy_of(self.local)
+
+    def set_part(self, values) -> None:
+        values = np.asarray(values).reshape(tuple(self.local.shape))
+        self.local.set_data(Tensor(values, dtype=self.local.dtype))
+
     def set_data(self, tensor) -> None:
         full = tensor.asnumpy() if isinstance(tensor, Tensor) else np.asarray(tensor)
         self.local.set_data(Tensor(full[self.first_row : self.first_row + self.rows], dtype=self.local.dtype))
+
+
+def _first_expert_group(ep: int) -> bool:
+    """This process is one of the first ``ep`` ranks of the job (or the only process)."""
+    from mindspore.communication import get_rank
+
+    try:
+        return get_rank() < ep
+    except RuntimeError:  # communication not initialised: one process
+        return True
 
 
 def _base_name(name: str) -> str:
@@ -247,6 +270,8 @@ def sharded_views(params, sharded: dict, rank_in_group: int, ep: int, group: str
     def gather(local_tensor):
         return gather_cell(local_tensor)
 
+    writer = _first_expert_group(ep)
     return [
-        ShardedState(p, sharded[_base_name(p.name)], ep, gather) if _base_name(p.name) in sharded else p for p in params
+        ShardedState(p, sharded[_base_name(p.name)], ep, gather, writer) if _base_name(p.name) in sharded else p
+        for p in params
     ]

@@ -23,12 +23,12 @@ from omegaconf import OmegaConf
 
 from mindmoe.data.prepare import file_sha256
 from mindmoe.data.tokenizer_files import copy_tokenizer, open_tokenizer, special_token_ids
+from mindmoe.model.checkpoint_shards import model_files
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.export.runner import MANIFEST_FILE
 from mindmoe.model.hf import ImportedConfig, apply_overrides, export_hf, read_pretrained_config
 from mindmoe.model.hf.load import weight_files
 from mindmoe.train.checkpoint import (
-    MODEL_FILE,
     STATE_FILE,
     checkpoint_model_config,
     read_state,
@@ -122,7 +122,8 @@ def resolve_source(cfg, model_overrides: dict) -> ExportSource:
         checkpoint_dir,
         model_cfg,
         tokenizer,
-        {MODEL_FILE: state["files"][MODEL_FILE]},
+        # The hashes of the files holding the model's tensors (one file in one process, one per rank otherwise).
+        {name: state["files"][name] for name in sorted(model_files(checkpoint_dir))},
         step=state.get("step"),
     )
 

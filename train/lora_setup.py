@@ -10,6 +10,7 @@ PEFT format under ``adapter/``, never the base.
 """
 
 import logging
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -70,21 +71,36 @@ def held_expert_rows(model) -> dict:
     }
 
 
+class HeldRows:
+    """A parameter holding rows ``rows`` of a full tensor of ``full_rows`` rows, as checkpoint loading sees it."""
+
+    def __init__(self, param, rows: range, full_rows: int):
+        self.param = param
+        self.name = param.name
+        self.shape = (full_rows,) + tuple(param.shape[1:])
+        row = math.prod(param.shape[1:])
+        self.part = ("flat", rows.start * row, rows.stop * row)
+
+    def set_part(self, values) -> None:
+        from mindspore import Tensor
+
+        self.param.set_data(Tensor(values.reshape(tuple(self.param.shape)), dtype=self.param.dtype))
+
+
 def load_checkpoint_base(model, directory: Path, path: str) -> None:
     """Copy the base weights of ``lora.base_checkpoint`` into the (LoRA) ``model`` before it compiles; a model
-    holding a share of the experts (``parallel.ep``) takes its rows of the full expert tensors."""
-    from safetensors.numpy import load_file
+    holding a share of the experts (``parallel.ep``) reads only its rows of the expert tensors."""
+    from mindmoe.train.checkpoint_shards import load_group
 
-    from mindmoe.model.checkpoint_files import MODEL_FILE
-    from mindmoe.train.checkpoint import load_parameters
-
-    source = Path(directory) / MODEL_FILE
+    held = held_expert_rows(model)
+    experts = model.config.num_experts
+    tensors = [
+        HeldRows(p, held[p.name], experts) if p.name in held else p
+        for p in model.get_parameters()
+        if not is_adapter(p.name)
+    ]
     try:
-        tensors = load_file(str(source))
-        for name, rows in held_expert_rows(model).items():
-            if name in tensors:
-                tensors[name] = tensors[name][rows.start : rows.stop]
-        load_parameters([p for p in model.get_parameters() if not is_adapter(p.name)], tensors, str(source))
+        load_group(tensors, Path(directory), "model")
     except ValueError as err:
         raise ValueError(f"lora.base_checkpoint={path!r}: {err}") from None
     log.info("lora.base_checkpoint: base weights from %s", directory)
@@ -116,16 +132,14 @@ class LoraRun:
         """Write the PEFT adapter of the checkpoint being written in ``directory`` into ``directory/adapter``;
         returns the relative file names.
 
-        The values are read back from the checkpoint's model file (written first, :func:`save_checkpoint`):
-        it holds every trained tensor at full size, expert adapters gathered over the expert group
-        (``parallel.ep``), so the adapter is that of one process whatever the layout, and writing it needs
-        no collective of its own."""
-        from safetensors.numpy import load_file
-
-        from mindmoe.model.checkpoint_files import MODEL_FILE
+        The values are read back from the checkpoint's model files (written first by every rank, and indexed,
+        :func:`save_checkpoint`): rank 0 reads every trained tensor at full size, expert adapters from the
+        parts of the expert group (``parallel.ep``), so the adapter is that of one process whatever the
+        layout, and writing it needs no collective of its own."""
+        from mindmoe.model.checkpoint_shards import read_tensors
         from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
 
-        arrays = load_file(str(Path(directory) / MODEL_FILE))
+        arrays = dict(read_tensors(Path(directory), "model"))
         save_adapter(self.model, Path(directory) / ADAPTER_DIR, self.config, self.model_type, self.base_name, arrays)
         return [f"{ADAPTER_DIR}/{ADAPTER_WEIGHTS}", f"{ADAPTER_DIR}/{ADAPTER_CONFIG}"]
 

@@ -7,14 +7,18 @@ from pathlib import Path
 
 from mindmoe.conf.exit_codes import STOPPED_ON_SIGNAL, CommandExit
 from mindmoe.model.lora_dropout import dropout_draws, dropout_streams, set_dropout_state
-from mindmoe.train.checkpoint import CorruptCheckpointError, resolve_checkpoint, verify_checkpoint
+from mindmoe.train.checkpoint import CorruptCheckpointError, check_complete, resolve_checkpoint, verify_checkpoint
 from mindmoe.train.lineage import step_dirs
 
 log = logging.getLogger("mindmoe.train")
 
 
-def pick_resume_checkpoint(resume: str, checkpoint_root: Path, on_corrupt: str):
+def pick_resume_checkpoint(resume: str, checkpoint_root: Path, on_corrupt: str, hash_files: bool = True):
     """The checkpoint to resume from (verified against its recorded sizes and hashes), or None.
+
+    ``hash_files=False`` (the ranks of a job) checks sizes only: each rank hashes the files it reads when it
+    loads them (:func:`train.checkpoint.load_model_weights`), so a file altered without a change of size
+    is an error then, not a fall-back to an older checkpoint.
 
     ``auto`` takes the newest ``step_*`` directory directly under ``checkpoint_root`` (never one under
     ``abandoned-*``: :mod:`train.lineage`). One that is incomplete (no ``state.json``, a listed file
@@ -24,13 +28,14 @@ def pick_resume_checkpoint(resume: str, checkpoint_root: Path, on_corrupt: str):
     """
     if resume == "none":
         return None
+    verify = verify_checkpoint if hash_files else check_complete
     if resume != "auto":
         chosen = resolve_checkpoint(resume)
-        verify_checkpoint(chosen)
+        verify(chosen)
         return chosen
     for candidate in reversed(step_dirs(checkpoint_root)):
         try:
-            verify_checkpoint(candidate)
+            verify(candidate)
             return candidate
         except CorruptCheckpointError as error:
             if on_corrupt != "previous":

@@ -109,7 +109,7 @@ class Trainer:
             self.run_lock.acquire()  # rank 0 writes the run dir: one run at a time
         ms.set_seed(cfg.train.seed)
         self.resume_from = pick_resume_checkpoint(
-            cfg.train.resume, self.checkpoint_root, cfg.train.on_corrupt_checkpoint
+            cfg.train.resume, self.checkpoint_root, cfg.train.on_corrupt_checkpoint, hash_files=not self.dist.active
         )
         self.resume_state = None if self.resume_from is None else read_state(self.resume_from)
         if self.resume_from is not None:  # before anything in the run dir changes for it
@@ -138,7 +138,7 @@ class Trainer:
         """Precision, optimizer and the compiled step; sets the tensors a checkpoint holds."""
         model, train_cfg = self.model, OmegaConf.to_object(self.cfg.train)
         loss_scale = apply_precision(model, self.cfg.train)
-        optimizer = build_optimizer(model.trainable_params(), train_cfg)
+        optimizer = build_optimizer(model.trainable_params(), train_cfg, self.dist, self.cfg.parallel.zero)
         router_updates = RouterStepUpdates(model, self.model_cfg)
         accum_steps = self.dist.layout.accumulation
         step = CompiledStep(
@@ -166,8 +166,9 @@ class Trainer:
         restore_dropout(self.model, self.dist.dp_rank, self.resume_state)
         if self.resume_from is None:
             return 0
-        load_model_weights(self.model_state, self.resume_from)
-        load_optimizer_state(self.optimizer_state, self.resume_from)
+        # One process verified every file when it chose the checkpoint; ranks of a job hash what they read.
+        load_model_weights(self.model_state, self.resume_from, self.dist)
+        load_optimizer_state(self.optimizer_state, self.resume_from, self.dist)
         start_step = self.resume_state["step"]
         log.info("resumed from %s at step %d", self.resume_from, start_step)
         return start_step
@@ -278,15 +279,7 @@ class Trainer:
         return val_loss
 
     def save(self, step: int) -> Path:
-        """The checkpoint of ``step``: rank 0 writes it, the others take part in gathering sharded experts."""
-        dist = self.dist
-        if not dist.is_main:
-            if dist.sharded:
-                # Gathering the expert shards is collective: every rank takes part, rank 0 writes.
-                for tensor in self.model_state + self.optimizer_state:
-                    if tensor.name in dist.sharded or tensor.name.split(".", 1)[-1] in dist.sharded:
-                        tensor.asnumpy()
-            return self.checkpoint_root / f"step_{step:06d}"
+        """The checkpoint of ``step``: every rank writes the parts it owns, rank 0 the rest (train/checkpoint.py)."""
         state = {
             "data_seed": self.cfg.train.seed,
             "tokens_seen": step * self.tokens_per_step,
@@ -303,6 +296,7 @@ class Trainer:
             self.cfg.train.keep_last,
             None if self.lora_run is None else self.lora_run.write_adapter,
             self.carried,
+            self.dist,
         )
 
     def _save_or_stop(self, step: int, stop: StopRequest) -> None:

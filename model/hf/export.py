@@ -16,9 +16,10 @@ from typing import Optional
 import numpy as np
 
 from mindmoe.model.checkpoint_files import MODEL_FILE, checkpoint_model_config
+from mindmoe.model.checkpoint_shards import read_tensors
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.config_map import ARCHITECTURES, SUPPORTED_MODEL_TYPES, HFCheckpointError
-from mindmoe.model.hf.safetensors_io import ShardedWriter, read_header, read_tensor
+from mindmoe.model.hf.safetensors_io import ShardedWriter
 from mindmoe.model.hf.weights import NameMap, is_stacked_expert
 from mindmoe.model.param_count import parameter_shapes
 
@@ -250,7 +251,7 @@ def _source(source, model_config):
     """``(ModelConfig, iterator of (our name, numpy array))`` for a model or a checkpoint directory."""
     if isinstance(source, (str, Path)):
         directory = Path(source).expanduser()
-        if directory.is_file() and directory.name == MODEL_FILE:
+        if directory.is_file() and directory.suffix == ".safetensors":
             directory = directory.parent
         weights = directory / MODEL_FILE
         if not weights.is_file():
@@ -263,12 +264,7 @@ def _source(source, model_config):
                 model_config = checkpoint_model_config(directory)
             except ValueError as err:
                 raise HFCheckpointError(f"{err}; pass model_config") from None
-        return model_config, _checkpoint_tensors(weights)
+        # Every tensor whole, from the pieces the ranks wrote (model/checkpoint_shards.py), one at a time.
+        return model_config, read_tensors(directory, "model")
     cfg = model_config or source.config
     return cfg, ((param.name, param.asnumpy()) for param in source.get_parameters())
-
-
-def _checkpoint_tensors(path: Path):
-    with open(path, "rb") as handle:
-        for entry in read_header(path):
-            yield entry.name, read_tensor(handle, entry)
