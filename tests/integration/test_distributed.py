@@ -13,100 +13,20 @@ from pathlib import Path
 import pytest
 
 from mindmoe.conf.checks import resolve_layout
-from tests.helpers.processes import descendants, free_port
-from tests.helpers.runs import losses_by_step
+from tests.helpers.launches import (
+    LAUNCH_RUN,
+    assert_same_losses,
+    finish,
+    launch_command,
+    single_process_losses_side_by_side,
+    start,
+)
+from tests.helpers.processes import free_port
+from tests.helpers.runs import REPO, losses_by_step
 
-REPO = Path(__file__).resolve().parents[2]
-# Tiny model, seq 64: each worker compiles its own graphs on 2 cores. The aux-loss-free recipe makes
-# the next step depend on expert-load counts, which must be summed over ranks to stay identical.
-TINY_RUN = [
-    "recipe=pretrain_tiny_aux_free",
-    "model.bias_update_rate=0.01",
-    "model.num_layers=2",
-    "model.hidden_size=64",
-    "model.num_heads=4",
-    "model.num_kv_heads=2",
-    "model.intermediate_size=128",
-    "model.moe_intermediate_size=32",
-    "model.num_experts=4",
-    "data.seq_len=64",
-    "data.global_batch_size=8",
-    "data.micro_batch_size=4",
-    "train.max_steps=10",
-    "train.log_every=1",
-    "train.save_every=5",
-    "train.eval_every=0",
-    "train.eval_batches=2",
-    "train.progress_bar=false",
-    "train.peak_gflops=100",
-]
-RELATIVE_TOLERANCE = 1e-5
-
-
-def launch_command(run_dir, data_cache, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "mindmoe.launch.cli",
-        f"hydra.run.dir={run_dir}",
-        f"data.cache_dir={data_cache}",
-        *TINY_RUN,
-        *extra,
-    ]
-
-
-@pytest.fixture
-def processes():
-    """Popen objects of a test; on teardown each one and all its descendants are killed by pid."""
-    started = []
-    yield started
-    for process in started:
-        for pid in [*descendants(process.pid), process.pid]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        process.wait(timeout=30)
-
-
-def start(processes, command):
-    process = subprocess.Popen(
-        command, cwd=REPO, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    processes.append(process)
-    return process
-
-
-def finish(process, timeout=900):
-    stdout, stderr = process.communicate(timeout=timeout)
-    return process.returncode, stdout, stderr
-
-
-def assert_same_losses(actual: dict, expected: dict, steps):
-    for step in steps:
-        assert abs(actual[step] - expected[step]) <= RELATIVE_TOLERANCE * abs(expected[step]), (
-            f"step {step}: {actual[step]} vs single process {expected[step]}"
-        )
-
-
-def single_process_losses(run_dir, data_cache, *extra):
-    """The reference: one process, no msrun, accumulating the 2 micro-batches of each step."""
-    command = [
-        sys.executable,
-        "-m",
-        "mindmoe.train.cli",
-        f"hydra.run.dir={run_dir}",
-        f"data.cache_dir={data_cache}",
-        *TINY_RUN,
-        *extra,
-    ]
-    subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
-    return losses_by_step(run_dir)
-
-
-@pytest.fixture(scope="module")
-def single_process(tmp_path_factory, data_cache):
-    return single_process_losses(tmp_path_factory.mktemp("single"), data_cache)
+STEPS = int(next(o for o in LAUNCH_RUN if o.startswith("train.max_steps=")).split("=")[1])
+ALL_STEPS = list(range(1, STEPS + 1))
+SAVED = int(next(o for o in LAUNCH_RUN if o.startswith("train.save_every=")).split("=")[1])  # the first checkpoint
 
 
 #: Micro-batches of 2 with grouped dropless dispatch: the 4-worker layouts (each rank or group reads 2 or 4 of them).
@@ -114,8 +34,21 @@ DROPLESS_MB2 = ("data.micro_batch_size=2", "model.dispatch=dropless")
 
 
 @pytest.fixture(scope="module")
-def single_process_dropless(tmp_path_factory, data_cache):
-    return single_process_losses(tmp_path_factory.mktemp("single_dropless"), data_cache, *DROPLESS_MB2)
+def references(tmp_path_factory, data_cache):
+    """The two one-process runs every launch below is compared to, computed once for the module, side by side."""
+    root = tmp_path_factory.mktemp("references")
+    runs = {"default": (root / "single", ()), "dropless": (root / "single_dropless", DROPLESS_MB2)}
+    return single_process_losses_side_by_side(data_cache, runs)
+
+
+@pytest.fixture(scope="module")
+def single_process(references):
+    return references["default"]
+
+
+@pytest.fixture(scope="module")
+def single_process_dropless(references):
+    return references["dropless"]
 
 
 # --- the msrun command and configuration errors (no worker starts) ---------------------------------
@@ -299,69 +232,6 @@ def test_token_routed_layout_counts_every_rank_as_a_replica_and_names_the_keys_i
 
 
 @pytest.mark.msrun
-def test_two_data_parallel_workers_reproduce_the_single_process_losses(single_process, tmp_path, data_cache, processes):
-    run_dir = tmp_path / "dp2"
-    launcher = start(
-        processes, launch_command(run_dir, data_cache, "launch.procs_per_node=2", f"launch.master_port={free_port()}")
-    )
-    code, stdout, stderr = finish(launcher)
-    assert code == 0, stdout[-3000:] + stderr[-3000:]
-    losses = losses_by_step(run_dir)
-    assert sorted(losses) == list(range(1, 11))
-    assert_same_losses(losses, single_process, range(1, 11))
-    # Rank 0 alone writes metrics and checkpoints; each rank has its msrun log.
-    assert sorted(p.name for p in (run_dir / "msrun").glob("worker_*.log")) == ["worker_0.log", "worker_1.log"]
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step_000005", "step_000010"]
-
-
-@pytest.mark.msrun
-def test_expert_parallel_workers_reproduce_the_single_process_and_their_checkpoint_resumes_with_ep1(
-    single_process, tmp_path, data_cache, processes
-):
-    from safetensors.numpy import load_file
-
-    run_dir = tmp_path / "ep2"
-    launcher = start(
-        processes,
-        launch_command(
-            run_dir, data_cache, "launch.procs_per_node=2", "parallel.ep=2", f"launch.master_port={free_port()}"
-        ),
-    )
-    code, stdout, stderr = finish(launcher)
-    assert code == 0, stdout[-3000:] + stderr[-3000:]
-    assert "data parallel 1, accumulation 2" in stdout
-    assert_same_losses(losses_by_step(run_dir), single_process, range(1, 11))
-    # Full expert tensors (and AdamW moments) although each rank held half of the experts.
-    checkpoint = run_dir / "checkpoints" / "step_000005"
-    assert load_file(str(checkpoint / "model.safetensors"))["layers.1.mlp.experts.gate_proj"].shape == (4, 32, 64)
-    assert load_file(str(checkpoint / "optimizer.safetensors"))["adam_v.layers.1.mlp.experts.down_proj"].shape == (
-        4,
-        64,
-        32,
-    )
-
-    resumed_dir = tmp_path / "ep1"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "mindmoe.train.cli",
-            f"hydra.run.dir={resumed_dir}",
-            f"data.cache_dir={data_cache}",
-            *TINY_RUN,
-            f"train.resume={checkpoint}",
-        ],
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
-    resumed = losses_by_step(resumed_dir)
-    assert sorted(resumed) == list(range(6, 11))
-    assert_same_losses(resumed, single_process, range(6, 11))
-
-
-@pytest.mark.msrun
 def test_two_nodes_of_one_worker_reproduce_the_single_process_losses(single_process, tmp_path, data_cache, processes):
     run_dir = tmp_path / "nodes2"
     node = ["launch.nodes=2", "launch.procs_per_node=1", f"launch.master_port={free_port()}"]
@@ -371,7 +241,7 @@ def test_two_nodes_of_one_worker_reproduce_the_single_process_losses(single_proc
     code0, stdout0, stderr0 = finish(node0)
     assert code0 == 0 and code1 == 0, stderr0[-3000:] + stderr1[-3000:]
     assert "--node_rank=0" in stdout0 and "start worker rank 1" in stdout1
-    assert_same_losses(losses_by_step(run_dir), single_process, range(1, 11))
+    assert_same_losses(losses_by_step(run_dir), single_process, ALL_STEPS)
 
 
 def wait_for_checkpoint_after(run_dir, step, launcher, timeout=600):
@@ -393,9 +263,11 @@ def worker_pid(run_dir, rank):
 
 
 @pytest.mark.msrun
-def test_a_stopped_or_killed_worker_stops_the_job_naming_its_log_and_a_relaunch_resumes(
+def test_two_data_parallel_workers_stopped_or_killed_stop_the_job_naming_its_log_and_relaunches_reproduce_one_process(
     single_process, tmp_path, data_cache, processes
 ):
+    """Two data-parallel workers (dp 2, accumulation 1): a SIGTERM, then a SIGKILL of one worker, then a relaunch
+    that runs to the end. Every step is logged by one of the three launches and must be the single process's."""
     run_dir = tmp_path / "killed"
     worker_log = str(run_dir / "msrun" / "worker_1.log")
     command = launch_command(
@@ -424,10 +296,13 @@ def test_a_stopped_or_killed_worker_stops_the_job_naming_its_log_and_a_relaunch_
     final = start(processes, command + [f"launch.master_port={free_port()}"])
     code, stdout, stderr = finish(final)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
-    assert "resumed from" in stdout + stderr
+    assert "resumed from" in stdout + stderr and "data parallel 2, accumulation 1" in stdout
     losses = losses_by_step(run_dir)
-    assert sorted(losses) == list(range(1, 11))
-    assert_same_losses(losses, single_process, range(1, 11))
+    assert sorted(losses) == ALL_STEPS
+    assert_same_losses(losses, single_process, ALL_STEPS)
+    # Rank 0 alone writes metrics and checkpoints (pruned to train.keep_last=2); each rank has its msrun log.
+    assert sorted(p.name for p in (run_dir / "msrun").glob("worker_*.log")) == ["worker_0.log", "worker_1.log"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [f"step_{STEPS - 2:06d}", f"step_{STEPS:06d}"]
 
 
 def test_cluster_script_gives_every_node_its_rank_the_master_and_the_same_overrides(tmp_path):
@@ -478,8 +353,8 @@ def test_four_workers_with_ep2_dp2_reproduce_the_single_process_losses(
     """Two expert groups of two ranks, grouped dropless dispatch: each group reads its own micro-batches (dp 2,
     accumulation 2), its ranks sum their experts' outputs (the CPU fallback of the allgather dispatcher),
     expert gradients are averaged over the 2 ranks holding the same experts, and the checkpoint still gathers
-    full expert tensors."""
-    from safetensors.numpy import load_file
+    full expert tensors (read through the index: each rank wrote its own experts)."""
+    from mindmoe.model.checkpoint_shards import read_tensors
 
     run_dir = tmp_path / "ep2dp2"
     launcher = start(
@@ -499,10 +374,10 @@ def test_four_workers_with_ep2_dp2_reproduce_the_single_process_losses(
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "data parallel 2, accumulation 2" in stdout
     losses = losses_by_step(run_dir)
-    assert sorted(losses) == list(range(1, 11))
-    assert_same_losses(losses, single_process_dropless, range(1, 11))
-    checkpoint = run_dir / "checkpoints" / "step_000010"
-    assert load_file(str(checkpoint / "model.safetensors"))["layers.1.mlp.experts.gate_proj"].shape == (4, 32, 64)
+    assert sorted(losses) == ALL_STEPS
+    assert_same_losses(losses, single_process_dropless, ALL_STEPS)
+    checkpoint = run_dir / "checkpoints" / f"step_{STEPS:06d}"
+    assert dict(read_tensors(checkpoint, "model"))["layers.1.mlp.experts.gate_proj"].shape == (4, 32, 64)
 
 
 @pytest.mark.msrun
@@ -512,7 +387,7 @@ def test_token_routed_expert_parallel_workers_reproduce_the_single_process_losse
     """``parallel.ep_dispatcher=alltoall`` on 2 workers, capacity dispatch: each rank reads its own micro-batch
     (dp 2, accumulation 1; one process accumulates both), counts capacity on it, sends each expert's rows to the
     rank holding the expert (the world group: the AllGather emulation) and gets the outputs back."""
-    from safetensors.numpy import load_file
+    from mindmoe.model.checkpoint_shards import read_tensors
 
     run_dir = tmp_path / "alltoall"
     launcher = start(
@@ -529,9 +404,9 @@ def test_token_routed_expert_parallel_workers_reproduce_the_single_process_losse
     code, stdout, stderr = finish(launcher)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "data parallel 2, accumulation 1" in stdout
-    assert_same_losses(losses_by_step(run_dir), single_process, range(1, 11))
-    checkpoint = run_dir / "checkpoints" / "step_000010"
-    assert load_file(str(checkpoint / "model.safetensors"))["layers.1.mlp.experts.up_proj"].shape == (4, 32, 64)
+    assert_same_losses(losses_by_step(run_dir), single_process, ALL_STEPS)
+    checkpoint = run_dir / "checkpoints" / f"step_{STEPS:06d}"
+    assert dict(read_tensors(checkpoint, "model"))["layers.1.mlp.experts.up_proj"].shape == (4, 32, 64)
 
 
 @pytest.mark.msrun
@@ -557,7 +432,7 @@ def test_four_token_routed_workers_with_ep2_and_dropless_reproduce_the_single_pr
     code, stdout, stderr = finish(launcher, timeout=2400)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "data parallel 4, accumulation 1" in stdout
-    assert_same_losses(losses_by_step(run_dir), single_process_dropless, range(1, 11))
+    assert_same_losses(losses_by_step(run_dir), single_process_dropless, ALL_STEPS)
 
 
 @pytest.mark.msrun

@@ -13,11 +13,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
+from tests.helpers.launches import finish, launch_command, start, train_command
 from tests.helpers.processes import free_port
-from tests.helpers.runs import metrics_rows
-from tests.integration.test_distributed import finish, launch_command, processes, start  # noqa: F401
+from tests.helpers.runs import REPO, metrics_rows
 
-REPO = Path(__file__).resolve().parents[2]
 STEPS = 4
 # LoRA needs a frozen router bias (model.bias_update_rate=0); the default target_modules adapt the attention,
 # the dense MLP and every routed expert's projections. A large learning rate makes the adapters matter.
@@ -34,9 +33,8 @@ EXPERT_KEY = "base_model.model.model.layers.1.mlp.experts.{e}.{proj}.lora_{facto
 
 
 def single_process_run(run_dir, data_cache):
-    command = launch_command(run_dir, data_cache, *LORA)
-    command[2] = "mindmoe.train.cli"  # the same overrides, one process accumulating both micro-batches
-    subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
+    # The same overrides, one process accumulating both micro-batches.
+    subprocess.run(train_command(run_dir, data_cache, *LORA), cwd=REPO, check=True, capture_output=True, timeout=900)
 
 
 def by_step(run_dir, key):
@@ -44,7 +42,7 @@ def by_step(run_dir, key):
 
 
 @pytest.mark.msrun
-def test_lora_with_expert_parallel_workers_reproduces_one_process_and_its_adapter(tmp_path, data_cache, processes):  # noqa: F811
+def test_lora_with_expert_parallel_workers_reproduces_one_process_and_its_adapter(tmp_path, data_cache, processes):
     single_dir, ep_dir = tmp_path / "single", tmp_path / "ep2"
     launcher = start(
         processes,

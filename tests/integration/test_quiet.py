@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from tests.helpers.processes import kill_tree
 from tests.helpers.runs import REPO
 from tests.helpers.tiny_run import TINY_RUN
 
@@ -19,7 +20,8 @@ FRAMEWORK_NOISE = (
 NO_EFFECT_WARNING = "these keys have no effect in this run"
 
 
-def train(run_dir, data_cache, **env):
+def start_train(run_dir, data_cache, **env):
+    """``mindmoe-train`` of one step, its stdout and stderr going to files beside ``run_dir``."""
     command = [
         sys.executable,
         "-m",
@@ -36,16 +38,30 @@ def train(run_dir, data_cache, **env):
         f"hydra.run.dir={run_dir}",
     ]
     environment = {k: v for k, v in os.environ.items() if k not in ("MINDMOE_FRAMEWORK_LOGS", "MS_SUBMODULE_LOG_v")}
-    result = subprocess.run(command, cwd=REPO, env={**environment, **env}, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return result.stdout + result.stderr
+    outputs = run_dir.parent / "stdout", run_dir.parent / "stderr"
+    with outputs[0].open("w") as stdout, outputs[1].open("w") as stderr:
+        process = subprocess.Popen(command, cwd=REPO, env={**environment, **env}, stdout=stdout, stderr=stderr)
+    return process, outputs
+
+
+def output_of(started):
+    """stdout then stderr of a run started by ``start_train``, once it succeeded."""
+    process, outputs = started
+    try:
+        code = process.wait(timeout=600)
+    finally:
+        kill_tree(process)
+    stdout, stderr = (path.read_text() for path in outputs)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    return stdout + stderr
 
 
 @pytest.fixture(scope="module")
 def outputs(tmp_path_factory, data_cache):
-    quiet = train(tmp_path_factory.mktemp("quiet"), data_cache)
-    loud = train(tmp_path_factory.mktemp("loud"), data_cache, MINDMOE_FRAMEWORK_LOGS="1")
-    return quiet, loud
+    # The two runs are independent: side by side, each compiles while the other does.
+    quiet = start_train(tmp_path_factory.mktemp("quiet") / "run", data_cache)
+    loud = start_train(tmp_path_factory.mktemp("loud") / "run", data_cache, MINDMOE_FRAMEWORK_LOGS="1")
+    return output_of(quiet), output_of(loud)
 
 
 def test_a_default_run_hides_the_framework_warnings_and_keeps_its_own_lines(outputs):

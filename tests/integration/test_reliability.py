@@ -22,7 +22,7 @@ from tests.helpers.runs import losses_by_step
 
 REPO = Path(__file__).resolve().parents[2]
 # Long enough that a kill or SIGTERM sent after an early checkpoint lands while training still runs.
-MAX_STEPS = 40
+MAX_STEPS = 20
 SMALL_RUN = [
     "model.num_layers=2",
     "model.hidden_size=64",
@@ -71,15 +71,12 @@ def wait_for_checkpoint(root: Path, step: int, process, timeout=600):
     return max(checkpoint_steps(root))
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory, data_cache):
-    run_dir = tmp_path_factory.mktemp("uninterrupted")
-    subprocess.run(train_command(run_dir, data_cache), cwd=REPO, check=True, capture_output=True, timeout=900)
-    return losses_by_step(run_dir)
-
-
-def test_sigkill_then_sigterm_then_resume_reproduces_the_uninterrupted_losses(uninterrupted, tmp_path, data_cache):
-    run_dir = tmp_path / "interrupted"
+def test_sigkill_then_sigterm_then_resume_reproduces_the_uninterrupted_losses(tmp_path, data_cache, processes):
+    # The uninterrupted run is independent of the other: it trains while the other is killed and stopped.
+    uninterrupted_dir, run_dir = tmp_path / "uninterrupted", tmp_path / "interrupted"
+    with (tmp_path / "uninterrupted.log").open("w") as log:  # a file: nobody reads a pipe meanwhile
+        reference = subprocess.Popen(train_command(uninterrupted_dir, data_cache), cwd=REPO, stdout=log, stderr=log)
+    processes.append(reference)
     killed = subprocess.Popen(
         train_command(run_dir, data_cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
@@ -101,6 +98,8 @@ def test_sigkill_then_sigterm_then_resume_reproduces_the_uninterrupted_losses(un
     assert stopped_at.name in stderr
 
     subprocess.run(train_command(run_dir, data_cache), cwd=REPO, check=True, capture_output=True, timeout=900)
+    assert reference.wait(timeout=900) == 0, (tmp_path / "uninterrupted.log").read_text()[-3000:]
+    uninterrupted = losses_by_step(uninterrupted_dir)
     resumed = losses_by_step(run_dir)
     assert sorted(resumed) == list(range(1, MAX_STEPS + 1)) == sorted(uninterrupted)
     # Bit-identical on one CPU process: same data position, optimizer state, LR step and weights.
