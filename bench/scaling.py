@@ -141,10 +141,11 @@ def failure(returncode: int, stderr: str) -> str:
     return f"exit {returncode}: " + (lines[-1][:200] if lines else "no error line")
 
 
-def run_one(run: ScalingRun, root: Path, work: Path) -> dict:
+def run_one(run: ScalingRun, root: Path, work: Path, keep_run_dir: Path = None) -> dict:
     """``run`` in a fresh process; its peak RSS from ``wait4``: the largest of the process and the children
-    it waited for (with ``mindmoe-launch``: the largest worker)."""
-    run_dir = work / run.label.replace(" ", "_").replace("/", "-").replace(",", "")
+    it waited for (with ``mindmoe-launch``: the largest worker). Its run directory is deleted, unless it is
+    ``keep_run_dir``."""
+    run_dir = keep_run_dir or work / run.label.replace(" ", "_").replace("/", "-").replace(",", "")
     env = dict(os.environ)
     env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     command = [sys.executable, "-m", run.module, *run.overrides, f"hydra.run.dir={run_dir}"]
@@ -175,7 +176,8 @@ def run_one(run: ScalingRun, root: Path, work: Path) -> dict:
         "load_avg": round(max(load_before, os.getloadavg()[0]), 2),
     }
     tokens_per_s, log_rows = median_tokens_per_s(run_dir / "metrics.jsonl")
-    shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint: up to GiBs at a large vocabulary
+    if keep_run_dir is None:
+        shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint: up to GiBs at a large vocabulary
     row.update(tokens_per_s=tokens_per_s, log_rows=log_rows)
     if returncode is None:
         row["status"] = f"timed out after {TIMEOUT_S} s"
