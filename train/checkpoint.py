@@ -61,6 +61,7 @@ from mindmoe.train.checkpoint_shards import (
     fsync,
     fsync_dir,
     load_group,
+    mismatch_report,
     read_manifests,
     write_pieces,
 )
@@ -86,19 +87,7 @@ def load_parameters(params, tensors: dict, source: str) -> None:
     """
     params = list(params)
     by_name = {p.name: p for p in params}
-    missing = sorted(set(by_name) - set(tensors))
-    unexpected = sorted(set(tensors) - set(by_name))
-    wrong_shape = [
-        f"{name}: checkpoint {tuple(tensors[name].shape)} vs model {tuple(by_name[name].shape)}"
-        for name in sorted(set(by_name) & set(tensors))
-        if tuple(tensors[name].shape) != tuple(by_name[name].shape)
-    ]
-    if missing or unexpected or wrong_shape:
-        lines = [f"{source} does not match the model:"]
-        lines += [f"  missing: {name}" for name in missing]
-        lines += [f"  unexpected: {name}" for name in unexpected]
-        lines += [f"  shape: {line}" for line in wrong_shape]
-        raise ValueError("\n".join(lines))
+    mismatch_report(params, {name: array.shape for name, array in tensors.items()}, source)
     for name, array in tensors.items():
         param = by_name[name]
         param.set_data(Tensor(array, dtype=param.dtype))

@@ -135,15 +135,16 @@ def group_entries(directory: Path, group: str) -> dict:
     return read_index(directory).get(group, {})
 
 
-def mismatch_report(tensors, entries: dict, source: str) -> None:
-    """ValueError listing every name missing, unexpected or of another shape (as ``load_parameters``)."""
+def mismatch_report(tensors, shapes: dict, source: str) -> None:
+    """ValueError listing every name missing, unexpected or of another shape; ``shapes``: name -> the
+    checkpoint's shape of it."""
     by_name = {t.name: t for t in tensors}
-    missing = sorted(set(by_name) - set(entries))
-    unexpected = sorted(set(entries) - set(by_name))
+    missing = sorted(set(by_name) - set(shapes))
+    unexpected = sorted(set(shapes) - set(by_name))
     wrong_shape = [
-        f"{name}: checkpoint {tuple(entries[name]['shape'])} vs model {tuple(by_name[name].shape)}"
-        for name in sorted(set(by_name) & set(entries))
-        if tuple(entries[name]["shape"]) != tuple(by_name[name].shape)
+        f"{name}: checkpoint {tuple(shapes[name])} vs model {tuple(by_name[name].shape)}"
+        for name in sorted(set(by_name) & set(shapes))
+        if tuple(shapes[name]) != tuple(by_name[name].shape)
     ]
     if missing or unexpected or wrong_shape:
         lines = [f"{source} does not match the model:"]
@@ -166,7 +167,8 @@ def load_group(tensors, directory: Path, group: str) -> None:
     own copy after a later ``set_data``."""
     tensors = list(tensors)
     entries = group_entries(directory, group)
-    mismatch_report(tensors, entries, str(Path(directory) / GROUP_FILES[group]))
+    shapes = {name: entry["shape"] for name, entry in entries.items()}
+    mismatch_report(tensors, shapes, str(Path(directory) / GROUP_FILES[group]))
     reader = PieceReader(directory, entries)
     try:
         for tensor in tensors:
