@@ -18,8 +18,11 @@ from mindmoe.bench.specs import BenchSize, activation_bytes, model_config, theor
 def _graph_mode():
     import mindspore as ms
 
+    from mindmoe.model.kernels.host_runtime import configure_host_runtime
+
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
+    configure_host_runtime("CPU")
     return ms
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from mindmoe.launch.config import world_size
+from mindmoe.model.kernels.host_runtime import LOCAL_WORKERS_ENV
 
 #: The worker entry point: the ``mindmoe-train`` Hydra app.
 WORKER_MODULE = "mindmoe.train.cli"
@@ -38,7 +39,8 @@ def worker_overrides(run_dir: Path, overrides: Sequence[str]) -> List[str]:
 
 def environment(launch) -> Dict[str, str]:
     """Variables this node's msrun (and through it every worker) needs beyond the caller's environment."""
-    env = {"MS_NODE_TIMEOUT": str(launch.node_timeout)}
+    # Workers sharing this node: each sizes its CPU kernel thread pool to its share (model/kernels/host_runtime.py).
+    env = {"MS_NODE_TIMEOUT": str(launch.node_timeout), LOCAL_WORKERS_ENV: str(launch.procs_per_node)}
     if launch.hccl_connect_timeout:
         env["HCCL_CONNECT_TIMEOUT"] = str(launch.hccl_connect_timeout)
     if launch.hccl_exec_timeout:

@@ -7,11 +7,13 @@ fixtures below are the ones a test asks for by name.
 import mindspore as ms
 import pytest
 
+from mindmoe.model.kernels.host_runtime import configure_host_runtime
 from tests.helpers.processes import kill_tree
 from tests.helpers.tiny_run import TINY_RUN
 
 ms.set_context(mode=ms.GRAPH_MODE)
 ms.set_device("CPU")
+configure_host_runtime("CPU")  # as every entry point: single-threaded dispatch on CPU
 
 
 @pytest.fixture(scope="session")

@@ -38,6 +38,7 @@ from omegaconf import OmegaConf
 from mindmoe.data.mindrecord import EvalLoader
 from mindmoe.data.prepare import prepare_data
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.kernels.host_runtime import configure_host_runtime
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.checkpoint import (
@@ -194,6 +195,7 @@ def evaluate_checkpoint(cfg) -> dict:
     if not cfg.data.valid_files:
         raise ValueError("data.valid_files is empty: mindmoe-eval measures loss on validation text")
     ms.set_context(mode=ms.GRAPH_MODE)
+    configure_host_runtime()
     columns, rows = [], []
     for length in eval_cfg.context_lengths:
         batches, prepared, windows = length_windows(cfg, tokenizer_path, length, eval_cfg)

@@ -28,6 +28,7 @@ from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.export.runner import MANIFEST_FILE
 from mindmoe.model.hf import ImportedConfig, apply_overrides, export_hf, read_pretrained_config
 from mindmoe.model.hf.load import weight_files
+from mindmoe.model.kernels.host_runtime import configure_host_runtime
 from mindmoe.train.checkpoint import (
     STATE_FILE,
     checkpoint_model_config,
@@ -284,6 +285,7 @@ def write_mindir_export(
     from mindmoe.train.export_convert import write_conversion_files
 
     ms.set_context(mode=ms.GRAPH_MODE)
+    configure_host_runtime()
     model = merge_adapters(build_serving_model(source, model_overrides), adapter, model_type)
     graphs = export_mindir(model, out, export_cfg.dtype)
     tokenizer_files = copy_tokenizer(source.tokenizer, out)

@@ -52,9 +52,11 @@ def main(argv=None) -> None:
 
     from mindmoe.data.tokenizer_files import open_export_tokenizer
     from mindmoe.model.export.runner import ExportedModel
+    from mindmoe.model.kernels.host_runtime import configure_host_runtime
 
     ms.set_context(mode=ms.GRAPH_MODE)
     ms.set_device("CPU")
+    configure_host_runtime("CPU")
     exported = ExportedModel(args.export_dir)
     tokenizer = open_export_tokenizer(args.export_dir)
     ids = prompt_ids(tokenizer, args.prompt)

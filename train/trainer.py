@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from mindmoe.data.mindrecord import EvalLoader, WindowLoader
 from mindmoe.data.prepare import prepare_data
+from mindmoe.model.kernels.host_runtime import configure_host_runtime, describe
 from mindmoe.train.bad_steps import BadStepCounter
 from mindmoe.train.checkpoint import (
     CarriedFiles,
@@ -64,6 +65,7 @@ class Trainer:
         self.run_lock = run_lock
         self.checkpoint_root = self.run_dir / "checkpoints"
         ms.set_context(mode=ms.GRAPH_MODE)
+        self.host_runtime = configure_host_runtime()
         self.model_cfg, self.model = self._build_model(explicit_model_keys)
         self.compiled_step = self._compile_step()
         self.moe_layer_ids = [idx for idx, layer in enumerate(self.model.layers) if layer.is_moe]
@@ -196,6 +198,7 @@ class Trainer:
             self.compiled_step.accum_steps,
             self.dist.dp,
         )
+        log.info(describe(self.host_runtime))
 
     def train(self) -> dict:
         """Steps ``start_step + 1 .. train.max_steps`` with their logs, validations and checkpoints; the summary."""
