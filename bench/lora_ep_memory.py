@@ -28,7 +28,7 @@ if str(ROOT) not in sys.path:
 
 from safetensors.numpy import save_file  # noqa: E402
 
-from mindmoe.bench.hf_load_memory import SHARD_BYTES, hf_tensor_shapes  # noqa: E402
+from mindmoe.bench.hf_load_memory import BASE_CONFIG, SHARD_BYTES, hf_tensor_shapes  # noqa: E402
 from mindmoe.bench.scaling import ScalingRun, run_one  # noqa: E402
 
 GIB = 2**30
@@ -40,31 +40,16 @@ TINY_TOKENIZER = ROOT / "data" / "samples" / "tiny_base" / "tokenizer.model"
 
 # GLM-4.5-Air's structure at a small width; the vocabulary is the bundled tokenizer's.
 AIR_CONFIG = dict(
-    model_type="glm4_moe",
-    architectures=["Glm4MoeForCausalLM"],
+    BASE_CONFIG,  # the import bench's glm4_moe layout, at GLM-4.5-Air's expert shape
     vocab_size=4096,
     hidden_size=512,
     intermediate_size=2048,
     num_attention_heads=8,
     num_key_value_heads=2,
-    head_dim=64,
-    partial_rotary_factor=0.5,
-    max_position_embeddings=4096,
-    rms_norm_eps=1e-5,
-    rope_theta=1e6,
-    attention_bias=True,
-    use_qk_norm=True,
     moe_intermediate_size=512,
     num_experts_per_tok=8,
-    n_shared_experts=1,
     n_routed_experts=128,
     routed_scaling_factor=1.0,
-    n_group=1,
-    topk_group=1,
-    first_k_dense_replace=1,
-    norm_topk_prob=True,
-    tie_word_embeddings=False,
-    hidden_act="silu",
     torch_dtype="float16",
     bos_token_id=2,
     eos_token_id=3,
