@@ -53,6 +53,9 @@ class AscendGroupedMatmul(nn.Cell):
     rows are exactly the groups' rows (GroupedMatmul requires their sum to equal the rows of x).
     """
 
+    #: ``weight`` must have ``x``'s dtype (the caller casts a half-precision one).
+    takes_half_weights = False
+
     def rows(self, x_NbF):
         return x_NbF.reshape(-1, x_NbF.shape[-1])
 

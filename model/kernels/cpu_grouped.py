@@ -1,13 +1,19 @@
 """CPU grouped matmul: each expert's rows times that expert's weight, in blocks of ``b`` rows.
 
 Shape legend (docs/architecture.md): E groups (experts), N blocks, b rows per block, X = N * b sorted
-rows, F input features, O output features.
+rows, F input features, O output features, n blocks of one chunk.
 
 The token dispatcher pads every expert's group of sorted rows to a multiple of ``b`` (the alignment
 :func:`block_rows` asks for), so each block of ``b`` rows belongs to one expert: the kernel gathers
-each block's expert weight ``[N, O, F]`` and runs one BatchMatMul over the blocks. The cost is that of
-the X <= A + E * (b - 1) rows it receives, i.e. near the routed FLOPs, with static shapes. The weight
-gradient is the segment sum over blocks of the blocks' gradients (Gather's own backward).
+each block's expert weight and runs one BatchMatMul over the blocks. The cost is that of the
+X <= A + E * (b - 1) rows it receives, i.e. near the routed FLOPs, with static shapes.
+
+A gathered weight ``[N, O, F]`` is O / b times the rows it multiplies (128x for GLM-4.5-Air-shaped experts
+at b = 4), so the kernel never keeps one: the blocks run in chunks whose gathered weights stay under
+:data:`CHUNK_BYTES`, the backward gathers again, and the weight gradient is the segment sum over each
+chunk's blocks. A half-precision weight (a frozen LoRA base) is gathered in its own dtype and each chunk
+cast to the rows' dtype, so no full-precision copy of the experts outlives its chunk either (bf16, which
+the CPU Gather lacks, is cast whole first, per chunk).
 """
 
 import mindspore as ms
@@ -29,59 +35,104 @@ def block_rows(num_rows: int, num_groups: int) -> int:
     return block
 
 
-class BlockGroupedMatmul(nn.Cell):
-    """``(x [N, b, F], weight [E, O, F], group_sizes [E] int32) -> [N, b, O]``: row r of group e times
-    ``weight[e]^T``. Group sizes are multiples of b, in row order; rows past the last group are padding
-    (zeros in, zeros out since they are computed with the last expert's weight)."""
-
-    def __init__(self):
-        super().__init__()
-        self.bmm_nt = ops.BatchMatMul(transpose_b=True)
-        self.cumsum = ops.CumSum()
-
-    def block_experts(self, x_NbF, w_EOF, group_sizes_E):
-        """The expert of every block: the number of groups that end at or before the block's first row."""
-        num_blocks, block, _ = x_NbF.shape
-        ends_1E = self.cumsum(group_sizes_E, 0).astype(ms.float32).expand_dims(0)
-        starts_N1 = (ops.arange(num_blocks, dtype=ms.int32) * block).astype(ms.float32).expand_dims(1)
-        expert_N = (ends_1E <= starts_N1).astype(ms.int32).sum(1)
-        return ops.minimum(expert_N, w_EOF.shape[0] - 1)
-
-    def construct(self, x_NbF, w_EOF, group_sizes_E):
-        w_NOF = ops.gather(w_EOF, self.block_experts(x_NbF, w_EOF, group_sizes_E), 0)
-        return self.bmm_nt(x_NbF, w_NOF)
+#: Most bytes of gathered weights one chunk of blocks materialises (fp32).
+CHUNK_BYTES = 64 * 2**20
 
 
-class _RowScaledBlockMatmul(nn.Cell):
-    """``x [N, b, F]`` times the weight of each block's expert ``expert_N``; backward scales row r's share
-    of the weight gradient by ``scale [N, b]``. Primitives only: functional ops do not compile in a bprop."""
+def block_chunks(num_blocks: int, out_features: int, in_features: int) -> tuple:
+    """``((start, stop), ...)``: the chunks of blocks whose fp32 gathered weights fit :data:`CHUNK_BYTES`."""
+    # Called while a graph compiles: plain integer arithmetic (no max/min builtins).
+    per_chunk = CHUNK_BYTES // (out_features * in_features * 4)
+    if per_chunk < 1:
+        per_chunk = 1
+    chunks = ()
+    start = 0
+    while start < num_blocks:
+        stop = start + per_chunk
+        if stop > num_blocks:
+            stop = num_blocks
+        chunks = chunks + ((start, stop),)
+        start = stop
+    return chunks
+
+
+def block_experts(num_blocks: int, block: int, num_experts: int, group_sizes_E):
+    """The expert of every block: the number of groups that end at or before the block's first row."""
+    ends_1E = ops.cumsum(group_sizes_E, 0).astype(ms.float32).expand_dims(0)
+    starts_N1 = (ops.arange(num_blocks, dtype=ms.int32) * block).astype(ms.float32).expand_dims(1)
+    expert_N = (ends_1E <= starts_N1).astype(ms.int32).sum(1)
+    return ops.minimum(expert_N, num_experts - 1)
+
+
+class _ChunkedBlockMatmul(nn.Cell):
+    """``x [N, b, F]`` times the weight of each block's expert ``expert_N``, chunk by chunk; the backward
+    scales row r's share of the weight gradient by ``scale [N, b]`` (ones: the plain gradient). Primitives
+    only: functional ops do not compile in a bprop."""
 
     def __init__(self):
         super().__init__()
         self.gather = ops.Gather()
+        self.cast = ops.Cast()
+        self.concat = ops.Concat(0)
         self.segment_sum = ops.UnsortedSegmentSum()
         self.bmm_nt = ops.BatchMatMul(transpose_b=True)
         self.bmm_nn = ops.BatchMatMul()
         self.bmm_tn = ops.BatchMatMul(transpose_a=True)
 
+    def weights(self, w_EOF, expert_N, start, stop, dtype):
+        if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU: cast first (a whole copy, per chunk)
+            return self.gather(self.cast(w_EOF, dtype), expert_N[start:stop], 0)
+        return self.cast(self.gather(w_EOF, expert_N[start:stop], 0), dtype)
+
     def construct(self, x_NbF, w_EOF, expert_N, scale_Nb):
-        return self.bmm_nt(x_NbF, self.gather(w_EOF, expert_N, 0))
+        chunks = block_chunks(x_NbF.shape[0], w_EOF.shape[1], w_EOF.shape[2])
+        outs = ()
+        for start, stop in chunks:
+            outs = outs + (self.bmm_nt(x_NbF[start:stop], self.weights(w_EOF, expert_N, start, stop, x_NbF.dtype)),)
+        return outs[0] if len(outs) == 1 else self.concat(outs)
 
     def bprop(self, x_NbF, w_EOF, expert_N, scale_Nb, out, dout_NbO):
-        dx_NbF = self.bmm_nn(dout_NbO, self.gather(w_EOF, expert_N, 0))
-        scaled_NbO = dout_NbO * scale_Nb.expand_dims(-1).astype(dout_NbO.dtype)
-        dw_EOF = self.segment_sum(self.bmm_tn(scaled_NbO, x_NbF), expert_N, w_EOF.shape[0])
-        return dx_NbF, dw_EOF, ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
+        chunks = block_chunks(x_NbF.shape[0], w_EOF.shape[1], w_EOF.shape[2])
+        scaled_NbO = dout_NbO * self.cast(scale_Nb, dout_NbO.dtype).expand_dims(-1)
+        dxs = ()
+        dws = ()
+        for start, stop in chunks:
+            weights_nOF = self.weights(w_EOF, expert_N, start, stop, x_NbF.dtype)
+            dxs = dxs + (self.bmm_nn(dout_NbO[start:stop], weights_nOF),)
+            dw_nOF = self.bmm_tn(scaled_NbO[start:stop], x_NbF[start:stop])
+            dws = dws + (self.segment_sum(dw_nOF, expert_N[start:stop], w_EOF.shape[0]),)
+        dx_NbF = dxs[0] if len(dxs) == 1 else self.concat(dxs)
+        dw_EOF = dws[0]
+        for part_EOF in dws[1:]:
+            dw_EOF = dw_EOF + part_EOF
+        return dx_NbF, self.cast(dw_EOF, w_EOF.dtype), ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
+
+
+class BlockGroupedMatmul(nn.Cell):
+    """``(x [N, b, F], weight [E, O, F], group_sizes [E] int32) -> [N, b, O]``: row r of group e times
+    ``weight[e]^T``. Group sizes are multiples of b, in row order; rows past the last group are padding
+    (zeros in, zeros out since they are computed with the last expert's weight). ``weight`` may be half
+    precision: each chunk's gathered weights are cast to ``x``'s dtype."""
+
+    #: ``weight`` may be stored in half precision (cast per chunk).
+    takes_half_weights = True
+
+    def __init__(self):
+        super().__init__()
+        self.matmul = _ChunkedBlockMatmul()
+
+    def expert_of_blocks(self, x_NbF, w_EOF, group_sizes_E):
+        return ops.stop_gradient(block_experts(x_NbF.shape[0], x_NbF.shape[1], w_EOF.shape[0], group_sizes_E))
+
+    def construct(self, x_NbF, w_EOF, group_sizes_E):
+        expert_N = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_E)
+        return self.matmul(x_NbF, w_EOF, expert_N, ops.ones(x_NbF.shape[:2], x_NbF.dtype))
 
 
 class RowScaledBlockGroupedMatmul(BlockGroupedMatmul):
     """:class:`BlockGroupedMatmul` whose backward scales row r's share of the weight gradient by
     ``scale [N, b]`` (gradient isolation's ``token_grad``; see ``RowScaledWeightGradMatmul``)."""
 
-    def __init__(self):
-        super().__init__()
-        self.scaled_matmul = _RowScaledBlockMatmul()
-
     def construct(self, x_NbF, w_EOF, group_sizes_E, scale_Nb):
-        expert_N = ops.stop_gradient(self.block_experts(x_NbF, w_EOF, group_sizes_E))
-        return self.scaled_matmul(x_NbF, w_EOF, expert_N, scale_Nb)
+        expert_N = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_E)
+        return self.matmul(x_NbF, w_EOF, expert_N, scale_Nb)

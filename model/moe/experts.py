@@ -101,9 +101,11 @@ class RoutedExperts(nn.Cell):
     def expert_matmul(self, x, w_EOF, scale, group_sizes):
         """``x @ w_e^T`` per expert: on an ``[E, C, F]`` buffer (``group_sizes`` None) or on grouped rows;
         ``scale`` (or None) scales each row's share of the weight gradient."""
-        if self.half_weights:
+        grouped = group_sizes is not None
+        # The CPU grouped kernel casts each chunk of gathered half weights itself: no fp32 copy of the experts.
+        if self.half_weights and not (grouped and self.gmm.takes_half_weights):
             w_EOF = w_EOF.astype(x.dtype)
-        if group_sizes is None:
+        if not grouped:
             if scale is None:
                 return self.bmm(x, w_EOF)
             return self.scaled_bmm(x, w_EOF, scale)

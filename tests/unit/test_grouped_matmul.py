@@ -73,12 +73,18 @@ def run(kernel, x, weight, sizes, upstream, block, scale=None):
 
 
 @pytest.mark.parametrize(
-    "group_blocks,block,padding_blocks",
-    [([2, 0, 3, 1], 4, 2), ([0, 0, 5], 2, 0), ([1, 2, 1, 1, 3], 1, 3)],
+    "group_blocks,block,padding_blocks,chunk_blocks",
+    [([2, 0, 3, 1], 4, 2, None), ([0, 0, 5], 2, 0, None), ([1, 2, 1, 1, 3], 1, 3, None), ([2, 0, 3, 1], 4, 2, 3)],
 )
-def test_cpu_grouped_matmul_matches_numpy_and_torch_gradients(group_blocks, block, padding_blocks):
-    """Empty groups, all rows in one group, trailing padding blocks; then the row-scaled variant, whose
-    weight gradient takes each row's share times its scale and whose input gradient is unscaled."""
+def test_cpu_grouped_matmul_matches_numpy_and_torch_gradients(
+    group_blocks, block, padding_blocks, chunk_blocks, monkeypatch
+):
+    """Empty groups, all rows in one group, trailing padding blocks, blocks in chunks of 3 (a chunk boundary
+    inside a group); then the row-scaled variant, whose weight gradient takes each row's share times its scale
+    and whose input gradient is unscaled."""
+    if chunk_blocks:
+        monkeypatch.setattr(cpu_grouped, "CHUNK_BYTES", chunk_blocks * OUT_FEATURES * IN_FEATURES * 4)
+        assert len(cpu_grouped.block_chunks(sum(group_blocks) + padding_blocks, OUT_FEATURES, IN_FEATURES)) == 3
     x, weight, sizes, upstream, scale = problem(group_blocks, block, padding_blocks)
     out, dx, dw = run(kernels.grouped_matmul("CPU"), x, weight, sizes, upstream, block)
     np.testing.assert_allclose(out, np_grouped(x, weight, sizes), rtol=1e-5, atol=1e-5)
