@@ -101,10 +101,9 @@ def _checkpoint_base(cfg, vocab_size: int, lora_cfg, expert_dispatcher):
     from mindmoe.model.deferred_init import checkpoint_weights, finish_deferred
     from mindmoe.model.lora_plan import plan_adapters
     from mindmoe.model.transformer import MoETransformer
-    from mindmoe.train.checkpoint import resolve_checkpoint, verify_checkpoint
 
     path = lora_cfg.base_checkpoint
-    verify_checkpoint(resolve_checkpoint(path))
+    # Hash-checked by load_checkpoint_base: only the files this process reads.
     directory, model_cfg = checkpoint_base_config(path)
     check_base_vocab(model_cfg, vocab_size, path)
     adapters = plan_adapters(model_cfg, lora_cfg, cfg.train.seed)

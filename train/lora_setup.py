@@ -99,11 +99,25 @@ def load_checkpoint_base(model, directory: Path, path: str) -> None:
         for p in model.get_parameters()
         if not is_adapter(p.name)
     ]
+    verify_read_files(Path(directory), tensors)
     try:
         load_group(tensors, Path(directory), "model")
     except ValueError as err:
         raise ValueError(f"lora.base_checkpoint={path!r}: {err}") from None
     log.info("lora.base_checkpoint: base weights from %s", directory)
+
+
+def verify_read_files(directory: Path, tensors) -> None:
+    """Hash-check what loading ``tensors`` reads from the checkpoint: its small files (index, config, tokenizer)
+    and the ``.safetensors`` files holding pieces of them, not the others (its optimizer state; under
+    ``parallel.ep`` a sharded base's other ranks' files). Every listed file's size is checked."""
+    from mindmoe.train.checkpoint import STATE_FILE, read_state, verify_checkpoint
+    from mindmoe.train.checkpoint_shards import files_to_read
+
+    listed = read_state(directory)["files"] if (directory / STATE_FILE).is_file() else {}
+    small = sorted(name for name in listed if not name.endswith(".safetensors"))
+    verify_checkpoint(directory, small)  # the index first: it says which files hold what
+    verify_checkpoint(directory, sorted(files_to_read(tensors, directory, "model")))
 
 
 def check_base_vocab(model_cfg: ModelConfig, vocab_size: int, path: str) -> None:
