@@ -137,8 +137,14 @@ def failure(returncode: int, stderr: str) -> str:
     if returncode < 0:
         name = signal.Signals(-returncode).name
         return f"killed by {name}" + (" (out of memory?)" if name == "SIGKILL" else "")
-    lines = [line.strip() for line in stderr.splitlines() if "Error" in line or "error:" in line]
-    return f"exit {returncode}: " + (lines[-1][:200] if lines else "no error line")
+    lines = [line.strip() for line in stderr.splitlines()]
+    marked = [i for i, line in enumerate(lines) if "Error" in line or "error:" in line]
+    if not marked:
+        return f"exit {returncode}: no error line"
+    # MindSpore's errors put their message on the lines after "RuntimeError:": keep the first of them too.
+    last = marked[-1]
+    message = lines[last] + next((" " + line for line in lines[last + 1 :] if line.strip("-")), "")
+    return f"exit {returncode}: " + (message if lines[last].endswith(":") else lines[last])[:300]
 
 
 def run_one(run: ScalingRun, root: Path, work: Path, keep_run_dir: Path = None) -> dict:

@@ -329,6 +329,8 @@ def test_a_failed_scaling_run_is_a_row_saying_so(tmp_path):
     from mindmoe.bench.scaling import ScalingRun, failure, run_one
 
     assert failure(-9, "") == "killed by SIGKILL (out of memory?)"
+    mindspore_style = "Traceback\nRuntimeError:\n\n----\n- Memory not enough: 4096 MiB requested\n----\n"
+    assert failure(1, mindspore_style) == "exit 1: RuntimeError: - Memory not enough: 4096 MiB requested"
     row = run_one(ScalingRun("experts", "bad", ("model.num_experts=0",)), ROOT, tmp_path)
     assert row["status"].startswith("exit ") and "num_experts" in row["status"]
     assert row["tokens_per_s"] is None and row["peak_rss"] > 50 * 2**20
