@@ -10,10 +10,12 @@ X <= A + E * (b - 1) rows it receives, i.e. near the routed FLOPs, with static s
 
 A gathered weight ``[N, O, F]`` is O / b times the rows it multiplies (128x for GLM-4.5-Air-shaped experts
 at b = 4), so the kernel never keeps one: the blocks run in chunks whose gathered weights stay under
-:data:`CHUNK_BYTES`, the backward gathers again, and the weight gradient is the segment sum over each
+:data:`CHUNK_BYTES`, one after the other (MindSpore's CPU runtime would otherwise run the independent chunks
+at once and hold all their buffers: measured, 8 MiB chunks of one projection peaked as high as no chunks),
+the backward gathers again, and the weight gradient is the segment sum over each
 chunk's blocks. A half-precision weight (a frozen LoRA base) is gathered in its own dtype and each chunk
 cast to the rows' dtype, so no full-precision copy of the experts outlives its chunk either (bf16, which
-the CPU Gather lacks, is cast whole first, per chunk).
+the CPU Gather lacks, is cast whole first).
 """
 
 import mindspore as ms
@@ -79,33 +81,41 @@ class _ChunkedBlockMatmul(nn.Cell):
         self.bmm_nn = ops.BatchMatMul()
         self.bmm_tn = ops.BatchMatMul(transpose_a=True)
 
-    def weights(self, w_EOF, expert_N, start, stop, dtype):
-        if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU: cast first (a whole copy, per chunk)
-            return self.gather(self.cast(w_EOF, dtype), expert_N[start:stop], 0)
-        return self.cast(self.gather(w_EOF, expert_N[start:stop], 0), dtype)
-
     def construct(self, x_NbF, w_EOF, expert_N, scale_Nb):
         chunks = block_chunks(x_NbF.shape[0], w_EOF.shape[1], w_EOF.shape[2])
+        if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU: one whole cast
+            w_EOF = self.cast(w_EOF, x_NbF.dtype)
         outs = ()
+        after = expert_N
         for start, stop in chunks:
-            outs = outs + (self.bmm_nt(x_NbF[start:stop], self.weights(w_EOF, expert_N, start, stop, x_NbF.dtype)),)
+            # Each chunk's gather waits for the previous chunk's product: MindSpore's CPU runtime runs
+            # independent nodes at once, which would hold every chunk's gathered weights together.
+            index_n = ops.depend(expert_N[start:stop], after)
+            after = self.bmm_nt(x_NbF[start:stop], self.cast(self.gather(w_EOF, index_n, 0), x_NbF.dtype))
+            outs = outs + (after,)
         return outs[0] if len(outs) == 1 else self.concat(outs)
 
     def bprop(self, x_NbF, w_EOF, expert_N, scale_Nb, out, dout_NbO):
         chunks = block_chunks(x_NbF.shape[0], w_EOF.shape[1], w_EOF.shape[2])
         scaled_NbO = dout_NbO * self.cast(scale_Nb, dout_NbO.dtype).expand_dims(-1)
+        w_dtype = w_EOF.dtype
+        if w_dtype == ms.bfloat16:  # no bf16 Gather on CPU: one whole cast
+            w_EOF = self.cast(w_EOF, x_NbF.dtype)
         dxs = ()
-        dws = ()
+        dw_EOF = None
         for start, stop in chunks:
-            weights_nOF = self.weights(w_EOF, expert_N, start, stop, x_NbF.dtype)
+            index_n = expert_N[start:stop]
+            scaled_nbO = scaled_NbO[start:stop]
+            if dw_EOF is not None:  # one chunk at a time, as in the forward
+                index_n = ops.depend(ops.depend(index_n, dw_EOF), dxs[-1])
+                scaled_nbO = ops.depend(scaled_nbO, index_n)
+            weights_nOF = self.cast(self.gather(w_EOF, index_n, 0), dout_NbO.dtype)
             dxs = dxs + (self.bmm_nn(dout_NbO[start:stop], weights_nOF),)
-            dw_nOF = self.bmm_tn(scaled_NbO[start:stop], x_NbF[start:stop])
-            dws = dws + (self.segment_sum(dw_nOF, expert_N[start:stop], w_EOF.shape[0]),)
+            dw_nOF = self.bmm_tn(scaled_nbO, x_NbF[start:stop])
+            part_EOF = self.segment_sum(dw_nOF, index_n, w_EOF.shape[0])
+            dw_EOF = part_EOF if dw_EOF is None else dw_EOF + part_EOF
         dx_NbF = dxs[0] if len(dxs) == 1 else self.concat(dxs)
-        dw_EOF = dws[0]
-        for part_EOF in dws[1:]:
-            dw_EOF = dw_EOF + part_EOF
-        return dx_NbF, self.cast(dw_EOF, w_EOF.dtype), ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
+        return dx_NbF, self.cast(dw_EOF, w_dtype), ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
 
 
 class BlockGroupedMatmul(nn.Cell):
