@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Dict, List, Sequence
 
 from mindmoe.launch.config import world_size
-from mindmoe.model.kernels.host_runtime import LOCAL_WORKERS_ENV
+
+#: model/kernels/host_runtime.py's LOCAL_WORKERS_ENV (not imported: that package imports MindSpore, which the
+#: launcher must not load before its logs are quieted).
+LOCAL_WORKERS_ENV = "MINDMOE_LOCAL_WORKERS"
 
 #: The worker entry point: the ``mindmoe-train`` Hydra app.
 WORKER_MODULE = "mindmoe.train.cli"

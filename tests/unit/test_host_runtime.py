@@ -43,3 +43,9 @@ def test_this_test_process_runs_as_every_entry_point_does():
     settings = configure_host_runtime("CPU")
     assert os.environ.get(BLOCKING_RUN_ENV) == settings["blocking_run"]
     assert "CPU" in describe(settings) and BLOCKING_RUN_ENV in describe(settings)
+
+
+def test_the_launcher_exports_the_variable_the_workers_read():
+    from mindmoe.launch import msrun
+
+    assert msrun.LOCAL_WORKERS_ENV == LOCAL_WORKERS_ENV
