@@ -20,6 +20,7 @@ the CPU Gather lacks, is cast whole first).
 
 import mindspore as ms
 from mindspore import nn, ops
+from mindspore.ops import functional as F
 
 #: Block sizes the CPU kernel uses (rows per block); larger blocks run BatchMatMul more efficiently.
 BLOCK_SIZES = (2, 4, 8, 16, 32, 64)
@@ -134,8 +135,17 @@ class BlockGroupedMatmul(nn.Cell):
     def expert_of_blocks(self, x_NbF, w_EOF, group_sizes_E):
         return ops.stop_gradient(block_experts(x_NbF.shape[0], x_NbF.shape[1], w_EOF.shape[0], group_sizes_E))
 
+    def whole(self, x_NbF, w_EOF, expert_N):
+        """One gather of every block's weight: for the serving graphs, whose block count is only known when
+        they run (no static chunks) and which have no backward."""
+        if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU
+            w_EOF = w_EOF.astype(x_NbF.dtype)
+        return ops.BatchMatMul(transpose_b=True)(x_NbF, ops.gather(w_EOF, expert_N, 0).astype(x_NbF.dtype))
+
     def construct(self, x_NbF, w_EOF, group_sizes_E):
         expert_N = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_E)
+        if not F.isconstant(x_NbF.shape[0]):
+            return self.whole(x_NbF, w_EOF, expert_N)
         return self.matmul(x_NbF, w_EOF, expert_N, ops.ones(x_NbF.shape[:2], x_NbF.dtype))
 
 
@@ -145,4 +155,6 @@ class RowScaledBlockGroupedMatmul(BlockGroupedMatmul):
 
     def construct(self, x_NbF, w_EOF, group_sizes_E, scale_Nb):
         expert_N = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_E)
+        if not F.isconstant(x_NbF.shape[0]):
+            return self.whole(x_NbF, w_EOF, expert_N)
         return self.matmul(x_NbF, w_EOF, expert_N, scale_Nb)
