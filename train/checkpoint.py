@@ -326,14 +326,21 @@ def _load(tensors, checkpoint_dir: Path, group: str, dist) -> None:
         return
     error = None
     try:
-        verify_checkpoint(checkpoint_dir, [INDEX_FILE] if (checkpoint_dir / INDEX_FILE).is_file() else [])
-        verify_checkpoint(checkpoint_dir, sorted(files_to_read(tensors, checkpoint_dir, group)))
+        verify_files_read(checkpoint_dir, tensors, group)
     except CorruptCheckpointError as caught:
         error = caught
     # Every rank stops if one found a corrupt file (it hashed only what it reads).
     if dist.any_rank(error is not None):
         raise error or CorruptCheckpointError(f"checkpoint {checkpoint_dir}: another rank found a corrupt file")
     load_group(tensors, checkpoint_dir, group)
+
+
+def verify_files_read(checkpoint_dir: Path, tensors, group: str, also=()) -> None:
+    """Hash-check what loading ``tensors`` of ``group`` reads: the index first (it says which files hold what)
+    and the listed files ``also``, then the ``.safetensors`` holding their pieces; every listed file's size."""
+    first = {INDEX_FILE} if (checkpoint_dir / INDEX_FILE).is_file() else set()
+    verify_checkpoint(checkpoint_dir, sorted(first | set(also)))
+    verify_checkpoint(checkpoint_dir, sorted(files_to_read(tensors, checkpoint_dir, group)))
 
 
 def checkpoint_groups(checkpoint_dir: Path) -> dict:

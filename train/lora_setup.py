@@ -111,13 +111,11 @@ def verify_read_files(directory: Path, tensors) -> None:
     """Hash-check what loading ``tensors`` reads from the checkpoint: its small files (index, config, tokenizer)
     and the ``.safetensors`` files holding pieces of them, not the others (its optimizer state; under
     ``parallel.ep`` a sharded base's other ranks' files). Every listed file's size is checked."""
-    from mindmoe.train.checkpoint import STATE_FILE, read_state, verify_checkpoint
-    from mindmoe.train.checkpoint_shards import files_to_read
+    from mindmoe.train.checkpoint import STATE_FILE, read_state, verify_files_read
 
     listed = read_state(directory)["files"] if (directory / STATE_FILE).is_file() else {}
-    small = sorted(name for name in listed if not name.endswith(".safetensors"))
-    verify_checkpoint(directory, small)  # the index first: it says which files hold what
-    verify_checkpoint(directory, sorted(files_to_read(tensors, directory, "model")))
+    small = [name for name in listed if not name.endswith(".safetensors")]
+    verify_files_read(directory, tensors, "model", also=small)
 
 
 def check_base_vocab(model_cfg: ModelConfig, vocab_size: int, path: str) -> None:
