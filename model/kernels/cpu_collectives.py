@@ -1,14 +1,18 @@
 """CPU collectives missing from MindSpore 2.9's CPU backend, emulated exactly from AllGather / AllReduce.
 
-All-to-all over an expert group: AllGather (or AllReduce) and local selection.
+All-to-all over an expert group: G - 1 rounds of AllGather (or AllReduce) and local selection.
 
 Shape legend: G ranks of the group, n rows sent to each rank, F the trailing feature axes.
 
-MindSpore 2.9 has no CPU AlltoAll kernel. Every rank gathers what every rank sends (``[G_src, G_dst, n, F]``)
-and keeps the column addressed to it. The transpose of an all-to-all is the reverse all-to-all (the gradient
-of the rows rank r sent to rank j is the gradient rank j received for them), so the backward is the same
-exchange applied to the output gradient; AllGather's own backward would need ReduceScatter, which the CPU
-backend lacks. The emulation moves G times the bytes of a real all-to-all.
+MindSpore 2.9 has no CPU AlltoAll kernel. Rank r keeps its own block ``x[r]``; in round k (1 .. G - 1) every
+rank s contributes the block addressed to rank ``(s + k) % G`` and all ranks receive every contribution
+(``[G_src, n, F]``), of which rank r keeps the one from rank ``(r - k) % G``, the block addressed to it. A
+round moves G blocks to every rank where a real all-to-all moves one; at G = 2 (one round) that is the same
+bytes as the real exchange, where gathering every rank's whole ``[G, n, F]`` once moved twice as many
+(measured: the CPU collectives move about 3 ms per MiB, so the bytes are the cost). The transpose of an
+all-to-all is the reverse all-to-all (the gradient of the rows rank r sent to rank j is the gradient rank j
+received for them), so the backward is the same exchange applied to the output gradient; AllGather's own
+backward would need ReduceScatter, which the CPU backend lacks.
 """
 
 import numpy as np
@@ -22,59 +26,82 @@ def all_gather_takes(group: str) -> bool:
     return group == GlobalComm.WORLD_COMM_GROUP
 
 
-class GatherSends(nn.Cell):
-    """``x [G, n, F]`` of every rank of the world group, stacked: ``[G_src, G, n, F]`` (AllGather)."""
+def _block(x_GnF, index_1):
+    # A Gather of one block, not ``x[i]``: MindSpore 2.9's CPU StridedSlice copies such selections of
+    # stacked blocks many times slower (30 ms against 1.3 ms for 4 MiB, seen for a column of ``[G, G, n, F]``).
+    return ops.gather(x_GnF, index_1, 0).squeeze(0)
 
-    def __init__(self, group: str, group_size: int):
+
+def _send_indices(group_size: int, rank_in_group: int) -> tuple:
+    """Round k's block of this rank: the one addressed to rank ``(rank + k) % G`` (index k of the tuple)."""
+    return tuple(Tensor(np.array([(rank_in_group + k) % group_size], np.int32)) for k in range(group_size))
+
+
+class GatherSends(nn.Cell):
+    """Round k of the exchange over the world group (AllGather): ``x [G, n, F]`` of this rank ->
+    ``[G_src, n, F]``, entry s being rank s's block for rank ``(s + k) % G``."""
+
+    def __init__(self, group: str, group_size: int, rank_in_group: int):
         super().__init__()
         self.all_gather = ops.AllGather(group=group)
         self.group_size = group_size
+        self.send = _send_indices(group_size, rank_in_group)
 
-    def construct(self, x):
-        return self.all_gather(x).reshape((self.group_size,) + x.shape)
+    def construct(self, x_GnF, k):
+        block_nF = _block(x_GnF, self.send[k])
+        return self.all_gather(block_nF).reshape((self.group_size,) + block_nF.shape)  # gathered on axis 0
 
 
 class SumSends(nn.Cell):
-    """The same stack for a group smaller than the world: each rank puts its ``x`` at its own source index of
-    a zero buffer and the buffers are summed over the group (AllReduce)."""
+    """:class:`GatherSends` for a group smaller than the world: each rank puts its block at its own source
+    index of a zero buffer and the buffers are summed over the group (AllReduce)."""
 
     def __init__(self, group: str, group_size: int, rank_in_group: int):
         super().__init__()
         self.all_reduce = ops.AllReduce(group=group)
+        self.group_size = group_size
+        self.send = _send_indices(group_size, rank_in_group)
         self.mine_G = Tensor(np.eye(group_size, dtype=np.float32)[rank_in_group])
 
-    def construct(self, x):
-        mine = self.mine_G.astype(x.dtype).reshape((self.mine_G.shape[0],) + (1,) * x.ndim)
-        return self.all_reduce(mine * x.expand_dims(0))
+    def construct(self, x_GnF, k):
+        block_nF = _block(x_GnF, self.send[k])
+        mine = self.mine_G.astype(x_GnF.dtype).reshape((self.group_size,) + (1,) * block_nF.ndim)
+        return self.all_reduce(mine * block_nF.expand_dims(0))
 
 
 class EmulatedAllToAll(nn.Cell):
     """``x [G, n, F] -> [G, n, F]``: block j goes to rank j of the group; output block s came from rank s.
 
-    ``sends``: the cell stacking every rank's ``x`` (default :class:`GatherSends` on the world group, else
-    :class:`SumSends`); tests pass a stand-in to run the selection and its backward in one process.
+    ``sends``: the cell of one round, ``(x, k) -> [G_src, n, F]`` (default :class:`GatherSends` on the world
+    group, else :class:`SumSends`); tests pass a stand-in to run the selection and its backward in one
+    process.
     """
 
     def __init__(self, group: str, group_size: int, rank_in_group: int, sends=None):
         super().__init__()
         if sends is None:
             take_gather = all_gather_takes(group)
-            sends = GatherSends(group, group_size) if take_gather else SumSends(group, group_size, rank_in_group)
+            sends = (GatherSends if take_gather else SumSends)(group, group_size, rank_in_group)
         self.sends = sends
+        self.group_size = group_size
         self.rank_in_group = rank_in_group
-        self.mine = Tensor(np.array([rank_in_group], np.int32))
+        self.source = tuple(Tensor(np.array([(rank_in_group - k) % group_size], np.int32)) for k in range(group_size))
 
-    def take(self, stacked_SGnF):
-        # A Gather of this rank's column, not ``stacked[:, rank]``: MindSpore 2.9's CPU StridedSlice copies such
-        # a 4-D selection ~20x slower (30 ms against 1.3 ms for 4 MiB), which made this exchange cost more
-        # than the dense work token routing saves.
-        return ops.gather(stacked_SGnF, self.mine, 1).squeeze(1)
+    def exchange(self, x_GnF):
+        blocks = ()
+        for source in range(self.group_size):
+            k = (self.rank_in_group - source) % self.group_size  # the round in which it arrives
+            if k == 0:
+                blocks = blocks + (_block(x_GnF, self.source[0]),)  # its own block stays here
+            else:
+                blocks = blocks + (_block(self.sends(x_GnF, k), self.source[k]),)
+        return ops.stack(blocks, 0)
 
     def construct(self, x_GnF):
-        return self.take(self.sends(x_GnF))
+        return self.exchange(x_GnF)
 
     def bprop(self, x_GnF, out, dout_GnF):
-        return (self.take(self.sends(dout_GnF)),)
+        return (self.exchange(dout_GnF),)
 
 
 class EmulatedReduceScatter(nn.Cell):

@@ -1,5 +1,5 @@
-"""The ``all_to_all`` kernel: the CPU emulation (selection from every rank's stacked sends, and its custom
-backward, the reverse exchange) against a NumPy all-to-all of G simulated ranks, and the Ascend op call
+"""The ``all_to_all`` kernel: the CPU emulation (G - 1 rounds, each a gather of one block per rank, and its
+custom backward, the reverse exchange) against a NumPy all-to-all of G simulated ranks, and the Ascend op call
 against the installed MindSpore 2.9.
 
 One process cannot run a collective, so the rank under test gets a stand-in for the gather: rank s's
@@ -32,15 +32,17 @@ def affine(rank: int):
 
 
 class AffineSends(nn.Cell):
-    """Stand-in for AllGather on one rank: ``[G_src, G, n, F]`` with rank s's tensor ``a_s * x + b_s``."""
+    """Stand-in for one round's AllGather on one rank: ``[G_src, n, F]`` whose entry s is rank s's block for
+    rank ``(s + k) % G``, rank s's tensor being ``a_s * x + b_s``."""
 
     def __init__(self, rank: int):
         super().__init__()
         self.a_G, self.b_G = (Tensor(v) for v in affine(rank))
+        self.blocks = tuple(Tensor(np.array([(s + k) % GROUP for s in range(GROUP)], np.int32)) for k in range(GROUP))
 
-    def construct(self, x):
-        shape = (GROUP,) + (1,) * x.ndim
-        return self.a_G.reshape(shape) * x.expand_dims(0) + self.b_G.reshape(shape)
+    def construct(self, x_GnF, k):
+        shape = (GROUP,) + (1,) * (x_GnF.ndim - 1)
+        return self.a_G.reshape(shape) * ops.gather(x_GnF, self.blocks[k], 0) + self.b_G.reshape(shape)
 
 
 class Objective(nn.Cell):
