@@ -136,7 +136,9 @@ def grouped_matmul(device_target: str = None):
     (``X = N * b``, flattened in order) fall into E contiguous groups of ``group_sizes[e]`` rows, each a
     multiple of b (the :func:`grouped_alignment`); row r of group e gives ``x_r weight[e]^T``. Rows past
     the last group are zeros and give zeros; they are never combined, so their gradient is not specified
-    (there are none with alignment 1)."""
+    (there are none with alignment 1). An implementation whose ``takes_outside_groups`` is true also takes
+    ``E + 2`` group sizes for E weights (a process holding a share of the experts): the first and last
+    groups' rows give zeros, with zero gradients; otherwise the caller pads the weights with zero experts."""
     return implementation("grouped_matmul", device_target)()
 
 

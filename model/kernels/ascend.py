@@ -55,6 +55,8 @@ class AscendGroupedMatmul(nn.Cell):
 
     #: ``weight`` must have ``x``'s dtype (the caller casts a half-precision one).
     takes_half_weights = False
+    #: One group per weight: a process holding a share pads the weights with zeros for the others' groups.
+    takes_outside_groups = False
 
     def rows(self, x_NbF):
         return x_NbF.reshape(-1, x_NbF.shape[-1])

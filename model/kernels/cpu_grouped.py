@@ -123,38 +123,60 @@ class BlockGroupedMatmul(nn.Cell):
     """``(x [N, b, F], weight [E, O, F], group_sizes [E] int32) -> [N, b, O]``: row r of group e times
     ``weight[e]^T``. Group sizes are multiples of b, in row order; rows past the last group are padding
     (zeros in, zeros out since they are computed with the last expert's weight). ``weight`` may be half
-    precision: each chunk's gathered weights are cast to ``x``'s dtype."""
+    precision: each chunk's gathered weights are cast to ``x``'s dtype.
+
+    A process holding a share of the experts may pass ``E + 2`` group sizes for its ``E`` weights: the
+    first and last groups are the rows of experts held elsewhere, and their outputs are zero (their blocks
+    are computed with a held weight and masked), so no zero-padded copy of the weights is made."""
 
     #: ``weight`` may be stored in half precision (cast per chunk).
     takes_half_weights = True
+    #: ``group_sizes`` may have the two groups of experts held elsewhere (zero outputs).
+    takes_outside_groups = True
 
     def __init__(self):
         super().__init__()
         self.matmul = _ChunkedBlockMatmul()
 
-    def expert_of_blocks(self, x_NbF, w_EOF, group_sizes_E):
-        return ops.stop_gradient(block_experts(x_NbF.shape[0], x_NbF.shape[1], w_EOF.shape[0], group_sizes_E))
+    def expert_of_blocks(self, x_NbF, w_EOF, group_sizes_G):
+        """Each block's row of ``w_EOF`` and, when ``group_sizes_G`` has the outside groups, ``[N, 1, 1]``
+        ones for the blocks of held experts and zeros for the others (else None)."""
+        num_held = w_EOF.shape[0]
+        outside = group_sizes_G.shape[0] == num_held + 2
+        group_N = block_experts(x_NbF.shape[0], x_NbF.shape[1], group_sizes_G.shape[0], group_sizes_G)
+        if not outside:
+            return ops.stop_gradient(group_N), None
+        held_N = ops.logical_and(group_N >= 1, group_N <= num_held)
+        expert_N = ops.clip_by_value(group_N - 1, 0, num_held - 1)
+        held_N11 = held_N.astype(x_NbF.dtype).reshape(-1, 1, 1)
+        return ops.stop_gradient(expert_N), ops.stop_gradient(held_N11)
 
     def whole(self, x_NbF, w_EOF, expert_N):
         """One gather of every block's weight: for the serving graphs, whose block count is only known when
         they run (no static chunks) and which have no backward."""
         if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU
             w_EOF = w_EOF.astype(x_NbF.dtype)
-        return ops.BatchMatMul(transpose_b=True)(x_NbF, ops.gather(w_EOF, expert_N, 0).astype(x_NbF.dtype))
+        return self.matmul.bmm_nt(x_NbF, ops.gather(w_EOF, expert_N, 0).astype(x_NbF.dtype))
 
-    def construct(self, x_NbF, w_EOF, group_sizes_E):
-        expert_N = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_E)
+    def _run(self, x_NbF, w_EOF, group_sizes_G, scale_Nb):
+        expert_N, held_N11 = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_G)
         if not F.isconstant(x_NbF.shape[0]):
-            return self.whole(x_NbF, w_EOF, expert_N)
-        return self.matmul(x_NbF, w_EOF, expert_N, ops.ones(x_NbF.shape[:2], x_NbF.dtype))
+            y_NbO = self.whole(x_NbF, w_EOF, expert_N)
+        else:
+            if scale_Nb is None:
+                scale_Nb = ops.ones(x_NbF.shape[:2], x_NbF.dtype)
+            y_NbO = self.matmul(x_NbF, w_EOF, expert_N, scale_Nb)
+        if held_N11 is None:
+            return y_NbO
+        return y_NbO * held_N11
+
+    def construct(self, x_NbF, w_EOF, group_sizes_G):
+        return self._run(x_NbF, w_EOF, group_sizes_G, None)
 
 
 class RowScaledBlockGroupedMatmul(BlockGroupedMatmul):
     """:class:`BlockGroupedMatmul` whose backward scales row r's share of the weight gradient by
     ``scale [N, b]`` (gradient isolation's ``token_grad``; see ``RowScaledWeightGradMatmul``)."""
 
-    def construct(self, x_NbF, w_EOF, group_sizes_E, scale_Nb):
-        expert_N = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_E)
-        if not F.isconstant(x_NbF.shape[0]):
-            return self.whole(x_NbF, w_EOF, expert_N)
-        return self.matmul(x_NbF, w_EOF, expert_N, scale_Nb)
+    def construct(self, x_NbF, w_EOF, group_sizes_G, scale_Nb):
+        return self._run(x_NbF, w_EOF, group_sizes_G, scale_Nb)

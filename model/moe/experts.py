@@ -109,8 +109,10 @@ class RoutedExperts(nn.Cell):
             if scale is None:
                 return self.bmm(x, w_EOF)
             return self.scaled_bmm(x, w_EOF, scale)
-        if self.num_held < self.num_experts:
-            # Zero weights for the groups of the experts other processes hold (see held_groups).
+        if self.num_held < self.num_experts and not self.gmm.takes_outside_groups:
+            # Zero weights for the groups of the experts other processes hold (see held_groups); the CPU
+            # kernel takes those groups as they are and masks their outputs (no padded weight copy, which
+            # the backward would keep per projection and layer).
             # The Pad primitive: in MindSpore 2.9 the gradient of ``ops.pad`` (PadV3) is zero from the second
             # call of a compiled graph on; a concat with zero tensors failed kernel selection in the fused
             # train step on CPU (an input of type None).

@@ -102,6 +102,31 @@ def test_cpu_grouped_matmul_matches_numpy_and_torch_gradients(
     assert not np.allclose(dw_s, dw, rtol=1e-3)
 
 
+@pytest.mark.parametrize("group_blocks,block", [([2, 1, 0, 3, 1], 4), ([0, 2, 2, 0], 2), ([3, 0, 1, 0], 1)])
+def test_cpu_grouped_matmul_gives_zeros_for_the_groups_of_experts_held_elsewhere(group_blocks, block):
+    """A share of the experts (``parallel.ep``): E weights with E + 2 groups, whose first and last are rows of
+    experts held elsewhere. Their outputs and input gradients are zero, and every value and gradient equals
+    the kernel's contract with zero weights for those two groups (the reference's padded weights)."""
+    x, padded, sizes, upstream, scale = problem(group_blocks, block, padding_blocks=1, seed=4)
+    padded[0] = padded[-1] = 0
+    held = padded[1:-1]
+    kernel = kernels.grouped_matmul("CPU")
+    assert kernel.takes_outside_groups
+    out, dx, dw = run(kernel, x, held, sizes, upstream, block)
+    np.testing.assert_allclose(out, np_grouped(x, padded, sizes), rtol=1e-5, atol=1e-5)
+    outside = np.zeros(x.shape[0], bool)
+    outside[: sizes[0]] = True
+    outside[sizes[:-1].sum() :] = True
+    assert not out[outside].any() and not dx[outside].any()
+    expected_dx, expected_dw = torch_grads(x, padded, sizes, upstream, scale)
+    np.testing.assert_allclose(dx, expected_dx, rtol=1e-5, atol=1e-5)
+    _, plain_dw = torch_grads(x, padded, sizes, upstream, np.ones_like(scale))
+    np.testing.assert_allclose(dw, plain_dw[1:-1], rtol=1e-5, atol=1e-5)
+    _, dx_s, dw_s = run(kernels.grouped_matmul_row_scaled("CPU"), x, held, sizes, upstream, block, scale)
+    np.testing.assert_allclose(dx_s, expected_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dw_s, expected_dw[1:-1], rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_block_size_keeps_padding_near_an_eighth_and_is_one_for_few_rows():
     rule = kernels.grouped_alignment("CPU")
     assert rule(8, 64) == 1 and rule(64 * 8 * 2 - 1, 64) == 1  # decode steps, few rows per expert
