@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from mindmoe.bench.report import _table
+from mindmoe.bench.report import _proc_field, _table
 
 GIB = 2**30
 TIMEOUT_S = 900
@@ -239,7 +239,9 @@ def measure(size_name: str, root: Path, emit) -> list:
     rows = []
     with tempfile.TemporaryDirectory(prefix="mindmoe-scaling-") as work:
         for run in scaling_runs(size_name):
-            rows.append(emit({"kind": "run", **run_one(run, root, Path(work))}))
+            row = {"kind": "run", **run_one(run, root, Path(work))}
+            row["cpu"] = f"{os.cpu_count()}-core {_proc_field('/proc/cpuinfo', 'model name')}"
+            rows.append(emit(row))
     for figure in ratios(rows):
         rows.append(emit({"kind": "ratio", **figure}))
     return rows
@@ -252,10 +254,11 @@ def markdown_section(rows: list) -> list:
     """The Scaling section of BENCHMARKS.md from the ``scaling`` rows of one run."""
     runs = [row for row in rows if row.get("kind") == "run"]
     figures = [row for row in rows if row.get("kind") == "ratio"]
+    machine = f" on a {runs[0]['cpu']}" if runs and runs[0].get("cpu") else ""
     lines = [
         SECTION,
         "",
-        f"Opt-in (`mindmoe-bench --cases scaling`), run {rows[0]['run']}. One factor at a time around each "
+        f"Opt-in (`mindmoe-bench --cases scaling`), run {rows[0]['run']}{machine}. One factor at a time around each "
         "group's base point: **experts** = the tiny model at top-8, expert width 32, default data (seq 128, "
         "16 sequences per step), capacity factor 1.25 or dropless; **length** and **vocab** = micro-batch 1, "
         "one sequence per step, `model.max_position_embeddings=8192`. Each row is one `mindmoe-train` process: "

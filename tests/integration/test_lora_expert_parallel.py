@@ -7,6 +7,7 @@ outputs, and the checkpoint and its PEFT copy gather all 4. The dense adapters a
 """
 
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -75,3 +76,58 @@ def test_lora_with_expert_parallel_workers_reproduces_one_process_and_its_adapte
     for e in range(4):
         assert np.abs(actual[EXPERT_KEY.format(e=e, proj="down_proj", factor="B")]).max() > 0, e
     assert actual[EXPERT_KEY.format(e=3, proj="gate_proj", factor="A")].shape == (4, 64)
+
+
+RECIPE_STEPS = 3
+RECIPE = [
+    "recipe=lora_business",  # the bundled HF base (dropless experts, 4 routed), SFT data, dropout 0.05
+    "data.global_batch_size=4",
+    "data.micro_batch_size=2",
+    f"train.max_steps={RECIPE_STEPS}",
+    "train.log_every=1",
+    f"train.save_every={RECIPE_STEPS}",
+    "train.eval_every=0",
+    "train.progress_bar=false",
+]
+
+
+def recipe_command(module, run_dir, data_cache, *extra):
+    return [sys.executable, "-m", module, f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}", *RECIPE, *extra]
+
+
+@pytest.mark.msrun
+def test_the_lora_business_recipe_on_two_expert_parallel_workers_reproduces_one_process(
+    tmp_path, data_cache, processes
+):
+    """The README's fine-tune as a user runs it with ``parallel.ep=2``: the imported base's dropless experts
+    split over 2 workers, adapter dropout masks and all, give one process's losses and PEFT adapter file."""
+    single_dir, ep_dir = tmp_path / "single", tmp_path / "ep2"
+    launcher = start(
+        processes,
+        recipe_command(
+            "mindmoe.launch.cli",
+            ep_dir,
+            data_cache,
+            "launch.procs_per_node=2",
+            "parallel.ep=2",
+            f"launch.master_port={free_port()}",
+        ),
+    )
+    subprocess.run(
+        recipe_command("mindmoe.train.cli", single_dir, data_cache),
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+        timeout=900,
+    )
+    code, stdout, stderr = finish(launcher)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    expected, actual = by_step(single_dir, "loss"), by_step(ep_dir, "loss")
+    assert sorted(actual) == sorted(expected) == list(range(1, RECIPE_STEPS + 1))
+    for step, value in expected.items():
+        assert abs(actual[step] - value) <= 1e-5 * abs(value), f"loss step {step}: {actual[step]} vs {value}"
+    adapter = Path("checkpoints") / f"step_{RECIPE_STEPS:06d}" / "adapter" / "adapter_model.safetensors"
+    expected_files, actual_files = load_file(str(single_dir / adapter)), load_file(str(ep_dir / adapter))
+    assert sorted(actual_files) == sorted(expected_files)
+    for name, tensor in expected_files.items():
+        np.testing.assert_allclose(actual_files[name], tensor, rtol=1e-5, atol=1e-7, err_msg=name)
