@@ -237,11 +237,10 @@ def ratios(rows: list) -> list:
 def measure(size_name: str, root: Path, emit) -> list:
     """Every run of the case, then its ratios; ``emit(row)`` records each as it is measured."""
     rows = []
+    cpu = f"{os.cpu_count()}-core {_proc_field('/proc/cpuinfo', 'model name')}"
     with tempfile.TemporaryDirectory(prefix="mindmoe-scaling-") as work:
         for run in scaling_runs(size_name):
-            row = {"kind": "run", **run_one(run, root, Path(work))}
-            row["cpu"] = f"{os.cpu_count()}-core {_proc_field('/proc/cpuinfo', 'model name')}"
-            rows.append(emit(row))
+            rows.append(emit({"kind": "run", **run_one(run, root, Path(work)), "cpu": cpu}))
     for figure in ratios(rows):
         rows.append(emit({"kind": "ratio", **figure}))
     return rows

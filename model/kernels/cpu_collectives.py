@@ -32,9 +32,9 @@ def _block(x_GnF, index_1):
     return ops.gather(x_GnF, index_1, 0).squeeze(0)
 
 
-def _send_indices(group_size: int, rank_in_group: int) -> tuple:
-    """Round k's block of this rank: the one addressed to rank ``(rank + k) % G`` (index k of the tuple)."""
-    return tuple(Tensor(np.array([(rank_in_group + k) % group_size], np.int32)) for k in range(group_size))
+def _block_indices(group_size: int) -> tuple:
+    """``[i]`` int32 for every block index i: the Gather indices of :func:`_block`."""
+    return tuple(Tensor(np.array([i], np.int32)) for i in range(group_size))
 
 
 class GatherSends(nn.Cell):
@@ -45,10 +45,11 @@ class GatherSends(nn.Cell):
         super().__init__()
         self.all_gather = ops.AllGather(group=group)
         self.group_size = group_size
-        self.send = _send_indices(group_size, rank_in_group)
+        self.rank_in_group = rank_in_group
+        self.index = _block_indices(group_size)
 
     def construct(self, x_GnF, k):
-        block_nF = _block(x_GnF, self.send[k])
+        block_nF = _block(x_GnF, self.index[(self.rank_in_group + k) % self.group_size])
         return self.all_gather(block_nF).reshape((self.group_size,) + block_nF.shape)  # gathered on axis 0
 
 
@@ -60,11 +61,12 @@ class SumSends(nn.Cell):
         super().__init__()
         self.all_reduce = ops.AllReduce(group=group)
         self.group_size = group_size
-        self.send = _send_indices(group_size, rank_in_group)
+        self.rank_in_group = rank_in_group
+        self.index = _block_indices(group_size)
         self.mine_G = Tensor(np.eye(group_size, dtype=np.float32)[rank_in_group])
 
     def construct(self, x_GnF, k):
-        block_nF = _block(x_GnF, self.send[k])
+        block_nF = _block(x_GnF, self.index[(self.rank_in_group + k) % self.group_size])
         mine = self.mine_G.astype(x_GnF.dtype).reshape((self.group_size,) + (1,) * block_nF.ndim)
         return self.all_reduce(mine * block_nF.expand_dims(0))
 
@@ -85,16 +87,15 @@ class EmulatedAllToAll(nn.Cell):
         self.sends = sends
         self.group_size = group_size
         self.rank_in_group = rank_in_group
-        self.source = tuple(Tensor(np.array([(rank_in_group - k) % group_size], np.int32)) for k in range(group_size))
+        self.index = _block_indices(group_size)
 
     def exchange(self, x_GnF):
         blocks = ()
         for source in range(self.group_size):
             k = (self.rank_in_group - source) % self.group_size  # the round in which it arrives
-            if k == 0:
-                blocks = blocks + (_block(x_GnF, self.source[0]),)  # its own block stays here
-            else:
-                blocks = blocks + (_block(self.sends(x_GnF, k), self.source[k]),)
+            # Its own block stays here; another rank's is entry ``source`` of round k.
+            arrived = x_GnF if k == 0 else self.sends(x_GnF, k)
+            blocks = blocks + (_block(arrived, self.index[source]),)
         return ops.stack(blocks, 0)
 
     def construct(self, x_GnF):
