@@ -85,6 +85,11 @@ class AdapterScope:
         """Storage dtype of the weight ``name`` of this cell (``weight``, ``q_proj.weight``, ``gate_proj``)."""
         return ms.float32 if self.child(name).prefix in self.saved else self.base_dtype
 
+    def frozen(self, name: str) -> bool:
+        """Whether the weight ``name`` of this cell is frozen: in a LoRA build (a plan's scope, with an adapter
+        spec) every base weight is, except the modules_to_save; a plain model trains them all."""
+        return self.spec is not None and self.child(name).prefix not in self.saved
+
     def linear(self, name: str) -> Optional[AdapterSpec]:
         """The adapter of the :class:`Linear` ``name`` of this cell, or None."""
         return self.spec if f"{self.child(name).prefix}.weight" in self.adapted else None

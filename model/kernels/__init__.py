@@ -131,15 +131,17 @@ def rope(interleaved: bool, device_target: str = None):
     return implementation("rope", device_target)(interleaved)
 
 
-def grouped_matmul(device_target: str = None):
+def grouped_matmul(device_target: str = None, weight_grad: bool = True):
     """``(x_sorted [N, b, F], weight [E, O, F], group_sizes [E] int32) -> [N, b, O]``: the sorted rows
     (``X = N * b``, flattened in order) fall into E contiguous groups of ``group_sizes[e]`` rows, each a
     multiple of b (the :func:`grouped_alignment`); row r of group e gives ``x_r weight[e]^T``. Rows past
     the last group are zeros and give zeros; they are never combined, so their gradient is not specified
     (there are none with alignment 1). An implementation whose ``takes_outside_groups`` is true also takes
     ``E + 2`` group sizes for E weights (a process holding a share of the experts): the first and last
-    groups' rows give zeros, with zero gradients; otherwise the caller pads the weights with zero experts."""
-    return implementation("grouped_matmul", device_target)()
+    groups' rows give zeros, with zero gradients; otherwise the caller pads the weights with zero experts.
+    ``weight_grad=False``: the weight is frozen (a LoRA base); its gradient is never used, and an
+    implementation with a hand-written backward skips computing it."""
+    return implementation("grouped_matmul", device_target)(weight_grad)
 
 
 def grouped_matmul_row_scaled(device_target: str = None):

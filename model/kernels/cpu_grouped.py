@@ -70,10 +70,16 @@ def block_experts(num_blocks: int, block: int, num_experts: int, group_sizes_E):
 class _ChunkedBlockMatmul(nn.Cell):
     """``x [N, b, F]`` times the weight of each block's expert ``expert_N``, chunk by chunk; the backward
     scales row r's share of the weight gradient by ``scale [N, b]`` (ones: the plain gradient). Primitives
-    only: functional ops do not compile in a bprop."""
+    only: functional ops do not compile in a bprop.
 
-    def __init__(self):
+    ``weight_grad=False`` (a frozen weight, e.g. a LoRA base): the backward computes the input gradient only.
+    Autodiff cannot drop the weight gradient of a custom bprop by itself here: the chunks of the backward are
+    chained one after another, so every chunk's segment sum would stay alive; a frozen LoRA base paid those
+    FLOPs and an fp32 ``[E, O, F]`` running sum per projection and layer."""
+
+    def __init__(self, weight_grad: bool = True):
         super().__init__()
+        self.weight_grad = weight_grad
         self.gather = ops.Gather()
         self.cast = ops.Cast()
         self.concat = ops.Concat(0)
@@ -97,6 +103,13 @@ class _ChunkedBlockMatmul(nn.Cell):
         return outs[0] if len(outs) == 1 else self.concat(outs)
 
     def bprop(self, x_NbF, w_EOF, expert_N, scale_Nb, out, dout_NbO):
+        if not self.weight_grad:
+            return (
+                self.input_grad(w_EOF, expert_N, dout_NbO),
+                ops.zeros_like(w_EOF),
+                ops.zeros_like(expert_N),
+                ops.zeros_like(scale_Nb),
+            )
         chunks = block_chunks(x_NbF.shape[0], w_EOF.shape[1], w_EOF.shape[2])
         scaled_NbO = dout_NbO * self.cast(scale_Nb, dout_NbO.dtype).expand_dims(-1)
         w_dtype = w_EOF.dtype
@@ -118,6 +131,19 @@ class _ChunkedBlockMatmul(nn.Cell):
         dx_NbF = dxs[0] if len(dxs) == 1 else self.concat(dxs)
         return dx_NbF, self.cast(dw_EOF, w_dtype), ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
 
+    def input_grad(self, w_EOF, expert_N, dout_NbO):
+        """``dx [N, b, F]`` alone, chunk by chunk as the forward (each chunk's gather after the previous product)."""
+        chunks = block_chunks(dout_NbO.shape[0], w_EOF.shape[1], w_EOF.shape[2])
+        if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU: one whole cast
+            w_EOF = self.cast(w_EOF, dout_NbO.dtype)
+        dxs = ()
+        after = expert_N
+        for start, stop in chunks:
+            index_n = ops.depend(expert_N[start:stop], after)
+            after = self.bmm_nn(dout_NbO[start:stop], self.cast(self.gather(w_EOF, index_n, 0), dout_NbO.dtype))
+            dxs = dxs + (after,)
+        return dxs[0] if len(dxs) == 1 else self.concat(dxs)
+
 
 class BlockGroupedMatmul(nn.Cell):
     """``(x [N, b, F], weight [E, O, F], group_sizes [E] int32) -> [N, b, O]``: row r of group e times
@@ -134,9 +160,9 @@ class BlockGroupedMatmul(nn.Cell):
     #: ``group_sizes`` may have the two groups of experts held elsewhere (zero outputs).
     takes_outside_groups = True
 
-    def __init__(self):
+    def __init__(self, weight_grad: bool = True):
         super().__init__()
-        self.matmul = _ChunkedBlockMatmul()
+        self.matmul = _ChunkedBlockMatmul(weight_grad)
 
     def expert_of_blocks(self, x_NbF, w_EOF, group_sizes_G):
         """Each block's row of ``w_EOF`` and, when ``group_sizes_G`` has the outside groups, ``[N, 1, 1]``

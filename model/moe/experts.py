@@ -60,6 +60,8 @@ class RoutedExperts(nn.Cell):
     from the rows a single process would (and the random stream of later parameters is the same).
     ``first_expert`` is the index of row 0 among all experts. ``dtypes``: storage dtype per projection name
     (default fp32); a half weight (``lora.base_dtype``) is up-cast per call to the input's dtype.
+    ``frozen``: the projection names whose weights never train (a LoRA base); their grouped matmuls compute
+    no weight gradient.
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class RoutedExperts(nn.Cell):
         rng: np.random.Generator,
         held_experts: range = None,
         dtypes: dict = None,
+        frozen: tuple = (),
     ):
         super().__init__()
         self.first_expert = 0 if held_experts is None else held_experts.start
@@ -94,13 +97,19 @@ class RoutedExperts(nn.Cell):
         self.bmm = ops.BatchMatMul(transpose_b=True)
         self.scaled_bmm = RowScaledWeightGradMatmul()
         self.gmm = kernels.grouped_matmul()
+        self.frozen_gmm = kernels.grouped_matmul(weight_grad=False)
+        # Projections whose weights never train (a LoRA base): their grouped matmul computes no weight gradient.
+        self.gate_proj_frozen, self.up_proj_frozen, self.down_proj_frozen = (
+            p in frozen for p in ("gate_proj", "up_proj", "down_proj")
+        )
         self.scaled_gmm = kernels.grouped_matmul_row_scaled()
         self.activation = kernels.swiglu()
         self.pad_other_experts = ops.Pad(((1, 1), (0, 0), (0, 0)))
 
-    def expert_matmul(self, x, w_EOF, scale, group_sizes):
+    def expert_matmul(self, x, w_EOF, scale, group_sizes, frozen=False):
         """``x @ w_e^T`` per expert: on an ``[E, C, F]`` buffer (``group_sizes`` None) or on grouped rows;
-        ``scale`` (or None) scales each row's share of the weight gradient."""
+        ``scale`` (or None) scales each row's share of the weight gradient; ``frozen``: ``w_EOF`` gets no
+        gradient (``scale`` is then irrelevant)."""
         grouped = group_sizes is not None
         # The CPU grouped kernel casts each chunk of gathered half weights itself: no fp32 copy of the experts.
         if self.half_weights and not (grouped and self.gmm.takes_half_weights):
@@ -117,6 +126,8 @@ class RoutedExperts(nn.Cell):
             # call of a compiled graph on; a concat with zero tensors failed kernel selection in the fused
             # train step on CPU (an input of type None).
             w_EOF = self.pad_other_experts(w_EOF)
+        if frozen:
+            return self.frozen_gmm(x, w_EOF, group_sizes)
         if scale is None:
             return self.gmm(x, w_EOF, group_sizes)
         return self.scaled_gmm(x, w_EOF, group_sizes, scale)
@@ -133,9 +144,9 @@ class RoutedExperts(nn.Cell):
         return ops.concat((before, group_sizes_E[self.first_expert : last], after), 0)
 
     def _forward(self, x, scale, group_sizes):
-        gate = self.expert_matmul(x, self.gate_proj, scale, group_sizes)
-        hidden = self.activation(gate, self.expert_matmul(x, self.up_proj, scale, group_sizes))
-        return self.expert_matmul(hidden, self.down_proj, scale, group_sizes)
+        gate = self.expert_matmul(x, self.gate_proj, scale, group_sizes, self.gate_proj_frozen)
+        hidden = self.activation(gate, self.expert_matmul(x, self.up_proj, scale, group_sizes, self.up_proj_frozen))
+        return self.expert_matmul(hidden, self.down_proj, scale, group_sizes, self.down_proj_frozen)
 
     def construct(self, x_ECH):
         return self._forward(x_ECH, None, None)

@@ -38,8 +38,9 @@ class LoraRoutedExperts(RoutedExperts):
         held_experts: range = None,
         name: str = "experts",
         dtypes: dict = None,
+        frozen: tuple = (),
     ):
-        super().__init__(num_experts, hidden_size, intermediate_size, std, rng, held_experts, dtypes)
+        super().__init__(num_experts, hidden_size, intermediate_size, std, rng, held_experts, dtypes, frozen)
         self.scaling = adapter.scaling
         self.dropout = adapter.dropout
         self.projections = tuple(p for p in EXPERT_PROJECTIONS if p in projections)
@@ -68,9 +69,9 @@ class LoraRoutedExperts(RoutedExperts):
             # Each projection's adapter drops its own input independently (PEFT: one dropout per module).
             setattr(self, f"{proj}_dropout", adapter.dropout_stream(f"{name}.{proj}") if factors else None)
 
-    def _project(self, x_ECF, w_EOF, factors, dropout, scale_EC, group_sizes=None):
+    def _project(self, x_ECF, w_EOF, factors, dropout, scale_EC, group_sizes=None, frozen=False):
         # group_sizes: None on an [E, C, F] buffer, else grouped rows (RoutedExperts.expert_matmul).
-        y_ECO = self.expert_matmul(x_ECF, w_EOF, scale_EC, group_sizes)
+        y_ECO = self.expert_matmul(x_ECF, w_EOF, scale_EC, group_sizes, frozen)
         if factors is None:
             return y_ECO
         if self.dropout > 0 and self.training:
@@ -85,10 +86,22 @@ class LoraRoutedExperts(RoutedExperts):
         return y_ECO + delta_ECO * self.scaling
 
     def _forward(self, x_ECH, scale_EC, groups=None):
-        gate_ECI = self._project(x_ECH, self.gate_proj, self.gate_proj_lora, self.gate_proj_dropout, scale_EC, groups)
-        up_ECI = self._project(x_ECH, self.up_proj, self.up_proj_lora, self.up_proj_dropout, scale_EC, groups)
+        gate_ECI = self._project(
+            x_ECH, self.gate_proj, self.gate_proj_lora, self.gate_proj_dropout, scale_EC, groups, self.gate_proj_frozen
+        )
+        up_ECI = self._project(
+            x_ECH, self.up_proj, self.up_proj_lora, self.up_proj_dropout, scale_EC, groups, self.up_proj_frozen
+        )
         hidden_ECI = self.activation(gate_ECI, up_ECI)
-        return self._project(hidden_ECI, self.down_proj, self.down_proj_lora, self.down_proj_dropout, scale_EC, groups)
+        return self._project(
+            hidden_ECI,
+            self.down_proj,
+            self.down_proj_lora,
+            self.down_proj_dropout,
+            scale_EC,
+            groups,
+            self.down_proj_frozen,
+        )
 
 
 def routed_experts(
@@ -98,8 +111,19 @@ def routed_experts(
     ``held_experts`` as there."""
     projections = lora.expert_projections()
     dtypes = {proj: lora.weight_dtype(proj) for proj in EXPERT_PROJECTIONS}
+    frozen = tuple(proj for proj in EXPERT_PROJECTIONS if lora.frozen(proj))
     if not projections:
-        return RoutedExperts(num_experts, hidden_size, intermediate_size, std, rng, held_experts, dtypes)
+        return RoutedExperts(num_experts, hidden_size, intermediate_size, std, rng, held_experts, dtypes, frozen)
     return LoraRoutedExperts(
-        num_experts, hidden_size, intermediate_size, std, rng, projections, lora.spec, held_experts, lora.prefix, dtypes
+        num_experts,
+        hidden_size,
+        intermediate_size,
+        std,
+        rng,
+        projections,
+        lora.spec,
+        held_experts,
+        lora.prefix,
+        dtypes,
+        frozen,
     )

@@ -127,6 +127,32 @@ def test_cpu_grouped_matmul_gives_zeros_for_the_groups_of_experts_held_elsewhere
     np.testing.assert_allclose(dw_s, expected_dw[1:-1], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("chunk_blocks", [None, 2])
+def test_cpu_grouped_matmul_of_a_frozen_weight_gives_the_input_gradient_only(chunk_blocks, monkeypatch):
+    """``weight_grad=False`` (a frozen LoRA base): the same values and input gradient as the plain kernel, in
+    one chunk and in several, with and without the groups of experts held elsewhere; the weight gradient it
+    returns is zero (it is never computed)."""
+    if chunk_blocks:
+        monkeypatch.setattr(cpu_grouped, "CHUNK_BYTES", chunk_blocks * OUT_FEATURES * IN_FEATURES * 4)
+    x, weight, sizes, upstream, scale = problem([2, 1, 0, 3, 1], 4, padding_blocks=1, seed=5)
+    kernel = kernels.grouped_matmul("CPU", weight_grad=False)
+    out, dx, dw = run(kernel, x, weight, sizes, upstream, 4)
+    np.testing.assert_allclose(out, np_grouped(x, weight, sizes), rtol=1e-5, atol=1e-5)
+    expected_dx, _ = torch_grads(x, weight, sizes, upstream, scale)
+    np.testing.assert_allclose(dx, expected_dx, rtol=1e-5, atol=1e-5)
+    assert not dw.any()
+    padded = weight.copy()
+    padded[0] = padded[-1] = 0
+    out, dx, dw = run(kernel, x, padded[1:-1], sizes, upstream, 4)
+    np.testing.assert_allclose(out, np_grouped(x, padded, sizes), rtol=1e-5, atol=1e-5)
+    expected_dx, _ = torch_grads(x, padded, sizes, upstream, scale)
+    np.testing.assert_allclose(dx, expected_dx, rtol=1e-5, atol=1e-5)
+    half_out, half_dx, _ = run(kernel, x, weight.astype(np.float16), sizes, upstream, 4)
+    rounded = weight.astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(half_out, np_grouped(x, rounded, sizes), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(half_dx, torch_grads(x, rounded, sizes, upstream, scale)[0], rtol=1e-5, atol=1e-5)
+
+
 def test_cpu_block_size_keeps_padding_near_an_eighth_and_is_one_for_few_rows():
     rule = kernels.grouped_alignment("CPU")
     assert rule(8, 64) == 1 and rule(64 * 8 * 2 - 1, 64) == 1  # decode steps, few rows per expert

@@ -352,6 +352,24 @@ def test_modules_to_save_are_trained_in_full():
         )
 
 
+def test_routed_experts_skip_the_weight_gradient_of_exactly_the_frozen_projections():
+    """The grouped kernel without a weight gradient runs for a projection iff its weight does not train: the
+    base of a LoRA build, not a modules_to_save projection, not a plain model's."""
+    cfg = tiny_config()
+    lora = LoraConfig(enabled=True, r=2, target_modules=["down_proj"], modules_to_save=["up_proj"])
+    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora, seed=0))
+    plain = MoETransformer(cfg, seed=0)
+    checked = 0
+    for (name, cell), (_, plain_cell) in zip(model.cells_and_names(), plain.cells_and_names()):
+        if isinstance(cell, RoutedExperts):
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                assert getattr(cell, f"{proj}_frozen") == (not getattr(cell, proj).requires_grad), f"{name}.{proj}"
+                assert not getattr(plain_cell, f"{proj}_frozen")
+            assert (cell.gate_proj_frozen, cell.up_proj_frozen, cell.down_proj_frozen) == (True, False, True)
+            checked += 1
+    assert checked == cfg.num_layers - cfg.first_k_dense
+
+
 def test_expert_update_isolation_scales_expert_adapters_not_the_frozen_weights():
     from mindmoe.train.routing import RouterStepUpdates
 
