@@ -10,6 +10,8 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Tuple
 
+from mindmoe.model.config import GQA_ONLY_KEYS
+
 log = logging.getLogger("mindmoe.config")
 
 
@@ -27,6 +29,11 @@ class NoEffectRule:
 
 
 RULES = (
+    NoEffectRule(
+        tuple(f"model.{key}" for key in GQA_ONLY_KEYS),
+        lambda cfg, model: model.attention_type == "mla",
+        lambda cfg, model: "model.attention_type=mla reads its own widths (q_lora_rank .. v_head_dim), not GQA's",
+    ),
     NoEffectRule(
         ("model.capacity_factor",),
         lambda cfg, model: model.dispatch == "dropless",

@@ -89,56 +89,35 @@ def causal_chunks(seq_len: int) -> int:
     return 1
 
 
-class Attention(nn.Cell):
-    """q/k/v projections (optional bias) -> optional QK RMSNorm -> partial RoPE -> softmax(qk/sqrt(D)) v."""
+class AttentionHeads(nn.Cell):
+    """What every attention variant shares once it has its queries, keys and values: the document-causal
+    softmax over the heads (full mask, causal chunks or blockwise) and ``o_proj``.
 
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, lora: AdapterScope = NO_LORA):
+    A subclass sets ``o_proj`` and implements ``project_qkv``; ``num_kv_heads`` = ``num_heads`` is plain
+    multi-head attention (MLA). Values may be narrower than queries/keys (MLA's ``v_head_dim``).
+    """
+
+    def __init__(self, num_heads: int, num_kv_heads: int, scale: float):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.resolved_head_dim
-        self.interleaved = cfg.rope_interleaved
-        self.scale = 1.0 / math.sqrt(self.head_dim)
-        std = cfg.initializer_range
-        q_out, kv_out = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
-        self.q_proj = projection(cfg.hidden_size, q_out, cfg.qkv_bias, std, rng, lora, "q_proj")
-        self.k_proj = projection(cfg.hidden_size, kv_out, cfg.qkv_bias, std, rng, lora, "k_proj")
-        self.v_proj = projection(cfg.hidden_size, kv_out, cfg.qkv_bias, std, rng, lora, "v_proj")
-        self.o_proj = projection(q_out, cfg.hidden_size, False, std, rng, lora, "o_proj")
-        self.qk_norm = cfg.qk_norm
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.core = kernels.attention_core(self.scale)
-        self.blockwise = kernels.blockwise_attention(self.scale, BLOCK_SIZE)
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+        self.core = kernels.attention_core(scale)
+        self.blockwise = kernels.blockwise_attention(scale, BLOCK_SIZE)
         self.use_blockwise = ms.get_context("device_target") in BLOCKWISE_DEVICES
-        self.rotate = kernels.rope(cfg.rope_interleaved)
 
     def construct(self, x_BSH, cos, sin, mask):
         q_BNSD, k_BGSD, v_BGSD = self.project_qkv(x_BSH, cos, sin)
         return self.attend(q_BNSD, k_BGSD, v_BGSD, mask)
-
-    def project_qkv(self, x_BSH, cos, sin):
-        """Queries ``[B, N, S, D]`` and keys/values ``[B, G, S, D]`` after QK-norm and RoPE (what a KV cache holds)."""
-        batch, seq_len, _ = x_BSH.shape
-        q_BNSD = self.q_proj(x_BSH).reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
-        k_BGSD = self.k_proj(x_BSH).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        v_BGSD = self.v_proj(x_BSH).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
-        if self.qk_norm:
-            q_BNSD = self.q_norm(q_BNSD)
-            k_BGSD = self.k_norm(k_BGSD)
-        q_BNSD = apply_rope(q_BNSD, cos, sin, self.interleaved, self.rotate)
-        k_BGSD = apply_rope(k_BGSD, cos, sin, self.interleaved, self.rotate)
-        return q_BNSD, k_BGSD, v_BGSD
 
     def attend(self, q_BNSD, k_BGPD, v_BGPD, mask):
         """``softmax(q k^T / sqrt(D) + mask) v`` projected back to ``[B, S, H]``; P keys (P = S in training,
         cached + new ones when decoding). ``mask`` is ``[B, N, S, P]``, per query head or shared (its
         second axis 1), the causal chunks of :func:`document_causal_mask` (training, P = S), or the
         document ids ``[B, S]`` for blockwise attention (training, P = S; :func:`training_attention_masks`)."""
-        batch, _, seq_len, head_dim = q_BNSD.shape
+        batch, _, seq_len, _ = q_BNSD.shape
         if not isinstance(mask, tuple) and mask.ndim == 2:
-            out_BNSD = self.blockwise(q_BNSD, k_BGPD, v_BGPD, mask)
+            out_BNSD = self._blockwise(q_BNSD, k_BGPD, v_BGPD, mask)
         elif isinstance(mask, tuple):
             chunks = len(mask)
             size = seq_len // chunks
@@ -153,8 +132,18 @@ class Attention(nn.Cell):
             out_BNSD = ops.concat(outs, 2)
         else:
             out_BNSD = self._attend_heads(q_BNSD, k_BGPD, v_BGPD, mask)
-        out_BSH = out_BNSD.transpose(0, 2, 1, 3).reshape(batch, seq_len, self.num_heads * head_dim)
+        out_BSH = out_BNSD.transpose(0, 2, 1, 3).reshape(batch, seq_len, self.num_heads * out_BNSD.shape[-1])
         return self.o_proj(out_BSH)
+
+    def _blockwise(self, q_BNSD, k_BGSD, v_BGSD, doc_ids_BS):
+        """Blockwise attention; values narrower than the keys (MLA) are zero-padded to their width and the
+        padding cut from the output, as the blockwise kernels (and FlashAttentionScore) take one head dim."""
+        pad = q_BNSD.shape[-1] - v_BGSD.shape[-1]
+        if pad == 0:
+            return self.blockwise(q_BNSD, k_BGSD, v_BGSD, doc_ids_BS)
+        zeros_BGSD = ops.zeros(v_BGSD.shape[:-1] + (pad,), v_BGSD.dtype)
+        out_BNSD = self.blockwise(q_BNSD, k_BGSD, ops.concat((v_BGSD, zeros_BGSD), -1), doc_ids_BS)
+        return out_BNSD[..., : v_BGSD.shape[-1]]
 
     def _attend_heads(self, q_BNSD, k_BGPD, v_BGPD, mask_BNSP):
         """``[B, N, S, D]`` attention output of every query head (``mask_BNSP`` may have one head)."""
@@ -172,4 +161,38 @@ class Attention(nn.Cell):
             v_BGPD,
             mask_BNSP.reshape(batch, self.num_kv_heads, rows, num_keys),
         )
-        return out_BGQD.reshape(batch, self.num_heads, seq_len, head_dim)
+        return out_BGQD.reshape(batch, self.num_heads, seq_len, v_BGPD.shape[-1])
+
+
+class Attention(AttentionHeads):
+    """q/k/v projections (optional bias) -> optional QK RMSNorm -> partial RoPE -> softmax(qk/sqrt(D)) v."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, lora: AdapterScope = NO_LORA):
+        head_dim = cfg.resolved_head_dim
+        super().__init__(cfg.num_heads, cfg.num_kv_heads, 1.0 / math.sqrt(head_dim))
+        self.head_dim = head_dim
+        self.interleaved = cfg.rope_interleaved
+        std = cfg.initializer_range
+        q_out, kv_out = cfg.num_heads * self.head_dim, cfg.num_kv_heads * self.head_dim
+        self.q_proj = projection(cfg.hidden_size, q_out, cfg.qkv_bias, std, rng, lora, "q_proj")
+        self.k_proj = projection(cfg.hidden_size, kv_out, cfg.qkv_bias, std, rng, lora, "k_proj")
+        self.v_proj = projection(cfg.hidden_size, kv_out, cfg.qkv_bias, std, rng, lora, "v_proj")
+        self.o_proj = projection(q_out, cfg.hidden_size, False, std, rng, lora, "o_proj")
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.rotate = kernels.rope(cfg.rope_interleaved)
+
+    def project_qkv(self, x_BSH, cos, sin):
+        """Queries ``[B, N, S, D]`` and keys/values ``[B, G, S, D]`` after QK-norm and RoPE (what a KV cache holds)."""
+        batch, seq_len, _ = x_BSH.shape
+        q_BNSD = self.q_proj(x_BSH).reshape(batch, seq_len, self.num_heads, self.head_dim).transpose(0, 2, 1, 3)
+        k_BGSD = self.k_proj(x_BSH).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        v_BGSD = self.v_proj(x_BSH).reshape(batch, seq_len, self.num_kv_heads, self.head_dim).transpose(0, 2, 1, 3)
+        if self.qk_norm:
+            q_BNSD = self.q_norm(q_BNSD)
+            k_BGSD = self.k_norm(k_BGSD)
+        q_BNSD = apply_rope(q_BNSD, cos, sin, self.interleaved, self.rotate)
+        k_BGSD = apply_rope(k_BGSD, cos, sin, self.interleaved, self.rotate)
+        return q_BNSD, k_BGSD, v_BGSD

@@ -14,6 +14,9 @@ from mindmoe.model.rope_scaling import RopeScalingConfig, rope_scaling_config, v
 SCORE_FUNCS = ("softmax", "sigmoid")
 AUX_LOSS_TYPES = ("switch", "seq", "none")
 ISOLATION_MODES = ("expert_update", "token_grad")
+ATTENTION_TYPES = ("gqa", "mla")
+#: GQA keys an MLA model does not read (its widths are the ``qk_*`` / ``v_head_dim`` / ``*_lora_rank`` keys).
+GQA_ONLY_KEYS = ("num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "partial_rotary_factor")
 DISPATCH_MODES = ("capacity", "dropless")
 
 
@@ -36,6 +39,22 @@ class ModelConfig:
     num_layers: int = 4
     #: Query heads.
     num_heads: int = 6
+    #: gqa (grouped-query attention, GLM-4.5) or mla (multi-head latent attention, DeepSeek-V2/V3: queries
+    #: and keys/values through low-rank latents, one RoPE key shared by all heads; model/mla.py). MLA reads
+    #: the ``q_lora_rank`` .. ``v_head_dim`` keys below and none of ``num_kv_heads``, ``head_dim``,
+    #: ``qkv_bias``, ``qk_norm``, ``partial_rotary_factor``.
+    attention_type: str = "gqa"
+    #: MLA: rank of the query compression (``q_a_proj`` -> RMSNorm -> ``q_b_proj``); null = one ``q_proj``
+    #: (DeepSeek-V2-Lite).
+    q_lora_rank: Optional[int] = None
+    #: MLA: width of the compressed key/value latent (``kv_a_proj_with_mqa`` -> RMSNorm -> ``kv_b_proj``).
+    kv_lora_rank: int = 64
+    #: MLA: per-head query/key channels without RoPE (from ``kv_b_proj`` for the keys).
+    qk_nope_head_dim: int = 32
+    #: MLA: per-head query/key channels with RoPE; the key part is one head shared by all query heads.
+    qk_rope_head_dim: int = 16
+    #: MLA: per-head value width.
+    v_head_dim: int = 32
     #: Key/value heads (GQA); must divide ``num_heads``.
     num_kv_heads: int = 2
     #: Per-head width; 0 = ``hidden_size // num_heads``.
@@ -135,7 +154,15 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
+        """Channels RoPE rotates per head: MLA's ``qk_rope_head_dim``, else ``head_dim * partial_rotary_factor``."""
+        if self.attention_type == "mla":
+            return self.qk_rope_head_dim
         return int(self.resolved_head_dim * self.partial_rotary_factor)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """MLA: query/key width per head, ``qk_nope_head_dim + qk_rope_head_dim``."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
 
     @property
     def num_moe_layers(self) -> int:
@@ -161,7 +188,10 @@ CHOICES = {
     "aux_loss": AUX_LOSS_TYPES,
     "dispatch": DISPATCH_MODES,
     "isolation_mode": ISOLATION_MODES,
+    "attention_type": ATTENTION_TYPES,
 }
+#: MLA widths, each >= 1 (``q_lora_rank`` may also be null).
+MLA_SIZE_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def validate_model_config(cfg: ModelConfig) -> None:
@@ -182,6 +212,20 @@ def validate_model_config(cfg: ModelConfig) -> None:
 
 
 def _check_attention(cfg: ModelConfig, fail) -> None:
+    if cfg.attention_type not in ATTENTION_TYPES:
+        fail("attention_type", f"must be one of {ATTENTION_TYPES}")
+    if cfg.attention_type == "mla":
+        _check_mla(cfg, fail)
+    elif cfg.rope_scaling.mscale_all_dim:
+        fail(
+            "rope_scaling",
+            "mscale_all_dim scales MLA's softmax (DeepSeek-V3); GQA does not read it, "
+            "so leave it at 0 with model.attention_type='gqa'",
+        )
+    if not 0 <= cfg.first_k_dense <= cfg.num_layers:
+        fail("first_k_dense", f"must be between 0 and model.num_layers={cfg.num_layers}")
+    if cfg.attention_type == "mla":
+        return
     if cfg.num_heads % cfg.num_kv_heads:
         fail("num_kv_heads", f"must divide model.num_heads={cfg.num_heads}")
     if not cfg.head_dim and cfg.hidden_size % cfg.num_heads:
@@ -194,8 +238,18 @@ def _check_attention(cfg: ModelConfig, fail) -> None:
         fail("partial_rotary_factor", "must be in (0, 1]")
     if cfg.rotary_dim % 2:
         fail("partial_rotary_factor", f"gives an odd rotary dim {cfg.rotary_dim}; it must be even")
-    if not 0 <= cfg.first_k_dense <= cfg.num_layers:
-        fail("first_k_dense", f"must be between 0 and model.num_layers={cfg.num_layers}")
+
+
+def _check_mla(cfg: ModelConfig, fail) -> None:
+    if cfg.q_lora_rank is not None and (
+        isinstance(cfg.q_lora_rank, bool) or not isinstance(cfg.q_lora_rank, int) or cfg.q_lora_rank < 1
+    ):
+        fail("q_lora_rank", "must be a positive integer, or null for a plain q_proj")
+    for key in MLA_SIZE_KEYS:
+        if getattr(cfg, key) < 1:
+            fail(key, "must be positive")
+    if cfg.qk_rope_head_dim % 2:
+        fail("qk_rope_head_dim", "must be even (RoPE rotates channel pairs)")
 
 
 def _check_routing(cfg: ModelConfig, fail) -> None:

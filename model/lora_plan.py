@@ -29,6 +29,8 @@ from mindmoe.model.param_count import parameter_shapes
 
 # The router's correction bias is state moved by the trainer, never a trained tensor.
 STATE_SUFFIX = "e_score_correction_bias"
+#: Name endings of the 2-D projection weights LoRA can adapt (MLA's ``kv_a_proj_with_mqa`` included).
+PROJECTION_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight")
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,7 @@ def adaptable_projections(model_cfg: ModelConfig, model_type: str = "glm4_moe") 
     for name, shape in _shapes(model_cfg).items():
         if is_stacked_expert(name):
             found.append(LoraTarget(name, [(_module_of(hf), row) for hf, row in names.to_hf(name, shape[0])]))
-        elif name.endswith("_proj.weight"):
+        elif name.endswith(PROJECTION_SUFFIXES):
             found.append(LoraTarget(name, [(_module_of(names.to_hf(name)[0][0]), None)]))
     return found
 

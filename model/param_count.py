@@ -41,7 +41,27 @@ def _swiglu(prefix: str, hidden: int, width: int) -> Dict[str, Shape]:
     }
 
 
+def _mla_attention(prefix: str, cfg: ModelConfig) -> Dict[str, Shape]:
+    """The projections of :class:`model.mla.MLAttention`, in its creation order."""
+    hidden, heads = cfg.hidden_size, cfg.num_heads
+    if cfg.q_lora_rank is None:
+        shapes = {f"{prefix}.q_proj.weight": (heads * cfg.qk_head_dim, hidden)}
+    else:
+        shapes = {
+            f"{prefix}.q_a_proj.weight": (cfg.q_lora_rank, hidden),
+            f"{prefix}.q_a_layernorm.weight": (cfg.q_lora_rank,),
+            f"{prefix}.q_b_proj.weight": (heads * cfg.qk_head_dim, cfg.q_lora_rank),
+        }
+    shapes[f"{prefix}.kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, hidden)
+    shapes[f"{prefix}.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+    shapes[f"{prefix}.kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+    shapes[f"{prefix}.o_proj.weight"] = (hidden, heads * cfg.v_head_dim)
+    return shapes
+
+
 def _attention(prefix: str, cfg: ModelConfig) -> Dict[str, Shape]:
+    if cfg.attention_type == "mla":
+        return _mla_attention(prefix, cfg)
     head_dim = cfg.resolved_head_dim
     shapes = {}
     for proj, heads in (("q_proj", cfg.num_heads), ("k_proj", cfg.num_kv_heads), ("v_proj", cfg.num_kv_heads)):

@@ -26,7 +26,7 @@ import numpy as np
 ROPE_SCALING_TYPES = ("none", "linear", "ntk", "dynamic_ntk", "yarn")
 # HF names that differ from ours, so an error can point from one to the other.
 HF_TYPE_NAMES = {"default": "none", "dynamic": "dynamic_ntk"}
-YARN_ONLY_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.0}
+YARN_ONLY_DEFAULTS = {"beta_fast": 32.0, "beta_slow": 1.0, "attention_factor": 0.0, "mscale_all_dim": 0.0}
 
 
 @dataclass
@@ -46,6 +46,9 @@ class RopeScalingConfig:
     beta_slow: float = 1.0
     #: yarn: multiplier on cos and sin; 0 = the YaRN default 0.1*ln(factor)+1.
     attention_factor: float = 0.0
+    #: yarn with MLA (DeepSeek-V3's ``mscale_all_dim``): the softmax scale is multiplied by
+    #: ``(0.1*mscale_all_dim*ln(factor)+1)^2`` (:func:`yarn_softmax_scale`); 0 = not scaled.
+    mscale_all_dim: float = 0.0
 
 
 def rope_scaling_config(value) -> RopeScalingConfig:
@@ -113,6 +116,8 @@ def validate_rope_scaling(cfg, max_position_embeddings: int, rotary_dim: int = 0
             )
         if cfg.attention_factor < 0:
             fail("attention_factor", "must be > 0, or 0 for the YaRN default 0.1*ln(factor)+1")
+        if cfg.mscale_all_dim < 0:
+            fail("mscale_all_dim", "must be >= 0 (0 = the softmax scale is not changed)")
     if cfg.type in ("ntk", "dynamic_ntk") and 0 < rotary_dim <= 2:
         fail(
             "type",
@@ -157,6 +162,23 @@ def dynamic_ntk_inv_freq(rotary_dim: int, base: float, factor: float, seq_len: i
 def yarn_attention_factor(factor: float) -> float:
     """YaRN's default multiplier on cos/sin, ``0.1*ln(factor)+1`` (1 for factor <= 1)."""
     return 1.0 if factor <= 1.0 else 0.1 * math.log(factor) + 1.0
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """DeepSeek's YaRN magnitude ``0.1*mscale*ln(factor)+1`` (1 for factor <= 1)."""
+    return 1.0 if factor <= 1.0 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_softmax_scale(cfg) -> float:
+    """Multiplier on MLA's softmax scale: ``yarn_mscale(factor, mscale_all_dim)^2`` when ``mscale_all_dim``
+    is set, else 1 (HF 4.57.1 ``DeepseekV3Attention``). YaRN's temperature multiplies q and k by the
+    magnitude; under MLA only the RoPE channels see cos and sin, so DeepSeek applies it to every channel
+    through the scale (squared: it acts on both q and k) and leaves cos/sin the ratio
+    ``yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)`` (``attention_factor``)."""
+    cfg = rope_scaling_config(cfg)
+    if not cfg.mscale_all_dim:
+        return 1.0
+    return yarn_mscale(cfg.factor, cfg.mscale_all_dim) ** 2
 
 
 def yarn_correction_range(rotary_dim: int, base: float, original: int, beta_fast: float, beta_slow: float) -> tuple:

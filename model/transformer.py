@@ -7,6 +7,8 @@ Parameter names are the checkpoint format (see README "Checkpoint format"):
     layers.{i}.self_attn.{q,k,v}_proj.{weight,bias}      [N*D | G*D, H], bias if qkv_bias
     layers.{i}.self_attn.{q,k}_norm.weight               [D] if qk_norm
     layers.{i}.self_attn.o_proj.weight                   [H, N*D]
+    layers.{i}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
+        kv_b_proj, o_proj}.weight                        instead with attention_type mla (model/mla.py)
     layers.{i}.post_attention_layernorm.weight           [H]
     layers.{i}.mlp.{gate,up,down}_proj.weight            dense layers (i < first_k_dense)
     layers.{i}.mlp.router.weight                         [E, H]            MoE layers
@@ -28,6 +30,7 @@ from mindmoe.model.attention import Attention, document_causal_mask, training_at
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.linear import normal_init
 from mindmoe.model.lora_layers import NO_LORA, AdapterScope
+from mindmoe.model.mla import MLAttention
 from mindmoe.model.mlp import SwiGLU
 from mindmoe.model.moe.layer import LAYER_STATS, ROUTING_STATS, MoELayer
 from mindmoe.model.norm import RMSNorm
@@ -70,7 +73,8 @@ class DecoderLayer(nn.Cell):
         super().__init__()
         self.is_moe = layer_idx >= cfg.first_k_dense
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rng, lora.child("self_attn"))
+        attention_cls = MLAttention if cfg.attention_type == "mla" else Attention
+        self.self_attn = attention_cls(cfg, rng, lora.child("self_attn"))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
             self.mlp = MoELayer(cfg, rng, expert_dispatcher=expert_dispatcher, lora=lora.child("mlp"))
@@ -81,7 +85,8 @@ class DecoderLayer(nn.Cell):
         return x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask)
 
     def attention_qkv(self, x_BSH, cos, sin):
-        """Queries ``[B, N, S, D]``, keys and values ``[B, G, S, D]`` of the normalised input."""
+        """Queries ``[B, N, S, D]``, keys and values ``[B, G, S, D]`` of the normalised input (MLA: G = N,
+        values ``v_head_dim`` wide)."""
         return self.self_attn.project_qkv(self.input_layernorm(x_BSH), cos, sin)
 
     def attention_residual(self, x_BSH, q_BNSD, k_BGPD, v_BGPD, mask):

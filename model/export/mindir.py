@@ -13,7 +13,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from mindmoe.model.export.lock_state import lock_state_width
-from mindmoe.model.export.serving import PrefillGraph, carries_lock_state, decode_graph
+from mindmoe.model.export.serving import PrefillGraph, carries_lock_state, check_servable, decode_graph
 
 EXPORT_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -105,6 +105,7 @@ def export_mindir(model, out_dir, dtype: str = "fp32") -> dict:
     """Write ``prefill`` and ``decode`` MindIR into ``out_dir``; ``model`` is cast to ``dtype`` in place."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export.dtype={dtype!r}: must be one of {tuple(EXPORT_DTYPES)}")
+    check_servable(model.config)
     out = Path(out_dir)
     stale = sorted(path.name for path in out.iterdir() if path.name.startswith(GRAPH_NAMES)) if out.is_dir() else []
     if stale:

@@ -41,6 +41,16 @@ def carries_lock_state(cfg) -> bool:
     return cfg.expert_lock and cfg.num_moe_layers > 0
 
 
+def check_servable(cfg) -> None:
+    """ValueError for a model the serving graphs cannot run yet: MLA (their cache holds GQA's per-head
+    keys and values; MLA's cache of the latent and the shared RoPE key is not written yet)."""
+    if cfg.attention_type == "mla":
+        raise ValueError(
+            "model.attention_type='mla': the MindIR serving graphs do not support multi-head latent attention "
+            "yet (their KV cache is GQA's); export.format=hf writes the model as a HF deepseek_v3 checkpoint"
+        )
+
+
 def stack_layers(tensors):
     """``ops.stack`` of a list built with ``append``, written as a concat: in a MindIR graph loaded with
     dynamic shapes, MindSpore 2.9's ``stack`` of such a list keeps the output shape of its first run."""
@@ -54,6 +64,7 @@ class _ServingGraph(nn.Cell):
     def __init__(self, model):
         super().__init__()
         cfg = model.config
+        check_servable(cfg)
         self.model = model
         self.num_dense = cfg.first_k_dense
         self.top_k = cfg.top_k

@@ -1,4 +1,5 @@
-"""HF ``config.json`` -> :class:`ModelConfig`, per architecture (``glm4_moe``, ``qwen3_moe``, ``mixtral``).
+"""HF ``config.json`` -> :class:`ModelConfig`, per architecture (``glm4_moe``, ``qwen3_moe``, ``mixtral``,
+``deepseek_v3``).
 
 The reverse (a ``config.json`` for an export) is :func:`model.hf.export.hf_config_from_model`.
 
@@ -21,6 +22,10 @@ attention       q/k/v bias optional,        QK-norm, no bias            no bias,
                 QK-norm optional
 RoPE            rotate_half, partial        rotate_half, full           rotate_half, full
 ==============  ==========================  ==========================  ===========================
+
+``deepseek_v3`` has glm4_moe's router, shared experts and dense layers, and MLA attention
+(``model.attention_type=mla``; ``q_lora_rank`` null = plain ``q_proj``), RoPE on ``qk_rope_head_dim``
+channels, interleaved when ``rope_interleave``; YaRN's ``mscale_all_dim`` also scales the softmax.
 """
 
 import dataclasses
@@ -28,11 +33,19 @@ import math
 from dataclasses import dataclass, field
 
 from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.hf.arch_fields import deepseek_v3_fields, glm4_moe_fields, mixtral_fields, qwen3_moe_fields
 from mindmoe.model.hf.hf_defaults import HF_DEFAULTS
 from mindmoe.model.rope_scaling import RopeScalingConfig
 
-SUPPORTED_MODEL_TYPES = ("glm4_moe", "qwen3_moe", "mixtral")
-ARCHITECTURES = {"glm4_moe": "Glm4MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+ARCHITECTURES = {
+    "glm4_moe": "Glm4MoeForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "deepseek_v3": "DeepseekV3ForCausalLM",
+}
+#: Architectures whose attention is MLA (``model.attention_type=mla``); the others are GQA.
+MLA_MODEL_TYPES = ("deepseek_v3",)
 
 #: ModelConfig fields an import may change: they alter training or the context length, never the
 #: shape or meaning of a pretrained weight. Every other field comes from config.json.
@@ -135,13 +148,17 @@ def read_hf_config(hf: dict, source: str = "config.json", max_seq_len: int = 0) 
     fields = _common_fields(reader, model_type)
     mtp_layers = 0
     if model_type == "glm4_moe":
-        fields.update(_glm4_moe_fields(reader))
+        fields.update(glm4_moe_fields(reader))
         # HF ignores model.layers.{46,92}.* by pattern whatever num_nextn_predict_layers says.
         mtp_layers = max(reader.int("num_nextn_predict_layers", optional=True) or 0, 1)
+    elif model_type == "deepseek_v3":
+        fields.update(deepseek_v3_fields(reader))
+        # DeepSeek-V3 stores its MTP module as model.layers.61.*, which HF ignores.
+        mtp_layers = reader.int("num_nextn_predict_layers", optional=True) or 0
     elif model_type == "qwen3_moe":
-        fields.update(_qwen3_moe_fields(reader, fields.get("num_layers")))
+        fields.update(qwen3_moe_fields(reader, fields.get("num_layers")))
     else:
-        fields.update(_mixtral_fields(reader, notes))
+        fields.update(mixtral_fields(reader, notes))
     _check_sliding_window(reader, model_type, max_seq_len or fields.get("max_position_embeddings") or 0)
     if reader.problems:
         raise HFCheckpointError(
@@ -157,123 +174,32 @@ def read_hf_config(hf: dict, source: str = "config.json", max_seq_len: int = 0) 
 
 def _common_fields(reader: _Reader, model_type: str) -> dict:
     hidden, heads = reader.int("hidden_size"), reader.int("num_attention_heads")
-    head_dim = reader.raw("head_dim")
-    if head_dim is None and hidden and heads:
-        head_dim = hidden // heads  # what HF's attention computes when the key is absent
-    elif head_dim is not None:
-        head_dim = reader.int("head_dim")
-    return dict(
+    fields = dict(
         vocab_size=reader.int("vocab_size"),
         hidden_size=hidden,
         num_layers=reader.int("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=reader.int("num_key_value_heads"),
-        head_dim=head_dim,
         rope_theta=reader.float("rope_theta"),
-        partial_rotary_factor=reader.float("partial_rotary_factor"),
-        rope_interleaved=False,
         max_position_embeddings=reader.int("max_position_embeddings"),
-        rope_scaling=rope_scaling_from_hf(reader),
+        rope_scaling=rope_scaling_from_hf(reader, mla=model_type in MLA_MODEL_TYPES),
         rms_norm_eps=reader.float("rms_norm_eps"),
         top_k=reader.int("num_experts_per_tok"),
         tie_word_embeddings=reader.bool("tie_word_embeddings"),
         initializer_range=reader.float("initializer_range"),
         dispatch="dropless",
     )
-
-
-def _glm4_moe_fields(reader: _Reader) -> dict:
-    num_layers = reader.int("num_hidden_layers") or 0
-    shared = reader.int("n_shared_experts")
-    if shared is not None and shared < 1:
-        reader.reject("n_shared_experts", "glm4_moe always builds a shared expert; 0 is not supported")
-    return dict(
-        qkv_bias=reader.bool("attention_bias"),
-        qk_norm=reader.bool("use_qk_norm"),
-        intermediate_size=reader.int("intermediate_size"),
-        # HF: layer i is MoE iff i >= first_k_dense_replace, so a larger value means all dense.
-        first_k_dense=min(reader.int("first_k_dense_replace") or 0, num_layers),
-        num_experts=reader.int("n_routed_experts"),
-        moe_intermediate_size=reader.int("moe_intermediate_size"),
-        num_shared_experts=shared,
-        score_func="sigmoid",
-        expert_bias=True,
-        bias_update_rate=0.0,
-        n_group=reader.int("n_group"),
-        topk_group=reader.int("topk_group"),
-        norm_topk_prob=reader.bool("norm_topk_prob"),
-        routed_scaling_factor=reader.float("routed_scaling_factor"),
-    )
-
-
-def _softmax_router_fields(reader: _Reader) -> dict:
-    if reader.raw("partial_rotary_factor") != 1.0:
-        reader.reject("partial_rotary_factor", "this architecture rotates the whole head in HF; only 1.0 is supported")
-    return dict(
-        score_func="softmax",
-        expert_bias=False,
-        n_group=1,
-        topk_group=1,
-        routed_scaling_factor=1.0,
-        num_shared_experts=0,
-    )
-
-
-def _qwen3_moe_fields(reader: _Reader, num_layers) -> dict:
-    fields = _softmax_router_fields(reader)
-    if reader.bool("attention_bias"):
-        reader.reject("attention_bias", "qwen3_moe puts a bias on o_proj as well, which mindmoe does not have")
-    num_experts = reader.int("num_experts")
-    step = reader.int("decoder_sparse_step")
-    dense_only = reader.raw("mlp_only_layers") or []
-    if not isinstance(dense_only, list) or not all(isinstance(i, int) for i in dense_only):
-        reader.reject("mlp_only_layers", "must be a list of layer indices")
-        dense_only = []
-    first_k_dense = 0
-    if num_layers and step and num_experts:
-        # HF: layer i is MoE iff i not in mlp_only_layers and (i + 1) % decoder_sparse_step == 0.
-        moe = [i for i in range(num_layers) if i not in dense_only and (i + 1) % step == 0]
-        first_k_dense = moe[0] if moe else num_layers
-        if moe != list(range(first_k_dense, num_layers)):
-            dense = sorted(set(range(num_layers)) - set(moe))
-            reader.reject(
-                "decoder_sparse_step",
-                f"with mlp_only_layers={dense_only} makes layers {dense} "
-                "dense; mindmoe supports dense layers only at the start "
-                "(model.first_k_dense)",
-            )
-    if not num_experts:
-        reader.reject("num_experts", "a qwen3_moe without experts is a dense model; not supported")
-    fields.update(
-        qkv_bias=False,
-        qk_norm=True,
-        intermediate_size=reader.int("intermediate_size"),
-        first_k_dense=first_k_dense,
-        num_experts=num_experts,
-        moe_intermediate_size=reader.int("moe_intermediate_size"),
-        norm_topk_prob=reader.bool("norm_topk_prob"),
-    )
-    return fields
-
-
-def _mixtral_fields(reader: _Reader, notes: list) -> dict:
-    fields = _softmax_router_fields(reader)
-    if (reader.float("router_jitter_noise", optional=True) or 0.0) > 0:
-        notes.append(
-            f"router_jitter_noise={reader.raw('router_jitter_noise')} is not used: mindmoe's "
-            "router adds no training noise"
+    if model_type not in MLA_MODEL_TYPES:
+        head_dim = reader.raw("head_dim")
+        if head_dim is None and hidden and heads:
+            head_dim = hidden // heads  # what HF's attention computes when the key is absent
+        elif head_dim is not None:
+            head_dim = reader.int("head_dim")
+        fields.update(
+            num_kv_heads=reader.int("num_key_value_heads"),
+            head_dim=head_dim,
+            partial_rotary_factor=reader.float("partial_rotary_factor"),
+            rope_interleaved=False,
         )
-    width = reader.int("intermediate_size")
-    # Mixtral's experts are as wide as its intermediate_size and it has no dense layer.
-    fields.update(
-        qkv_bias=False,
-        qk_norm=False,
-        intermediate_size=width,
-        first_k_dense=0,
-        num_experts=reader.int("num_local_experts"),
-        moe_intermediate_size=width,
-        norm_topk_prob=True,
-    )
     return fields
 
 
@@ -296,8 +222,11 @@ def _check_sliding_window(reader: _Reader, model_type: str, used_length: int):
         )
 
 
-def rope_scaling_from_hf(reader: _Reader) -> RopeScalingConfig:
-    """HF ``rope_scaling`` -> ours: default/None -> none, linear, dynamic -> dynamic_ntk, yarn."""
+def rope_scaling_from_hf(reader: _Reader, mla: bool = False) -> RopeScalingConfig:
+    """HF ``rope_scaling`` -> ours: default/None -> none, linear, dynamic -> dynamic_ntk, yarn.
+
+    ``mla``: the architecture also scales its softmax by ``mscale_all_dim`` (HF ``deepseek_v3``, with any
+    rope type that has a factor); mindmoe does so with yarn only."""
     scaling = reader.raw("rope_scaling")
     if scaling is None:
         return RopeScalingConfig()
@@ -306,6 +235,12 @@ def rope_scaling_from_hf(reader: _Reader) -> RopeScalingConfig:
         return RopeScalingConfig()
     rope_type = scaling.get("rope_type", scaling.get("type"))
     factor = scaling.get("factor")
+    mscale_all_dim = scaling.get("mscale_all_dim")
+    if mla and mscale_all_dim and rope_type != "yarn":
+        reader.reject(
+            "rope_scaling",
+            f"mscale_all_dim with rope_type {rope_type!r}: mindmoe scales MLA's softmax by it with yarn only",
+        )
     if rope_type == "default":
         return RopeScalingConfig()
     if rope_type not in ("linear", "dynamic", "yarn"):
@@ -330,7 +265,7 @@ def rope_scaling_from_hf(reader: _Reader) -> RopeScalingConfig:
             "yarn with truncate=false is not supported (mindmoe floors/ceils the correction range like HF's default)",
         )
     attention_factor = scaling.get("attention_factor")
-    mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    mscale = scaling.get("mscale")
     if attention_factor is None and mscale and mscale_all_dim:
         attention_factor = _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
     return RopeScalingConfig(
@@ -340,6 +275,7 @@ def rope_scaling_from_hf(reader: _Reader) -> RopeScalingConfig:
         beta_fast=float(scaling.get("beta_fast") or 32.0),
         beta_slow=float(scaling.get("beta_slow") or 1.0),
         attention_factor=float(attention_factor or 0.0),
+        mscale_all_dim=float(mscale_all_dim or 0.0) if mla else 0.0,
     )
 
 

@@ -1,11 +1,11 @@
 """Write a mindmoe model or checkpoint as a HF checkpoint directory (``mindmoe-export export.format=hf``).
 
 The directory holds ``config.json`` (``glm4_moe`` when the model is one, else ``qwen3_moe`` or
-``mixtral`` if it fits; see :func:`hf_config_from_model`), fp32 safetensors
+``mixtral`` if it fits, ``deepseek_v3`` for MLA; see :func:`hf_config_from_model`), fp32 safetensors
 with HF names (sharded with an index above ``max_shard_bytes``), so that
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the same logits. The tokenizer files are the
 caller's to copy (``train/export.py`` does, and passes its special token ids for ``config.json``).
-A ``glm4_moe`` router always has ``e_score_correction_bias``; a model trained without a
+A ``glm4_moe`` / ``deepseek_v3`` router always has ``e_score_correction_bias``; a model trained without a
 correction bias gets zeros, which select exactly as no bias does.
 """
 
@@ -18,12 +18,14 @@ import numpy as np
 from mindmoe.model.checkpoint_files import MODEL_FILE, checkpoint_model_config
 from mindmoe.model.checkpoint_shards import read_tensors
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.hf.config_map import ARCHITECTURES, SUPPORTED_MODEL_TYPES, HFCheckpointError
+from mindmoe.model.hf.config_map import ARCHITECTURES, MLA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, HFCheckpointError
 from mindmoe.model.hf.safetensors_io import ShardedWriter
 from mindmoe.model.hf.weights import NameMap, is_stacked_expert
 from mindmoe.model.param_count import parameter_shapes
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
+#: Architectures whose router always has the correction bias buffer.
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3")
 
 
 def export_hf(
@@ -91,7 +93,7 @@ def hf_named_tensors(cfg: ModelConfig, model_type: str, named_arrays):
         array = array.astype(np.float32, copy=False)
         for hf_name, row in names.to_hf(our_name, array.shape[0] if is_stacked_expert(our_name) else 0):
             yield hf_name, array if row is None else array[row]
-        if model_type == "glm4_moe" and our_name.endswith("mlp.router.weight") and not cfg.expert_bias:
+        if model_type in SIGMOID_ROUTER_TYPES and our_name.endswith("mlp.router.weight") and not cfg.expert_bias:
             # HF's glm4_moe router always has the buffer; zeros select exactly as no bias does.
             bias_name = our_name[: -len("weight")] + "e_score_correction_bias"
             yield names.to_hf(bias_name)[0][0], np.zeros(cfg.num_experts, np.float32)
@@ -120,8 +122,11 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str = "") -> tuple:
 
 def _export_problems(cfg: ModelConfig, model_type: str) -> list:
     problems = []
-    need = {"rope_interleaved": False}
-    if model_type == "glm4_moe":
+    if model_type in MLA_MODEL_TYPES:
+        need = {"attention_type": "mla"}
+    else:
+        need = {"attention_type": "gqa", "rope_interleaved": False}
+    if model_type in SIGMOID_ROUTER_TYPES:
         need.update(score_func="sigmoid")
         if cfg.num_shared_experts < 1:
             problems.append("needs num_shared_experts >= 1")
@@ -184,6 +189,8 @@ def _hf_rope_scaling(cfg: ModelConfig):
     }
     if scaling.attention_factor:
         out["attention_factor"] = scaling.attention_factor
+    if scaling.mscale_all_dim:
+        out["mscale_all_dim"] = scaling.mscale_all_dim
     return out
 
 
@@ -196,8 +203,6 @@ def _export_dict(cfg: ModelConfig, model_type: str) -> dict:
         "hidden_size": cfg.hidden_size,
         "num_hidden_layers": cfg.num_layers,
         "num_attention_heads": cfg.num_heads,
-        "num_key_value_heads": cfg.num_kv_heads,
-        "head_dim": cfg.resolved_head_dim,
         "hidden_act": "silu",
         "max_position_embeddings": cfg.max_position_embeddings,
         "rms_norm_eps": cfg.rms_norm_eps,
@@ -209,11 +214,22 @@ def _export_dict(cfg: ModelConfig, model_type: str) -> dict:
         "num_experts_per_tok": cfg.top_k,
         "use_cache": True,
     }
-    if model_type == "glm4_moe":
+    if model_type in MLA_MODEL_TYPES:
         out.update(
-            partial_rotary_factor=cfg.partial_rotary_factor,
-            attention_bias=cfg.qkv_bias,
-            use_qk_norm=cfg.qk_norm,
+            num_key_value_heads=cfg.num_heads,
+            head_dim=cfg.qk_rope_head_dim,  # what DeepseekV3Config sets; HF sizes RoPE from it
+            attention_bias=False,
+            q_lora_rank=cfg.q_lora_rank,
+            kv_lora_rank=cfg.kv_lora_rank,
+            qk_nope_head_dim=cfg.qk_nope_head_dim,
+            qk_rope_head_dim=cfg.qk_rope_head_dim,
+            v_head_dim=cfg.v_head_dim,
+            rope_interleave=cfg.rope_interleaved,
+        )
+    else:
+        out.update(num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.resolved_head_dim)
+    if model_type in SIGMOID_ROUTER_TYPES:
+        out.update(
             intermediate_size=cfg.intermediate_size,
             first_k_dense_replace=cfg.first_k_dense,
             n_routed_experts=cfg.num_experts,
@@ -224,6 +240,12 @@ def _export_dict(cfg: ModelConfig, model_type: str) -> dict:
             norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor,
             num_nextn_predict_layers=0,
+        )
+    if model_type == "glm4_moe":
+        out.update(
+            partial_rotary_factor=cfg.partial_rotary_factor,
+            attention_bias=cfg.qkv_bias,
+            use_qk_norm=cfg.qk_norm,
         )
     elif model_type == "qwen3_moe":
         out.update(
@@ -237,7 +259,7 @@ def _export_dict(cfg: ModelConfig, model_type: str) -> dict:
             use_sliding_window=False,
             sliding_window=None,
         )
-    else:
+    elif model_type == "mixtral":
         out.update(
             intermediate_size=cfg.moe_intermediate_size,
             num_local_experts=cfg.num_experts,

@@ -1,7 +1,8 @@
 """The transformers 4.57.1 config-class defaults of every ``config.json`` key :mod:`model.hf.config_map` reads.
 
 ``from_pretrained`` fills a key missing from ``config.json`` with its config class's default, so the
-import must too; one dict per ``model_type`` (``Glm4MoeConfig``, ``Qwen3MoeConfig``, ``MixtralConfig``).
+import must too; one dict per ``model_type`` (``Glm4MoeConfig``, ``Qwen3MoeConfig``, ``MixtralConfig``,
+``DeepseekV3Config``).
 """
 
 HF_DEFAULTS = {
@@ -83,5 +84,37 @@ HF_DEFAULTS = {
         num_local_experts=8,
         router_jitter_noise=0.0,
         partial_rotary_factor=1.0,
+    ),
+    "deepseek_v3": dict(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        v_head_dim=128,
+        qk_nope_head_dim=128,
+        n_group=8,
+        topk_group=4,
+        num_experts_per_tok=8,
+        first_k_dense_replace=3,
+        norm_topk_prob=True,
+        hidden_act="silu",
+        max_position_embeddings=4096,
+        initializer_range=0.02,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        rope_interleave=True,
+        attention_bias=False,
+        attention_dropout=0.0,
     ),
 }

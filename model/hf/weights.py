@@ -38,7 +38,7 @@ class Rule:
         return values
 
 
-def _common_rules(extra_attention_weights: tuple) -> list:
+def _common_rules(extra_attention_weights: tuple, attention_weights=("q_proj", "k_proj", "v_proj", "o_proj")) -> list:
     return [
         Rule("model.embed_tokens.weight", "embed_tokens.weight"),
         Rule("model.norm.weight", "norm.weight"),
@@ -51,7 +51,7 @@ def _common_rules(extra_attention_weights: tuple) -> list:
         Rule(
             "model.layers.{layer}.self_attn.{proj}.weight",
             "layers.{layer}.self_attn.{proj}.weight",
-            (("proj", ("q_proj", "k_proj", "v_proj", "o_proj") + extra_attention_weights),),
+            (("proj", attention_weights + extra_attention_weights),),
         ),
     ]
 
@@ -74,21 +74,35 @@ QKV_BIAS = Rule(
     (("proj", ("q_proj", "k_proj", "v_proj")),),
 )
 QK_NORM = ("q_norm", "k_norm")
+#: The weights of an MLA attention block (model/mla.py); q_proj replaces q_a/q_b when q_lora_rank is null.
+MLA_WEIGHTS = (
+    "q_proj",
+    "q_a_proj",
+    "q_a_layernorm",
+    "q_b_proj",
+    "kv_a_proj_with_mqa",
+    "kv_a_layernorm",
+    "kv_b_proj",
+    "o_proj",
+)
+SIGMOID_ROUTER_EXTRAS = [
+    Rule("model.layers.{layer}.mlp.gate.e_score_correction_bias", "layers.{layer}.mlp.router.e_score_correction_bias"),
+    Rule(
+        "model.layers.{layer}.mlp.shared_experts.{proj}.weight",
+        "layers.{layer}.mlp.shared_experts.{proj}.weight",
+        (("proj", SWIGLU),),
+    ),
+]
 
 RULES = {
     "glm4_moe": _common_rules(QK_NORM)
     + [QKV_BIAS, DENSE_MLP]
     + _router_and_expert_rules("mlp", SWIGLU)
-    + [
-        Rule(
-            "model.layers.{layer}.mlp.gate.e_score_correction_bias", "layers.{layer}.mlp.router.e_score_correction_bias"
-        ),
-        Rule(
-            "model.layers.{layer}.mlp.shared_experts.{proj}.weight",
-            "layers.{layer}.mlp.shared_experts.{proj}.weight",
-            (("proj", SWIGLU),),
-        ),
-    ],
+    + SIGMOID_ROUTER_EXTRAS,
+    "deepseek_v3": _common_rules((), MLA_WEIGHTS)
+    + [DENSE_MLP]
+    + _router_and_expert_rules("mlp", SWIGLU)
+    + SIGMOID_ROUTER_EXTRAS,
     "qwen3_moe": _common_rules(QK_NORM) + [DENSE_MLP] + _router_and_expert_rules("mlp", SWIGLU),
     "mixtral": _common_rules(()) + _router_and_expert_rules("block_sparse_moe", MIXTRAL_EXPERT),
 }

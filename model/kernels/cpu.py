@@ -51,7 +51,7 @@ class GroupedAttentionCore(nn.Cell):
     """``softmax(q k^T * scale + mask) v`` for queries grouped by their key/value head, with a hand-written backward.
 
     Shapes: q ``[B, G, Q, D]`` where the Q = group x S rows of a key/value head are its query
-    heads' positions (a contiguous reshape of ``[B, N, S, D]``), k/v ``[B, G, P, D]``, mask
+    heads' positions (a contiguous reshape of ``[B, N, S, D]``), k/v ``[B, G, P, D]`` (v may be narrower), mask
     ``[B, G, Q, P]`` fp32. Returns ``(out [B, G, Q, D], probs [B, G, Q, P])``; the probabilities
     are an output only so the backward can reuse them.
 
@@ -81,10 +81,10 @@ class GroupedAttentionCore(nn.Cell):
     def bprop(self, q_BGQD, k_BGPD, v_BGPD, mask_BGQP, out, dout):
         out_BGQD, probs_BGQP = out
         dout_BGQD = dout[0]
-        head_dim = q_BGQD.shape[-1]
+        value_dim = out_BGQD.shape[-1]  # MLA's values are narrower than its queries and keys
         rows_shape = out_BGQD.shape[:-1] + (1,)
-        ones_D1 = ops.ones((head_dim, 1), ms.float32)
-        products_ZD = (dout_BGQD.astype(ms.float32) * out_BGQD.astype(ms.float32)).reshape(-1, head_dim)
+        ones_D1 = ops.ones((value_dim, 1), ms.float32)
+        products_ZD = (dout_BGQD.astype(ms.float32) * out_BGQD.astype(ms.float32)).reshape(-1, value_dim)
         delta_BGQ1 = self.row_dot(products_ZD, ones_D1).reshape(rows_shape)
         if v_BGPD.dtype == ms.float32:
             ones_BGP1 = ops.ones(k_BGPD.shape[:-1] + (1,), ms.float32)

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import Glm4MoeConfig
+from transformers import DeepseekV3Config, Glm4MoeConfig
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 3
 
@@ -69,6 +69,39 @@ def glm4_config(**overrides):
     )
     fields.update(overrides)
     return Glm4MoeConfig(**fields)
+
+
+def deepseek_v3_config(**overrides):
+    """A tiny DeepSeek-V3: MLA with values narrower than queries/keys (6 vs 8 + 4), 8 experts in 4 groups."""
+    fields = dict(
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        qk_nope_head_dim=8,
+        n_group=4,
+        topk_group=2,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        norm_topk_prob=True,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_interleave=True,
+        tie_word_embeddings=False,
+    )
+    fields.update(overrides)
+    return DeepseekV3Config(**fields)
 
 
 def save_hf(hf, directory, **kwargs):

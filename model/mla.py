@@ -1,0 +1,92 @@
+"""Multi-head latent attention (MLA; DeepSeek-V2 arXiv 2405.04434 §2.1, DeepSeek-V3; HF ``deepseek_v3``).
+
+Queries and keys/values pass through low-rank latents; every head gets its own no-RoPE key and value from
+the key/value latent, and one RoPE key per token is shared by all heads::
+
+    q             = q_b_proj(RMSNorm(q_a_proj(x)))      or q_proj(x) when q_lora_rank is null
+    c, k_rope     = split(kv_a_proj_with_mqa(x), [kv_lora_rank, qk_rope_head_dim])
+    k_nope, v     = split(kv_b_proj(RMSNorm(c)), per head [qk_nope_head_dim, v_head_dim])
+    q = [q_nope, RoPE(q_rope)], k = [k_nope, RoPE(k_rope) for every head]
+    o             = o_proj(softmax(q k^T * scale + mask) v),  scale = qk_head_dim^-0.5 * yarn_softmax_scale
+
+``rope_interleaved`` pairs channels (2i, 2i+1) of the RoPE slice (DeepSeek's released weights; HF's
+``rope_interleave``). HF implements it by de-interleaving q and k and then rotating halves; rotating the
+pairs in place, as here, gives the same channels in another order, applied alike to q and k, so every
+score is the same. Shape legend (docs/architecture.md): B batch, S sequence, P key positions,
+H hidden, N heads, D per-head width (q/k: ``qk_head_dim``; v: ``v_head_dim``).
+"""
+
+import math
+
+import numpy as np
+from mindspore import ops
+
+from mindmoe.model import kernels
+from mindmoe.model.attention import AttentionHeads
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.lora_layers import NO_LORA, AdapterScope, projection
+from mindmoe.model.norm import RMSNorm
+from mindmoe.model.rope import apply_rope
+from mindmoe.model.rope_scaling import yarn_softmax_scale
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """``qk_head_dim^-0.5``, times the YaRN ``mscale_all_dim`` factor squared when set (HF 4.57.1)."""
+    return yarn_softmax_scale(cfg.rope_scaling) / math.sqrt(cfg.qk_head_dim)
+
+
+class MLAttention(AttentionHeads):
+    """MLA with the projections HF ``DeepseekV3Attention`` names (no biases: ``attention_bias`` is false in
+    every released DeepSeek-V2/V3 checkpoint). The softmax, masks and ``o_proj`` are :class:`AttentionHeads`',
+    with as many key/value heads as query heads."""
+
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, lora: AdapterScope = NO_LORA):
+        super().__init__(cfg.num_heads, cfg.num_heads, mla_softmax_scale(cfg))
+        hidden, heads, std = cfg.hidden_size, cfg.num_heads, cfg.initializer_range
+        self.q_lora_rank = cfg.q_lora_rank
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.qk_nope_head_dim = cfg.qk_nope_head_dim
+        self.qk_rope_head_dim = cfg.qk_rope_head_dim
+        self.qk_head_dim = cfg.qk_head_dim
+        self.v_head_dim = cfg.v_head_dim
+        self.interleaved = cfg.rope_interleaved
+        # Creation order is the checkpoint order (model.param_count._mla_attention).
+        if cfg.q_lora_rank is None:
+            self.q_proj = projection(hidden, heads * self.qk_head_dim, False, std, rng, lora, "q_proj")
+        else:
+            self.q_a_proj = projection(hidden, cfg.q_lora_rank, False, std, rng, lora, "q_a_proj")
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = projection(cfg.q_lora_rank, heads * self.qk_head_dim, False, std, rng, lora, "q_b_proj")
+        self.kv_a_proj_with_mqa = projection(
+            hidden, self.kv_lora_rank + self.qk_rope_head_dim, False, std, rng, lora, "kv_a_proj_with_mqa"
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = projection(
+            self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), False, std, rng, lora, "kv_b_proj"
+        )
+        self.o_proj = projection(heads * self.v_head_dim, hidden, False, std, rng, lora, "o_proj")
+        self.rotate = kernels.rope(cfg.rope_interleaved)
+
+    def queries(self, x_BSH):
+        """``[B, S, N * qk_head_dim]``, each head's no-RoPE channels first."""
+        if self.q_lora_rank is None:
+            return self.q_proj(x_BSH)
+        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSH)))
+
+    def project_qkv(self, x_BSH, cos, sin):
+        """Queries and keys ``[B, N, S, qk_head_dim]`` (RoPE applied), values ``[B, N, S, v_head_dim]``."""
+        batch, seq_len, _ = x_BSH.shape
+        heads, nope, rope = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
+        q_BNSD = self.queries(x_BSH).reshape(batch, seq_len, heads, self.qk_head_dim).transpose(0, 2, 1, 3)
+        q_rope_BNSD = apply_rope(q_BNSD[..., nope:], cos, sin, self.interleaved, self.rotate)
+        q_BNSD = ops.concat((q_BNSD[..., :nope], q_rope_BNSD), -1)
+
+        latent_BSD = self.kv_a_proj_with_mqa(x_BSH)
+        kv_BSD = self.kv_b_proj(self.kv_a_layernorm(latent_BSD[..., : self.kv_lora_rank]))
+        kv_BNSD = kv_BSD.reshape(batch, seq_len, heads, nope + self.v_head_dim).transpose(0, 2, 1, 3)
+        k_rope_B1SD = apply_rope(
+            latent_BSD[..., self.kv_lora_rank :].expand_dims(1), cos, sin, self.interleaved, self.rotate
+        )
+        k_rope_BNSD = ops.broadcast_to(k_rope_B1SD, (batch, heads, seq_len, rope))
+        k_BNSD = ops.concat((kv_BNSD[..., :nope], k_rope_BNSD), -1)
+        return q_BNSD, k_BNSD, kv_BNSD[..., nope:]
