@@ -50,6 +50,11 @@ RULES = (
         lambda cfg, model: f"train.dtype={cfg.train.dtype}: the dynamic loss scale is used with fp16 only",
     ),
     NoEffectRule(
+        ("train.mtp_loss_coeff",),
+        lambda cfg, model: model.mtp_layers == 0,
+        lambda cfg, model: "model.mtp_layers=0: there is no multi-token-prediction loss to weight",
+    ),
+    NoEffectRule(
         ("data.text_field", "data.num_proc"),
         lambda cfg, model: cfg.data.format == "sft",
         lambda cfg, model: (

@@ -73,6 +73,7 @@ TRAIN_RANGES = {
     "peak_gflops": at_least(0, "0 = measure at start-up"),
     "loss_scale": above(0),
     "loss_scale_window": at_least(1),
+    "mtp_loss_coeff": at_least(0, "the weight of the MTP loss; read only with model.mtp_layers > 0"),
 }
 
 #: Domains of the numeric ``data.*`` keys (``data.weights`` is checked with ``data.train_files``).

@@ -131,6 +131,11 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     #: Standard deviation of the normal initialisation of every matrix.
     initializer_range: float = 0.02
+    #: Multi-token-prediction depths D (DeepSeek-V3 §2.2; model/mtp.py): depth k predicts token t+k+1 from the
+    #: previous depth's hidden state and the embedding of token t+k, through one extra MoE decoder layer that
+    #: shares the embedding and the LM head. Training only (``train.mtp_loss_coeff``); evaluation, generation
+    #: and MindIR export ignore it. HF checkpoints store depth k as ``model.layers.{num_layers + k}.*``.
+    mtp_layers: int = 0
 
     def __post_init__(self):
         # A config read back from JSON (checkpoint state, HF import) carries the section as a dict.
@@ -208,6 +213,8 @@ def validate_model_config(cfg: ModelConfig) -> None:
     for key in NON_NEGATIVE_KEYS:
         if getattr(cfg, key) < 0:
             fail(key, "must be >= 0")
+    if isinstance(cfg.mtp_layers, bool) or not isinstance(cfg.mtp_layers, int) or cfg.mtp_layers < 0:
+        fail("mtp_layers", "must be an integer >= 0 (0 = no multi-token prediction; DeepSeek-V3 and GLM-4.5 use 1)")
     validate_rope_scaling(cfg.rope_scaling, cfg.max_position_embeddings, cfg.rotary_dim)
 
 

@@ -29,6 +29,10 @@ from mindmoe.model.norm import RMSNorm
 from mindmoe.model.rope import apply_rope
 from mindmoe.model.rope_scaling import yarn_softmax_scale
 
+#: Epsilon of the two latent RMSNorms (``q_a_layernorm``, ``kv_a_layernorm``): HF ``DeepseekV3Attention`` builds
+#: them with its norm's default, never with ``rms_norm_eps`` (GLM-4.7-Flash has ``rms_norm_eps=1e-5``).
+LATENT_NORM_EPS = 1e-6
+
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
     """``qk_head_dim^-0.5``, times the YaRN ``mscale_all_dim`` factor squared when set (HF 4.57.1)."""
@@ -55,12 +59,12 @@ class MLAttention(AttentionHeads):
             self.q_proj = projection(hidden, heads * self.qk_head_dim, False, std, rng, lora, "q_proj")
         else:
             self.q_a_proj = projection(hidden, cfg.q_lora_rank, False, std, rng, lora, "q_a_proj")
-            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = projection(cfg.q_lora_rank, heads * self.qk_head_dim, False, std, rng, lora, "q_b_proj")
         self.kv_a_proj_with_mqa = projection(
             hidden, self.kv_lora_rank + self.qk_rope_head_dim, False, std, rng, lora, "kv_a_proj_with_mqa"
         )
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = projection(
             self.kv_lora_rank, heads * (self.qk_nope_head_dim + self.v_head_dim), False, std, rng, lora, "kv_b_proj"
         )

@@ -12,14 +12,16 @@ Conventions (the README "Planning a run" section repeats them):
 - The router's ``e_score_correction_bias`` is **state, not a parameter**: HF registers it as a
   buffer; mindmoe stores it as a ``Parameter(requires_grad=False)`` so checkpoints carry it. It is
   left out of every count (``include_buffers=True`` lists it, to compare with the model's cells).
-- The **MTP layer** of GLM-4.5 (``num_nextn_predict_layers=1``) is not modelled by mindmoe and not
-  in the total; :func:`mtp_layer_parameters` estimates it for reference.
+- The **MTP layers** (``model.mtp_layers``, HF ``num_nextn_predict_layers``; model/mtp.py) are listed by
+  :func:`parameter_shapes` (``mtp_layers.{k}.*``) but left out of ``total``, ``active`` and the categories, as HF
+  leaves them out of ``num_parameters()``; ``ParameterCount.mtp`` counts them and :func:`mtp_layer_parameters`
+  gives one depth's size (also for a config without them, e.g. GLM-4.5's layer 92).
 - **active** = parameters one token passes through: everything except the input embedding and the
   LM head, with only ``top_k`` of the ``num_experts`` routed experts of each MoE layer.
   ``active_with_lm_head`` adds the output matrix (the convention some model cards use).
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from math import prod
 from typing import Dict, Tuple
 
@@ -109,13 +111,37 @@ def parameter_shapes(cfg: ModelConfig, include_buffers: bool = False) -> Dict[st
     shapes["norm.weight"] = (hidden,)
     if not cfg.tie_word_embeddings:
         shapes["lm_head.weight"] = (cfg.vocab_size, hidden)
+    for depth in range(cfg.mtp_layers):
+        shapes.update(_mtp_layer(f"mtp_layers.{depth}", cfg))
     if not include_buffers:
         shapes = {name: shape for name, shape in shapes.items() if not name.endswith(BUFFER_SUFFIXES)}
     return shapes
 
 
+def _mtp_layer(prefix: str, cfg: ModelConfig) -> Dict[str, Shape]:
+    """One MTP depth (model/mtp.py) in creation order: its MoE decoder block, then the MTP parts."""
+    hidden = cfg.hidden_size
+    shapes = {f"{prefix}.input_layernorm.weight": (hidden,)}
+    shapes.update(_attention(f"{prefix}.self_attn", cfg))
+    shapes[f"{prefix}.post_attention_layernorm.weight"] = (hidden,)
+    shapes.update(_moe(f"{prefix}.mlp", cfg))
+    shapes[f"{prefix}.enorm.weight"] = (hidden,)
+    shapes[f"{prefix}.hnorm.weight"] = (hidden,)
+    shapes[f"{prefix}.eh_proj.weight"] = (hidden, 2 * hidden)
+    shapes[f"{prefix}.shared_head.norm.weight"] = (hidden,)
+    return shapes
+
+
+def is_mtp(name: str) -> bool:
+    """A parameter of an MTP depth (``mtp_layers.{k}.*``)."""
+    return name.startswith("mtp_layers.")
+
+
 def parameter_category(name: str) -> str:
-    """Which line of the breakdown a parameter belongs to (one of :data:`CATEGORIES`)."""
+    """Which line of the breakdown a parameter belongs to (one of :data:`CATEGORIES`); an MTP depth's parameter gets
+    its block part's category (``eh_proj`` counts as attention-side projection: ``attention``)."""
+    if is_mtp(name) and name.endswith(".eh_proj.weight"):
+        return "attention"
     if name.startswith(("embed_tokens.", "lm_head.")):
         return "embeddings"
     if name.endswith("norm.weight"):
@@ -156,11 +182,14 @@ class ParameterCount:
     lm_head: int
     #: Elements of non-trained state stored beside the parameters (router correction biases).
     buffers: int
+    #: Trained parameters of the ``model.mtp_layers`` MTP depths, not in ``total`` (nor in any other field).
+    mtp: int = 0
 
 
 def count_parameters(cfg: ModelConfig) -> ParameterCount:
     """Count the parameters of ``cfg`` from :func:`parameter_shapes` (exact integers)."""
-    shapes = parameter_shapes(cfg)
+    all_shapes = parameter_shapes(cfg)
+    shapes = {name: shape for name, shape in all_shapes.items() if not is_mtp(name)}
     categories = dict.fromkeys(CATEGORIES, 0)
     for name, shape in shapes.items():
         categories[parameter_category(name)] += prod(shape)
@@ -173,7 +202,7 @@ def count_parameters(cfg: ModelConfig) -> ParameterCount:
     buffers = sum(
         prod(shape)
         for name, shape in parameter_shapes(cfg, include_buffers=True).items()
-        if name.endswith(BUFFER_SUFFIXES)
+        if name.endswith(BUFFER_SUFFIXES) and not is_mtp(name)
     )
     return ParameterCount(
         categories=categories,
@@ -183,19 +212,15 @@ def count_parameters(cfg: ModelConfig) -> ParameterCount:
         input_embedding=input_embedding,
         lm_head=lm_head,
         buffers=buffers,
+        mtp=sum(prod(shape) for name, shape in all_shapes.items() if is_mtp(name)),
     )
 
 
 def mtp_layer_parameters(cfg: ModelConfig) -> int:
-    """Estimated size of one GLM-4.5 / DeepSeek-V3 style MTP layer, which mindmoe does not model.
+    """Trained parameters of one MTP depth of ``cfg`` (model/mtp.py), whether or not ``cfg`` has any.
 
-    The layer is ``enorm`` and ``hnorm`` [H], ``eh_proj`` [H, 2H], one MoE decoder layer and
-    ``shared_head.norm`` [H]; it reuses the main model's embedding and LM head (vLLM
-    ``glm4_moe_mtp.py``, DeepSeek-V3 report §2.2), which are therefore not counted again.
+    ``enorm``, ``hnorm`` and ``shared_head.norm`` [H], ``eh_proj`` [H, 2H] and one MoE decoder layer; the embedding
+    and LM head are the main model's (DeepSeek-V3 report §2.2), so they are not counted again.
     """
-    hidden = cfg.hidden_size
-    moe_layer_idx = cfg.num_layers  # any index >= first_k_dense builds an MoE layer
-    layer = replace(cfg, num_layers=moe_layer_idx + 1)
-    prefix = f"layers.{moe_layer_idx}."
-    decoder = sum(prod(shape) for name, shape in parameter_shapes(layer).items() if name.startswith(prefix))
-    return decoder + 2 * hidden * hidden + 3 * hidden
+    shapes = _mtp_layer("mtp_layers.0", cfg)
+    return sum(prod(shape) for name, shape in shapes.items() if not name.endswith(BUFFER_SUFFIXES))

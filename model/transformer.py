@@ -18,6 +18,10 @@ Parameter names are the checkpoint format (see README "Checkpoint format"):
     layers.{i}.mlp.shared_experts.{gate,up,down}_proj.weight
     norm.weight                                          [H]
     lm_head.weight                                       [V, H] unless tie_word_embeddings
+    mtp_layers.{k}.{enorm,hnorm}.weight                  [H]      model.mtp_layers > 0 (model/mtp.py)
+    mtp_layers.{k}.eh_proj.weight                        [H, 2H]
+    mtp_layers.{k}.shared_head.norm.weight               [H]
+    mtp_layers.{k}.{input_layernorm,self_attn,post_attention_layernorm,mlp}.*   an MoE decoder layer, as above
 """
 
 import functools
@@ -33,6 +37,7 @@ from mindmoe.model.lora_layers import NO_LORA, AdapterScope
 from mindmoe.model.mla import MLAttention
 from mindmoe.model.mlp import SwiGLU
 from mindmoe.model.moe.layer import LAYER_STATS, ROUTING_STATS, MoELayer
+from mindmoe.model.mtp import mtp_layer_class
 from mindmoe.model.norm import RMSNorm
 from mindmoe.model.rope import RotaryEmbedding
 
@@ -163,6 +168,13 @@ class MoETransformer(nn.Cell):
 
     ``lora``: a :class:`model.lora_plan.AdapterPlan`; its projections are built as LoRA layers and only
     the adapters (and ``lora.modules_to_save``) train. Kept as ``adapter_plan`` (None without LoRA).
+
+    Multi-token prediction (``model.mtp_layers`` = U > 0, model/mtp.py): given ``future_ids [U, B, S]`` (depth k's
+    input tokens ``t_{i+k}``, :func:`model.mtp.shifted_tokens` rows 0..U-1) and ``hidden_only``, a sixth output
+    holds each depth's ``shared_head.norm`` output ``[U, B*S, H]`` for the loss to apply the shared head to. The
+    MTP layers' aux and z losses join the sums; their routing statistics are left out of the per-layer rows
+    (whose layers the router updates and the metrics index), so an MTP router's correction bias stays fixed.
+    Without ``future_ids`` (evaluation, generation, export) the MTP layers do not run.
     """
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, cell_reuse: bool = False, expert_dispatcher=None, lora=None):
@@ -194,6 +206,15 @@ class MoETransformer(nn.Cell):
             cfg.rotary_dim, cfg.rope_theta, cfg.max_position_embeddings, cfg.rope_scaling, cfg.rope_interleaved
         )
         self.logits_matmul = ops.MatMul(transpose_b=True)
+        self.num_mtp = cfg.mtp_layers
+        if cfg.mtp_layers:  # built after the main parameters, so they draw the same initial values with or without
+            mtp_cls = mtp_layer_class(MoEDecoderLayer)
+            self.mtp_layers = nn.CellList(
+                [
+                    mtp_cls(cfg, cfg.num_layers + depth, rng, expert_dispatcher, adapters.child(f"mtp_layers.{depth}"))
+                    for depth in range(cfg.mtp_layers)
+                ]
+            )
         self.adapter_plan = lora
         if lora is not None:
             lora.freeze(self)
@@ -215,7 +236,7 @@ class MoETransformer(nn.Cell):
         hidden_ZH = self.final_hidden(x_ZH)
         return self.logits_matmul(hidden_ZH, self.head_weight().astype(hidden_ZH.dtype)).astype(ms.float32)
 
-    def construct(self, input_ids_BS, doc_ids_BS, hidden_only=False):
+    def construct(self, input_ids_BS, doc_ids_BS, hidden_only=False, future_ids_UBS=None):
         batch, seq_len = input_ids_BS.shape
         cos, sin = self.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
         if ops.is_sequence_value_unknown(input_ids_BS.shape):
@@ -241,19 +262,38 @@ class MoETransformer(nn.Cell):
             head_out = self.final_hidden(x_BSH)
         else:
             head_out = self.final_logits(x_BSH).reshape(batch, seq_len, -1)
+        outputs = (head_out,)
+        mtp_out = ()
+        if future_ids_UBS is not None and self.num_mtp:
+            normed_TH = head_out if hidden_only else self.final_hidden(x_BSH)
+            mtp_UTH, mtp_aux, mtp_z = self.mtp_hidden(normed_TH, future_ids_UBS, cos, sin, masks, doc_ids_BS)
+            aux_losses.append(mtp_aux)
+            z_losses.append(mtp_z)
+            mtp_out = (mtp_UTH,)
         if not aux_losses:
             zero = ops.zeros((), ms.float32)
-            return (
-                head_out,
-                zero,
-                zero,
+            outputs += (zero, zero)
+        else:
+            outputs += (ops.stack(aux_losses).sum(), ops.stack(z_losses).sum())
+        if not routing_stats:
+            outputs += (
                 ops.zeros((0, len(ROUTING_STATS), self.config.num_experts), ms.float32),
                 ops.zeros((0, len(LAYER_STATS)), ms.float32),
             )
-        return (
-            head_out,
-            ops.stack(aux_losses).sum(),
-            ops.stack(z_losses).sum(),
-            ops.stack(routing_stats),
-            ops.stack(layer_stats),
-        )
+        else:
+            outputs += (ops.stack(routing_stats), ops.stack(layer_stats))
+        return outputs + mtp_out
+
+    def mtp_hidden(self, hidden_TH, future_ids_UBS, cos, sin, masks, doc_ids_BS):
+        """``(shared_head.norm outputs [U, T, H], summed aux loss, summed z loss)`` of the MTP depths; depth 1
+        starts from ``hidden_TH``, the main model's final-normed rows (model/mtp.py)."""
+        batch, seq_len = doc_ids_BS.shape
+        previous_BSH = hidden_TH.reshape(batch, seq_len, -1)
+        outputs, aux_total, z_total = [], 0.0, 0.0
+        for depth, mtp_layer in enumerate(self.mtp_layers):
+            embedded_BSH = self.embed(future_ids_UBS[depth])
+            previous_BSH, aux, router_z, _, _ = mtp_layer(embedded_BSH, previous_BSH, cos, sin, masks, doc_ids_BS)
+            outputs.append(mtp_layer.shared_head(previous_BSH).reshape(batch * seq_len, -1))
+            aux_total = aux_total + aux
+            z_total = z_total + router_z
+        return ops.stack(outputs), aux_total, z_total

@@ -4,6 +4,8 @@ Shared tiny configs and builders live in ``tests/helpers/`` (plain functions tha
 fixtures below are the ones a test asks for by name.
 """
 
+import os
+
 import mindspore as ms
 import pytest
 
@@ -35,3 +37,19 @@ def processes():
     yield started
     for process in started:
         kill_tree(process)
+
+
+@pytest.fixture(scope="session")
+def tf5_reference():
+    """transformers 5.23 (``tests/helpers/tf5_reference.py``) in its own cached venv, created on first use.
+    Without it (no package index) a test skips here and fails in CI (``CI`` set), where it must run."""
+    from tests.helpers.tf5_reference import Reference, ReferenceUnavailable, ensure_venv, venv_dir
+
+    try:
+        return Reference(ensure_venv())
+    except ReferenceUnavailable as err:
+        in_ci = os.environ.get("CI", "").lower() not in ("", "0", "false")
+        message = f"the transformers 5 reference venv ({venv_dir()}) cannot be created: {err}"
+        if in_ci:
+            pytest.fail(message + "\nCI needs it; check that the package index is reachable", pytrace=False)
+        pytest.skip(message)

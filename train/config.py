@@ -86,6 +86,10 @@ class TrainConfig:
     #: ``lazy_inline`` cell reuse), so compile time stops growing with depth. Ascend only: the CPU
     #: backend of MindSpore 2.9 cannot run the reused-cell graph.
     cell_reuse: bool = False
+    #: Weight of the multi-token-prediction loss (``model.mtp_layers`` > 0): the objective adds
+    #: ``mtp_loss_coeff / U * sum_k CE_k`` over the U depths (DeepSeek-V3 §2.2; it used 0.3, then 0.1; GLM-4.5
+    #: likewise), logged as ``mtp_loss``. Read only when the model has MTP layers.
+    mtp_loss_coeff: float = 0.3
 
 
 def validate_train_config(train: TrainConfig) -> None:

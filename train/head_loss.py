@@ -5,6 +5,7 @@ Shape legend (docs/architecture.md): B batch, S sequence, T tokens (B * S), H hi
 """
 
 import mindspore as ms
+from mindspore import ops
 
 from mindmoe.model.lm_loss import TokenNLL, chunk_rows
 
@@ -29,6 +30,25 @@ def head_nll(model, token_nll, input_ids_BS, doc_ids_BS, labels_BS):
     hidden_TH, *others = model(input_ids_BS, doc_ids_BS, True)
     nll_T, _ = token_nll(hidden_TH, model.head_weight(), labels_BS.reshape(-1))
     return (nll_T, *others)
+
+
+def head_nll_with_mtp(model, token_nll, input_ids_BS, doc_ids_BS, future_ids_VBS, mtp_weights_UBS):
+    """:func:`head_nll`'s outputs (labels: ``future_ids[0]``) plus the multi-token-prediction sum
+    ``sum_k sum_i nll_k,i * mtp_weights[k, i]`` (model/mtp.py).
+
+    ``future_ids`` ``[U + 1, B, S]`` is :func:`model.mtp.shifted_tokens`: row 0 the labels, rows 0..U-1 the depths'
+    input tokens, row k depth k's targets; ``mtp_weights`` the depths' loss masks times their token weights. Every
+    depth goes through the same chunked shared head as the main loss.
+    """
+    depths = mtp_weights_UBS.shape[0]
+    head_VH = model.head_weight()
+    hidden_TH, aux, z, routing, layers, mtp_UTH = model(input_ids_BS, doc_ids_BS, True, future_ids_VBS[:depths])
+    nll_T, _ = token_nll(hidden_TH, head_VH, future_ids_VBS[0].reshape(-1))
+    mtp_sum = ops.zeros((), ms.float32)
+    for depth in range(depths):
+        depth_nll_T, _ = token_nll(mtp_UTH[depth], head_VH, future_ids_VBS[depth + 1].reshape(-1))
+        mtp_sum = mtp_sum + (depth_nll_T * mtp_weights_UBS[depth].reshape(-1)).sum()
+    return nll_T, aux, z, routing, layers, mtp_sum
 
 
 def masked_sum(nll_T, mask_BS):

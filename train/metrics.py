@@ -222,6 +222,8 @@ def window_row(
         "mfu": tokens_per_s * flops_per_token / (peak_gflops * 1e9),
         "skipped_steps": skipped_steps,
     }
+    if window[-1].mtp_loss is not None:
+        row["mtp_loss"] = float(np.mean([s.mtp_loss for s in window]))
     row.update(per_layer_metrics(routing_L3E, layer_means_L5))
     row["lock_rate"] = float(np.mean(row["layer_lock_rate"])) if row["layer_lock_rate"] else 0.0
     return row

@@ -2,7 +2,7 @@
 
 Shape legend: B micro-batch, S sequence, V vocabulary, L MoE layers, E experts.
 
-The objective of a step is ``lm_loss + aux_loss + z_loss``. ``lm_loss`` is normalised by tokens:
+The objective of a step is ``lm_loss + aux_loss + z_loss (+ mtp_loss)``. ``lm_loss`` is normalised by tokens:
 the sum of next-token cross-entropies over every scored label (same document as the input; SFT:
 assistant tokens) of every micro-batch on every data-parallel rank, divided by the number of
 scored labels in the global batch, so a token weighs the same whichever micro-batch holds it.
@@ -12,6 +12,11 @@ parallelism, ``train.distributed``) over ranks, and each micro-batch's ``lm_loss
 cross-entropy sum times ``token_weight = micro-batches of the global batch / scored labels of
 the global batch``, counted on the host before the step. One process with ``n`` micro-batches
 therefore matches ``n`` data-parallel ranks that each see one of them.
+
+With ``model.mtp_layers`` = U > 0, ``mtp_loss = train.mtp_loss_coeff / U * sum_k CE_k`` (DeepSeek-V3 §2.2),
+where ``CE_k`` is depth k's cross-entropy of predicting ``t_{i+k+1}`` normalised the same way as ``lm_loss``:
+over the global batch's labels that depth scores (:func:`model.mtp.mtp_loss_mask`: same document, SFT
+assistant tokens, inside the window), through a per-depth token weight.
 
 Everything numeric runs inside ``ms.jit`` functions (GRAPH_MODE). Functions are jitted,
 not the cells: ``ms.jit(cell)`` would freeze the parameter values it captured.
@@ -26,8 +31,9 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from mindmoe.data.packing import PackedWindows, label_mask
+from mindmoe.model.mtp import mtp_loss_mask, shifted_tokens
 from mindmoe.train.grad_norm import global_squared_norm, sum_of_squares  # noqa: F401 (imported from here)
-from mindmoe.train.head_loss import head_loss, head_nll, masked_sum
+from mindmoe.train.head_loss import head_loss, head_nll, head_nll_with_mtp, masked_sum
 
 
 def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
@@ -58,6 +64,16 @@ def split_window(batch: dict):
     )
 
 
+def mtp_window(batch: dict, depths: int):
+    """``(future_ids [U + 1, B, S], mtp_mask [U, B, S])`` int32 numpy of a packed window for U MTP depths
+    (:func:`model.mtp.shifted_tokens`, :func:`model.mtp.mtp_loss_mask`); one dummy row each without MTP."""
+    tokens = batch["input_ids"]
+    if depths == 0:
+        return np.zeros((1,) + tokens[:, 1:].shape, np.int32), np.zeros((1,) + tokens[:, 1:].shape, np.int32)
+    labels_mask = label_mask(PackedWindows(tokens, batch["doc_ids"], batch.get("loss_mask"))).astype(np.int32)
+    return shifted_tokens(tokens, depths), mtp_loss_mask(labels_mask, batch["doc_ids"], depths)
+
+
 def token_weight(scored_tokens: int, micro_batches: int) -> float:
     """The factor of a micro-batch's cross-entropy sum that makes the mean over the global batch's
     ``micro_batches`` (all ranks) the sum over its ``scored_tokens`` labels divided by their number."""
@@ -84,6 +100,7 @@ class StepStats:
     # scale could still be halved: the step retries at a lower scale, it is not a diverging model.
     overflow: bool = False
     loss_scale: float | None = None  # the dynamic loss scale after the step; None without loss scaling
+    mtp_loss: float | None = None  # train.mtp_loss_coeff * mean over MTP depths of their CE; None without MTP
 
 
 def _loss_scaling(loss_scale):
@@ -189,8 +206,8 @@ def _compile_fused_step(grad_fn, unscale, clip_and_apply):
     """One micro-batch per step: forward, backward and update in one graph."""
 
     @ms.jit
-    def fused_step(input_ids, doc_ids, labels, loss_mask, token_weight):
-        (_, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight)
+    def fused_step(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):
+        (_, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights)
         norm, lr, finite = clip_and_apply(unscale(grads), aux[0], aux[4])
         return aux, norm, lr, finite
 
@@ -203,8 +220,8 @@ def _compile_accumulation(grad_fn, unscale, clip_and_apply, buffers, accum_steps
     inv_accum = 1.0 / accum_steps
 
     @ms.jit
-    def accumulate(input_ids, doc_ids, labels, loss_mask, token_weight):
-        (_, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight)
+    def accumulate(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):
+        (_, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights)
         for buffer, grad in zip(buffers, unscale(grads)):
             ops.assign_add(buffer, grad * inv_accum)
         return aux
@@ -243,8 +260,11 @@ class CompiledStep:
         router_updates=None,
         dist=None,
         loss_scale=None,
+        mtp_loss_coeff: float = 0.0,
     ):
         self.model = model
+        self.mtp_depths = model.config.mtp_layers
+        self.mtp_loss_coeff = float(mtp_loss_coeff)
         self.dist = dist
         self.optimizer = optimizer
         self.accum_steps = accum_steps
@@ -252,8 +272,8 @@ class CompiledStep:
         scale_loss, unscale, adjust_scale, self.loss_scale_state = _loss_scaling(loss_scale)
         self.token_nll = head_loss(model, params)
 
-        def scaled_loss(input_ids, doc_ids, labels, loss_mask, token_weight):
-            loss, aux = self._loss(input_ids, doc_ids, labels, loss_mask, token_weight)
+        def scaled_loss(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):
+            loss, aux = self._loss(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights)
             return scale_loss(loss), aux
 
         grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
@@ -278,16 +298,24 @@ class CompiledStep:
             grad_fn, unscale, clip_and_apply, self.grad_buffers, self.accum_steps
         )
 
-    def _loss(self, input_ids, doc_ids, labels, loss_mask, token_weight):
-        """The micro-batch's share of the step objective, and ``(loss, lm, aux, z, routing, layer)``
-        unscaled. ``token_weight`` is a graph input, not a constant: it changes every step."""
-        nll_T, aux_loss, z_loss, routing_stats, layer_stats = head_nll(
-            self.model, self.token_nll, input_ids, doc_ids, labels
-        )
+    def _loss(self, input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):
+        """The micro-batch's share of the step objective, and ``(loss, lm, aux, z, routing, layer, mtp)``
+        unscaled. ``token_weight`` is a graph input, not a constant: it changes every step. ``future_ids`` and
+        ``mtp_weights`` (:meth:`_mtp_inputs`) are read only with MTP depths."""
+        if self.mtp_depths:
+            nll_T, aux_loss, z_loss, routing_stats, layer_stats, mtp_sum = head_nll_with_mtp(
+                self.model, self.token_nll, input_ids, doc_ids, future_ids, mtp_weights
+            )
+            mtp_loss = mtp_sum * (self.mtp_loss_coeff / self.mtp_depths)
+        else:
+            nll_T, aux_loss, z_loss, routing_stats, layer_stats = head_nll(
+                self.model, self.token_nll, input_ids, doc_ids, labels
+            )
+            mtp_loss = ops.zeros((), ms.float32)
         nll_sum, _ = masked_sum(nll_T, loss_mask)
         lm_loss = nll_sum * token_weight
-        loss = lm_loss + aux_loss + z_loss
-        return loss, (loss, lm_loss, aux_loss, z_loss, routing_stats, layer_stats)
+        loss = lm_loss + aux_loss + z_loss + mtp_loss
+        return loss, (loss, lm_loss, aux_loss, z_loss, routing_stats, layer_stats, mtp_loss)
 
     def step(self, micro_batches) -> StepStats:
         """One optimizer step over ``accum_steps`` micro-batches (dicts of packed windows)."""
@@ -298,12 +326,13 @@ class CompiledStep:
         self.model.set_train(True)
         windows = [split_window(batch) for batch in micro_batches]
         weight = Tensor(np.float32(self._token_weight(windows)))
+        mtp_inputs = self._mtp_inputs(micro_batches)
         scale_before = self._loss_scale()
         if self.accum_steps == 1:
-            aux, norm, lr, finite = self._fused_step(*windows[0], weight)
+            aux, norm, lr, finite = self._fused_step(*windows[0], weight, *mtp_inputs[0])
             auxes = [aux]
         else:
-            auxes = [self._accumulate(*window, weight) for window in windows]
+            auxes = [self._accumulate(*window, weight, *mtp) for window, mtp in zip(windows, mtp_inputs)]
             mean_loss = Tensor(np.float32(np.mean([a[0].asnumpy() for a in auxes])))
             norm, lr, finite = self._apply_accumulated(mean_loss, Tensor(sum(a[4].asnumpy() for a in auxes)))
         stats = self._global_stats(
@@ -317,6 +346,7 @@ class CompiledStep:
                 lr=float(np.asarray(lr.asnumpy()).reshape(-1)[0]),
                 routing_stats=np.sum([a[4].asnumpy() for a in auxes], axis=0),
                 layer_stats=np.mean([a[5].asnumpy() for a in auxes], axis=0),
+                mtp_loss=float(np.mean([a[6].asnumpy() for a in auxes])) if self.mtp_depths else None,
             )
         )
         stats = self._with_loss_scale(stats, scale_before)
@@ -333,6 +363,24 @@ class CompiledStep:
             scored_tokens = self.dist.sum_count_over_replicas(scored_tokens)
             micro_batches *= self.dist.dp
         return token_weight(scored_tokens, micro_batches)
+
+    def _mtp_inputs(self, micro_batches) -> list:
+        """``(future_ids, mtp_weights)`` tensors per micro-batch: :func:`mtp_window` with each depth's mask times
+        its token weight (micro-batches / that depth's scored labels in the global batch, as :meth:`_token_weight`)."""
+        parts = [mtp_window(batch, self.mtp_depths) for batch in micro_batches]
+        if not self.mtp_depths:
+            return [(Tensor(future), Tensor(mask.astype(np.float32))) for future, mask in parts]
+        micro_batches_total = self.accum_steps
+        if self.dist is not None and self.dist.active:
+            micro_batches_total *= self.dist.dp
+        weights = []
+        for depth in range(self.mtp_depths):
+            scored = sum(int(mask[depth].sum()) for _, mask in parts)
+            if self.dist is not None and self.dist.active:
+                scored = self.dist.sum_count_over_replicas(scored)
+            weights.append(token_weight(scored, micro_batches_total))
+        depth_weight = np.asarray(weights, np.float32).reshape(-1, 1, 1)
+        return [(Tensor(future), Tensor(mask.astype(np.float32) * depth_weight)) for future, mask in parts]
 
     def _loss_scale(self):
         """The dynamic loss scale now (fp16), else None."""
@@ -361,20 +409,21 @@ class CompiledStep:
         """
         if self.dist is None or not self.dist.active:
             return local
-        scalars = [local.loss, local.lm_loss, local.aux_loss, local.z_loss]
+        scalars = [local.loss, local.lm_loss, local.aux_loss, local.z_loss, local.mtp_loss or 0.0]
         routing, layer = local.routing_stats, local.layer_stats
         packed = np.concatenate([np.asarray(scalars, np.float32), routing.reshape(-1), layer.reshape(-1)])
         total = self.dist.sum_over_ranks(packed)
         world = self.dist.world_size
-        loss, lm_loss, aux_loss, z_loss = (float(v) / world for v in total[:4])
-        routing_end = 4 + routing.size
+        loss, lm_loss, aux_loss, z_loss, mtp_loss = (float(v) / world for v in total[:5])
+        routing_end = 5 + routing.size
         return dataclasses.replace(
             local,
             loss=loss,
             lm_loss=lm_loss,
             aux_loss=aux_loss,
             z_loss=z_loss,
-            routing_stats=total[4:routing_end].reshape(routing.shape) / self.dist.replica_copies,
+            mtp_loss=None if local.mtp_loss is None else mtp_loss,
+            routing_stats=total[5:routing_end].reshape(routing.shape) / self.dist.replica_copies,
             layer_stats=total[routing_end:].reshape(layer.shape) / world,
         )
 

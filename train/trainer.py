@@ -144,7 +144,14 @@ class Trainer:
         router_updates = RouterStepUpdates(model, self.model_cfg)
         accum_steps = self.dist.layout.accumulation
         step = CompiledStep(
-            model, optimizer, self.cfg.train.grad_clip, accum_steps, router_updates, self.dist, loss_scale
+            model,
+            optimizer,
+            self.cfg.train.grad_clip,
+            accum_steps,
+            router_updates,
+            self.dist,
+            loss_scale,
+            mtp_loss_coeff=self.cfg.train.mtp_loss_coeff,
         )
         optimizer_state = [*optimizer.exp_avg, *optimizer.exp_avg_sq, optimizer.global_step, *step.loss_scale_state]
         # Checkpoints hold every parameter, including state the optimizer never sees (router biases),

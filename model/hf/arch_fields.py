@@ -12,7 +12,7 @@ def glm4_moe_fields(reader) -> dict:
     return fields
 
 
-def deepseek_v3_fields(reader) -> dict:
+def deepseek_v3_fields(reader, model_type: str = "deepseek_v3", first_k_dense=None) -> dict:
     """MLA attention (:mod:`model.mla`) and glm4_moe's MoE. The GQA keys MLA does not read are set to what
     describes it: one key/value head per query head, no bias, no QK-norm, the whole RoPE slice rotating."""
     heads = reader.int("num_attention_heads")
@@ -27,14 +27,16 @@ def deepseek_v3_fields(reader) -> dict:
         )
     rope_dim = reader.int("qk_rope_head_dim")
     if reader.raw("head_dim") not in (None, rope_dim):
-        # HF sizes its RoPE tables from head_dim, which DeepseekV3Config sets to qk_rope_head_dim.
-        reader.reject("head_dim", f"must equal qk_rope_head_dim={rope_dim} (HF rotates head_dim channels)")
+        # HF sizes its RoPE tables from head_dim, which DeepseekV3Config sets to qk_rope_head_dim;
+        # Glm4MoeLiteConfig maps a head_dim key onto qk_rope_head_dim itself (attribute_map).
+        why = "HF rotates head_dim channels" if model_type == "deepseek_v3" else "HF reads it as qk_rope_head_dim"
+        reader.reject("head_dim", f"must equal qk_rope_head_dim={rope_dim} ({why})")
     if reader.raw("partial_rotary_factor") not in (None, 1.0):
         reader.reject("partial_rotary_factor", "MLA rotates the whole qk_rope_head_dim slice; only 1.0 is supported")
     for key, value in (("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")):
         if reader.raw(key) not in (None, value):
-            reader.reject(key, f"transformers' deepseek_v3 (and mindmoe) route with {value!r} only")
-    fields = _grouped_sigmoid_moe_fields(reader, "deepseek_v3")
+            reader.reject(key, f"transformers' {model_type} (and mindmoe) route with {value!r} only")
+    fields = _grouped_sigmoid_moe_fields(reader, model_type, first_k_dense)
     fields.update(
         attention_type="mla",
         num_kv_heads=heads,
@@ -52,17 +54,54 @@ def deepseek_v3_fields(reader) -> dict:
     return fields
 
 
-def _grouped_sigmoid_moe_fields(reader, model_type: str) -> dict:
-    """The MoE of glm4_moe and deepseek_v3: sigmoid scores, correction bias for selection, group-limited
-    top-k (group score = sum of its two best biased scores), renormalised and scaled weights, shared experts."""
+def glm4_moe_lite_fields(reader, notes: list) -> dict:
+    """GLM-4.7-Flash (transformers 5.23 ``Glm4MoeLite``): deepseek_v3's MLA (interleaved RoPE by default) and
+    glm4_moe's MoE, with dense layers given per layer by ``mlp_layer_types`` (``first_k_dense_replace`` is
+    not read by transformers)."""
+    fields = deepseek_v3_fields(reader, "glm4_moe_lite", _leading_dense_layers(reader))
+    stated = reader.raw("first_k_dense_replace")
+    if stated is not None and stated != fields["first_k_dense"]:
+        notes.append(
+            f"first_k_dense_replace={stated!r} is not used: transformers' glm4_moe_lite takes its dense layers "
+            f"from mlp_layer_types, which gives {fields['first_k_dense']}"
+        )
+    return fields
+
+
+def _leading_dense_layers(reader) -> int:
+    """How many leading layers ``mlp_layer_types`` makes dense (null: the first one, as transformers)."""
     num_layers = reader.int("num_hidden_layers") or 0
+    types = reader.raw("mlp_layer_types")
+    if types is None:
+        return min(1, num_layers)
+    if not isinstance(types, list) or not all(t in ("dense", "sparse") for t in types):
+        reader.reject("mlp_layer_types", "must be a list of 'dense' / 'sparse', one per layer")
+        return 0
+    if len(types) != num_layers:
+        reader.reject("mlp_layer_types", f"has {len(types)} entries for num_hidden_layers={num_layers}")
+        return 0
+    dense = types.index("sparse") if "sparse" in types else num_layers
+    if "dense" in types[dense:]:
+        reader.reject(
+            "mlp_layer_types", "has a dense layer after a MoE layer; mindmoe supports dense layers only at the start"
+        )
+    return dense
+
+
+def _grouped_sigmoid_moe_fields(reader, model_type: str, first_k_dense=None) -> dict:
+    """The MoE of glm4_moe and deepseek_v3: sigmoid scores, correction bias for selection, group-limited
+    top-k (group score = sum of its two best biased scores), renormalised and scaled weights, shared experts.
+    ``first_k_dense``: given by the caller, else from ``first_k_dense_replace``."""
+    num_layers = reader.int("num_hidden_layers") or 0
+    if first_k_dense is None:
+        # HF: layer i is MoE iff i >= first_k_dense_replace, so a larger value means all dense.
+        first_k_dense = min(reader.int("first_k_dense_replace") or 0, num_layers)
     shared = reader.int("n_shared_experts")
     if shared is not None and shared < 1:
         reader.reject("n_shared_experts", f"{model_type} always builds a shared expert; 0 is not supported")
     return dict(
         intermediate_size=reader.int("intermediate_size"),
-        # HF: layer i is MoE iff i >= first_k_dense_replace, so a larger value means all dense.
-        first_k_dense=min(reader.int("first_k_dense_replace") or 0, num_layers),
+        first_k_dense=first_k_dense,
         num_experts=reader.int("n_routed_experts"),
         moe_intermediate_size=reader.int("moe_intermediate_size"),
         num_shared_experts=shared,

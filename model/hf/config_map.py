@@ -1,5 +1,5 @@
 """HF ``config.json`` -> :class:`ModelConfig`, per architecture (``glm4_moe``, ``qwen3_moe``, ``mixtral``,
-``deepseek_v3``).
+``deepseek_v3``, ``glm4_moe_lite``).
 
 The reverse (a ``config.json`` for an export) is :func:`model.hf.export.hf_config_from_model`.
 
@@ -26,6 +26,9 @@ RoPE            rotate_half, partial        rotate_half, full           rotate_h
 ``deepseek_v3`` has glm4_moe's router, shared experts and dense layers, and MLA attention
 (``model.attention_type=mla``; ``q_lora_rank`` null = plain ``q_proj``), RoPE on ``qk_rope_head_dim``
 channels, interleaved when ``rope_interleave``; YaRN's ``mscale_all_dim`` also scales the softmax.
+``glm4_moe_lite`` (GLM-4.7-Flash, transformers 5.23) is the same model with its dense layers listed in
+``mlp_layer_types``. A ``config.json`` written by transformers 5 (``rope_parameters``) imports like one
+written by transformers 4 (:mod:`model.hf.rope_parameters`).
 """
 
 import dataclasses
@@ -33,19 +36,27 @@ import math
 from dataclasses import dataclass, field
 
 from mindmoe.model.config import ModelConfig, validate_model_config
-from mindmoe.model.hf.arch_fields import deepseek_v3_fields, glm4_moe_fields, mixtral_fields, qwen3_moe_fields
+from mindmoe.model.hf.arch_fields import (
+    deepseek_v3_fields,
+    glm4_moe_fields,
+    glm4_moe_lite_fields,
+    mixtral_fields,
+    qwen3_moe_fields,
+)
 from mindmoe.model.hf.hf_defaults import HF_DEFAULTS
+from mindmoe.model.hf.rope_parameters import with_transformers4_rope_keys
 from mindmoe.model.rope_scaling import RopeScalingConfig
 
-SUPPORTED_MODEL_TYPES = ("glm4_moe", "qwen3_moe", "mixtral", "deepseek_v3")
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe_lite")
 ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
 }
 #: Architectures whose attention is MLA (``model.attention_type=mla``); the others are GQA.
-MLA_MODEL_TYPES = ("deepseek_v3",)
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
 
 #: ModelConfig fields an import may change: they alter training or the context length, never the
 #: shape or meaning of a pretrained weight. Every other field comes from config.json.
@@ -136,7 +147,10 @@ def read_hf_config(hf: dict, source: str = "config.json", max_seq_len: int = 0) 
             f"{source} has auto_map (custom code for trust_remote_code); it is read as data "
             f"only and no shipped code runs; the weights are loaded as {model_type}"
         )
+    hf, rope_problem = with_transformers4_rope_keys(hf)
     reader = _Reader(hf, model_type, source)
+    if rope_problem:
+        reader.reject("rope_parameters", rope_problem)
     if hf.get("quantization_config"):
         reader.reject("quantization_config", "quantized checkpoints are not supported; use the bf16/fp16/fp32 release")
     if reader.raw("hidden_act") != "silu":
@@ -154,6 +168,9 @@ def read_hf_config(hf: dict, source: str = "config.json", max_seq_len: int = 0) 
     elif model_type == "deepseek_v3":
         fields.update(deepseek_v3_fields(reader))
         # DeepSeek-V3 stores its MTP module as model.layers.61.*, which HF ignores.
+        mtp_layers = reader.int("num_nextn_predict_layers", optional=True) or 0
+    elif model_type == "glm4_moe_lite":
+        fields.update(glm4_moe_lite_fields(reader, notes))
         mtp_layers = reader.int("num_nextn_predict_layers", optional=True) or 0
     elif model_type == "qwen3_moe":
         fields.update(qwen3_moe_fields(reader, fields.get("num_layers")))
@@ -298,6 +315,14 @@ def apply_overrides(imported: ImportedConfig, overrides: dict, source: str = "co
             problems.append(f"model.{key}: unknown key")
         elif key in OVERRIDABLE_FIELDS:
             changes[key] = value
+        elif key == "mtp_layers":  # how many of the checkpoint's MTP depths to load and train
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= imported.mtp_layers:
+                changes[key] = value
+            else:
+                problems.append(
+                    f"model.mtp_layers={value!r}: {source} ({imported.model_type}) stores {imported.mtp_layers} "
+                    f"multi-token-prediction layer(s) (num_nextn_predict_layers); use 0..{imported.mtp_layers}"
+                )
         elif key in ("vocab_size", "head_dim") and value == 0:
             continue
         elif value != getattr(cfg, key):

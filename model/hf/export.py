@@ -1,8 +1,8 @@
 """Write a mindmoe model or checkpoint as a HF checkpoint directory (``mindmoe-export export.format=hf``).
 
 The directory holds ``config.json`` (``glm4_moe`` when the model is one, else ``qwen3_moe`` or
-``mixtral`` if it fits, ``deepseek_v3`` for MLA; see :func:`hf_config_from_model`), fp32 safetensors
-with HF names (sharded with an index above ``max_shard_bytes``), so that
+``mixtral`` if it fits, ``deepseek_v3`` for MLA, ``glm4_moe_lite`` when asked; see
+:func:`hf_config_from_model`), fp32 safetensors with HF names (sharded with an index above ``max_shard_bytes``), so that
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the same logits. The tokenizer files are the
 caller's to copy (``train/export.py`` does, and passes its special token ids for ``config.json``).
 A ``glm4_moe`` / ``deepseek_v3`` router always has ``e_score_correction_bias``; a model trained without a
@@ -20,12 +20,12 @@ from mindmoe.model.checkpoint_shards import read_tensors
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.config_map import ARCHITECTURES, MLA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, HFCheckpointError
 from mindmoe.model.hf.safetensors_io import ShardedWriter
-from mindmoe.model.hf.weights import NameMap, is_stacked_expert
+from mindmoe.model.hf.weights import MTP_SHARED_COPIES, NameMap, is_stacked_expert
 from mindmoe.model.param_count import parameter_shapes
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 #: Architectures whose router always has the correction bias buffer.
-SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3")
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
 
 
 def export_hf(
@@ -76,9 +76,10 @@ def export_hf(
 def hf_named_tensors(cfg: ModelConfig, model_type: str, named_arrays):
     """``(HF name, fp32 array)`` for every tensor of the HF checkpoint, from ``(our name, array)``
     pairs covering the model; stacked experts are split into rows (views, no copies)."""
-    names = NameMap(model_type)
+    names = NameMap(model_type, cfg.num_layers if cfg.mtp_layers else None)
     shapes = parameter_shapes(cfg, include_buffers=True)
     seen = set()
+    shared = {}  # embedding and head, written again as every MTP depth's copy (as DeepSeek-V3 / GLM-4.5 store them)
     for our_name, array in named_arrays:
         if our_name not in shapes:
             raise HFCheckpointError(
@@ -91,6 +92,8 @@ def hf_named_tensors(cfg: ModelConfig, model_type: str, named_arrays):
             )
         seen.add(our_name)
         array = array.astype(np.float32, copy=False)
+        if cfg.mtp_layers and our_name in ("embed_tokens.weight", "lm_head.weight"):
+            shared[our_name] = array
         for hf_name, row in names.to_hf(our_name, array.shape[0] if is_stacked_expert(our_name) else 0):
             yield hf_name, array if row is None else array[row]
         if model_type in SIGMOID_ROUTER_TYPES and our_name.endswith("mlp.router.weight") and not cfg.expert_bias:
@@ -100,6 +103,11 @@ def hf_named_tensors(cfg: ModelConfig, model_type: str, named_arrays):
     missing = sorted(set(shapes) - seen)
     if missing:
         raise HFCheckpointError(f"the source lacks parameters the config needs: {', '.join(missing[:10])}")
+    head = shared.get("lm_head.weight", shared.get("embed_tokens.weight"))
+    for depth in range(cfg.mtp_layers):
+        for suffix, which in MTP_SHARED_COPIES.items():
+            copy = shared["embed_tokens.weight"] if which == "embed_tokens.weight" else head
+            yield f"model.layers.{cfg.num_layers + depth}.{suffix}", copy
 
 
 def hf_config_from_model(cfg: ModelConfig, model_type: str = "") -> tuple:
@@ -239,8 +247,10 @@ def _export_dict(cfg: ModelConfig, model_type: str) -> dict:
             topk_group=cfg.topk_group,
             norm_topk_prob=cfg.norm_topk_prob,
             routed_scaling_factor=cfg.routed_scaling_factor,
-            num_nextn_predict_layers=0,
+            num_nextn_predict_layers=cfg.mtp_layers,
         )
+    if model_type == "glm4_moe_lite":
+        _transformers5_keys(out)
     if model_type == "glm4_moe":
         out.update(
             partial_rotary_factor=cfg.partial_rotary_factor,
@@ -267,6 +277,17 @@ def _export_dict(cfg: ModelConfig, model_type: str) -> dict:
             router_jitter_noise=0.0,
         )
     return out
+
+
+def _transformers5_keys(out: dict) -> None:
+    """Rewrite ``out`` as transformers 5 writes a ``glm4_moe_lite`` config (the only version that has the
+    architecture): RoPE in ``rope_parameters``, dense layers as ``mlp_layer_types``, no ``head_dim`` (an alias
+    of ``qk_rope_head_dim`` there) and no MTP layer count (its class has none)."""
+    scaling = out.pop("rope_scaling") or {"rope_type": "default"}
+    out["rope_parameters"] = {"rope_theta": out.pop("rope_theta"), **scaling}
+    dense = out.pop("first_k_dense_replace")
+    out["mlp_layer_types"] = ["dense"] * dense + ["sparse"] * (out["num_hidden_layers"] - dense)
+    del out["head_dim"], out["num_nextn_predict_layers"]
 
 
 def _source(source, model_config):

@@ -2,7 +2,7 @@
 
 ``from_pretrained`` fills a key missing from ``config.json`` with its config class's default, so the
 import must too; one dict per ``model_type`` (``Glm4MoeConfig``, ``Qwen3MoeConfig``, ``MixtralConfig``,
-``DeepseekV3Config``).
+``DeepseekV3Config``; ``Glm4MoeLiteConfig`` of transformers 5.23, the first line with that architecture).
 """
 
 HF_DEFAULTS = {
@@ -114,6 +114,40 @@ HF_DEFAULTS = {
         rope_theta=10000.0,
         rope_scaling=None,
         rope_interleave=True,
+        attention_bias=False,
+        attention_dropout=0.0,
+    ),
+    # transformers 5.23 Glm4MoeLiteConfig (GLM-4.7-Flash). No rope_theta field: a config without one gets
+    # RotaryEmbeddingConfigMixin.default_theta; mlp_layer_types None means dense first layer, MoE after.
+    "glm4_moe_lite": dict(
+        vocab_size=154880,
+        hidden_size=2048,
+        intermediate_size=10240,
+        moe_intermediate_size=1536,
+        num_hidden_layers=47,
+        num_attention_heads=20,
+        num_key_value_heads=20,
+        n_shared_experts=1,
+        n_routed_experts=64,
+        routed_scaling_factor=1.8,
+        kv_lora_rank=512,
+        q_lora_rank=768,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        qk_nope_head_dim=192,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=4,
+        norm_topk_prob=True,
+        hidden_act="silu",
+        max_position_embeddings=202752,
+        initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        rope_interleave=True,
+        mlp_layer_types=None,
         attention_bias=False,
         attention_dropout=0.0,
     ),

@@ -22,10 +22,12 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
+
 from mindmoe.model.hf.config_map import HFCheckpointError, ImportedConfig, apply_overrides, read_hf_config
 from mindmoe.model.hf.param_stream import ParamStreamer
-from mindmoe.model.hf.safetensors_io import INDEX_FILE, READABLE_DTYPES, SINGLE_FILE, read_header
-from mindmoe.model.hf.weights import NameMap, hf_layer_index, is_stacked_expert
+from mindmoe.model.hf.safetensors_io import INDEX_FILE, READABLE_DTYPES, SINGLE_FILE, read_header, read_tensor
+from mindmoe.model.hf.weights import MTP_SHARED_COPIES, NameMap, hf_layer_index, is_stacked_expert
 from mindmoe.model.lora import is_adapter
 from mindmoe.model.param_count import parameter_shapes
 
@@ -94,11 +96,13 @@ def load_hf_pretrained(
 class WeightPlan:
     """Validated mapping of a directory's tensors onto a model's parameters."""
 
-    def __init__(self, imported: ImportedConfig, shapes: dict, assignments: list, notes: list):
+    def __init__(self, imported: ImportedConfig, shapes: dict, assignments: list, notes: list, copies=()):
         self.imported = imported
         self.shapes = shapes  # our name -> shape
         self.assignments = assignments  # (TensorEntry, our name, expert row or None), in file order
         self.notes = notes
+        # (TensorEntry, our name): an MTP depth's copy of the shared embedding or head, checked equal after loading.
+        self.copies = list(copies)
 
 
 def weight_files(path) -> list:
@@ -139,7 +143,8 @@ class _Planner:
         self.imported = imported
         self.cfg = imported.model_config
         self.shapes = parameter_shapes(self.cfg, include_buffers=True)
-        self.names = NameMap(imported.model_type)
+        self.names = NameMap(imported.model_type, self.cfg.num_layers if self.cfg.mtp_layers else None)
+        self.copies = []
         self.problems = defaultdict(list)
         self.assignments, self.filled = [], defaultdict(set)
         self.seen, self.skipped_mtp, self.skipped_rope = {}, [], []
@@ -152,7 +157,7 @@ class _Planner:
             self.problems["duplicate"].append(f"{where}: also in {self.seen[entry.name]}")
             return
         self.seen[entry.name] = file.name
-        if self._skipped(entry.name):
+        if self._skipped(entry.name) or self._shared_copy(entry, file):
             return
         target = self.names.to_ours(entry.name)
         if target is None or target[0] not in self.shapes:
@@ -177,7 +182,8 @@ class _Planner:
     def _skipped(self, name: str) -> bool:
         """Tensors a HF checkpoint may hold that mindmoe does not load (MTP layers, RoPE caches, a tied head)."""
         layer = hf_layer_index(name)
-        if layer is not None and self.cfg.num_layers <= layer < self.cfg.num_layers + self.imported.mtp_layers:
+        first_mtp = self.cfg.num_layers + self.cfg.mtp_layers  # the depths model.mtp_layers asks for are loaded
+        if layer is not None and first_mtp <= layer < self.cfg.num_layers + self.imported.mtp_layers:
             self.skipped_mtp.append(name)
             return True
         if name.endswith(".rotary_emb.inv_freq"):
@@ -187,6 +193,25 @@ class _Planner:
             self.notes.append("lm_head.weight ignored: tie_word_embeddings=true uses embed_tokens")
             return True
         return False
+
+    def _shared_copy(self, entry, file: Path) -> bool:
+        """An MTP depth's copy of the embedding or LM head: DeepSeek-V3 shares both with the main model, so mindmoe
+        keeps one parameter each and checks after loading that the copy equals it (:func:`check_shared_copies`)."""
+        depth = self.names.mtp_depth(entry.name)
+        if depth is None or depth >= self.cfg.mtp_layers:
+            return False
+        suffix = entry.name.split(f"model.layers.{self.cfg.num_layers + depth}.", 1)[1]
+        if suffix not in MTP_SHARED_COPIES:
+            return False
+        head = "lm_head.weight" if not self.cfg.tie_word_embeddings else "embed_tokens.weight"
+        main = "embed_tokens.weight" if suffix == "embed_tokens.weight" else head
+        if tuple(entry.shape) != tuple(self.shapes[main]):
+            self.problems["shape"].append(
+                f"{entry.name} ({file.name}): {list(entry.shape)}, but {main} is {list(self.shapes[main])}"
+            )
+        else:
+            self.copies.append((entry, main))
+        return True
 
     def skip_notes(self) -> list:
         notes = []
@@ -219,7 +244,9 @@ def plan_hf_weights(path, imported: ImportedConfig) -> WeightPlan:
     _check_coverage(planner.shapes, planner.filled, planner.names, planner.problems)
     if planner.problems:
         raise HFCheckpointError(_problem_report(path, imported.model_type, planner.problems))
-    return WeightPlan(imported, planner.shapes, planner.assignments, planner.notes + planner.skip_notes())
+    return WeightPlan(
+        imported, planner.shapes, planner.assignments, planner.notes + planner.skip_notes(), planner.copies
+    )
 
 
 def load_hf_weights(model, plan: WeightPlan, held_experts: Optional[range] = None) -> list:
@@ -256,7 +283,23 @@ def load_hf_weights(model, plan: WeightPlan, held_experts: Optional[range] = Non
     from mindmoe.model.deferred_init import finish_deferred  # MindSpore code (see load_hf_pretrained)
 
     finish_deferred(model)
+    check_shared_copies(params, plan.copies)
     return list(plan.notes) + streamer.notes()
+
+
+def check_shared_copies(params: dict, copies: list) -> None:
+    """Each MTP depth's stored embedding / head copy equals the parameter mindmoe shares (one tensor at a time)."""
+    from mindmoe.model.linear import numpy_of  # MindSpore code (see load_hf_pretrained)
+
+    for entry, our_name in copies:
+        with open(entry.file, "rb") as handle:
+            copy = read_tensor(handle, entry)
+        ours = numpy_of(params[our_name])
+        if not np.array_equal(copy.astype(ours.dtype), ours):
+            raise HFCheckpointError(
+                f"{entry.name} differs from the main model's {our_name}; mindmoe's MTP layers share the embedding and "
+                "LM head (DeepSeek-V3 §2.2), so it cannot hold a separate one: load with model.mtp_layers=0"
+            )
 
 
 def _held_range(name: str, shape, held_experts: Optional[range]) -> Optional[range]:

@@ -106,19 +106,54 @@ RULES = {
     "qwen3_moe": _common_rules(QK_NORM) + [DENSE_MLP] + _router_and_expert_rules("mlp", SWIGLU),
     "mixtral": _common_rules(()) + _router_and_expert_rules("block_sparse_moe", MIXTRAL_EXPERT),
 }
+# transformers 5 fuses experts in memory but saves (and loads) deepseek_v3's per-expert names for glm4_moe_lite.
+RULES["glm4_moe_lite"] = RULES["deepseek_v3"]
+
+
+#: What an MTP depth (model/mtp.py) adds to a decoder layer's names; HF keeps the depth at ``model.layers.{L + k}``.
+MTP_RULES = [
+    Rule("model.layers.{layer}.{norm}.weight", "layers.{layer}.{norm}.weight", (("norm", ("enorm", "hnorm")),)),
+    Rule("model.layers.{layer}.eh_proj.weight", "layers.{layer}.eh_proj.weight"),
+    Rule("model.layers.{layer}.shared_head.norm.weight", "layers.{layer}.shared_head.norm.weight"),
+]
+#: Copies of the shared embedding and LM head that HF checkpoints store per MTP depth (mindmoe keeps one of each).
+MTP_SHARED_COPIES = {"embed_tokens.weight": "embed_tokens.weight", "shared_head.head.weight": "head"}
 
 
 class NameMap:
-    """Translates names between a HF architecture and mindmoe."""
+    """Translates names between a HF architecture and mindmoe.
 
-    def __init__(self, model_type: str):
+    With ``num_layers`` (L) the HF layers from L on are MTP depths: ``model.layers.{L + k}.*`` <-> ``mtp_layers.{k}.*``.
+    """
+
+    def __init__(self, model_type: str, num_layers: int = None):
         self.model_type = model_type
+        self.num_layers = num_layers
         self.rules = [
-            (rule, rule._pattern(rule.hf, True), rule._pattern(rule.ours, False)) for rule in RULES[model_type]
+            (rule, rule._pattern(rule.hf, True), rule._pattern(rule.ours, False))
+            for rule in RULES[model_type] + (MTP_RULES if num_layers is not None else [])
         ]
+
+    def mtp_depth(self, hf_name: str):
+        """The MTP depth of a HF name (its layer index minus L), or None for a main-model name."""
+        layer = hf_layer_index(hf_name)
+        if self.num_layers is None or layer is None or layer < self.num_layers:
+            return None
+        return layer - self.num_layers
 
     def to_ours(self, hf_name: str):
         """``(our name, expert row or None)``, or None when no rule matches."""
+        depth = self.mtp_depth(hf_name)
+        if depth is not None:
+            found = self._to_ours(
+                hf_name.replace(f"model.layers.{depth + self.num_layers}.", f"model.layers.{depth}.", 1)
+            )
+            if found is None:
+                return None
+            return found[0].replace(f"layers.{depth}.", f"mtp_layers.{depth}.", 1), found[1]
+        return self._to_ours(hf_name)
+
+    def _to_ours(self, hf_name: str):
         for rule, hf_pattern, _ in self.rules:
             match = hf_pattern.match(hf_name)
             if match:
@@ -130,6 +165,14 @@ class NameMap:
     def to_hf(self, our_name: str, num_rows: int = 0) -> list:
         """``[(HF name, expert row or None)]``: one name, or one per row of a stacked expert
         parameter (``num_rows`` rows). Raises KeyError for a name no rule knows."""
+        if our_name.startswith("mtp_layers.") and self.num_layers is not None:
+            depth = int(our_name.split(".")[1])
+            inner = self._to_hf("layers." + our_name[len("mtp_layers.") :], num_rows)
+            here, there = f"model.layers.{depth}.", f"model.layers.{self.num_layers + depth}."
+            return [(name.replace(here, there, 1), row) for name, row in inner]
+        return self._to_hf(our_name, num_rows)
+
+    def _to_hf(self, our_name: str, num_rows: int) -> list:
         for rule, _, our_pattern in self.rules:
             match = our_pattern.match(our_name)
             if match:
