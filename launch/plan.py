@@ -52,6 +52,26 @@ Communication buffers (estimates): a reduced copy of the gradients when they are
 ranks; ``2 r T h c`` for the expert exchange when ``ep > 1`` (sent and received rows, or the summed
 expert outputs of ``allgather``). A layout fits when the sum is at most ``device_memory_gb -
 reserved_gb`` (runtime workspace, HCCL, fragmentation).
+
+``plan.device=CPU``: the host's memory is the device's, and MindSpore's CPU runtime holds three more
+terms, each printed on its own line. None follows from a tensor of mindmoe's code, so each is a named
+constant measured on MindSpore 2.9, 2-core x86 (RSS of one ``mindmoe-train`` process sampled through its
+phases: built, compiled, stepping; one factor changed at a time around the tiny model at 1,024 tokens):
+
+- optimizer library ``CPU_OPTIMIZER_LIBRARY_BYTES``: train/optim.py imports mindformers (AdamW, the
+  LR schedule) when the optimizer is built, after the framework baseline (``import mindspore,
+  mindmoe.train.trainer``) that measurements subtract;
+- compiled graphs ``CPU_GRAPH_BASE_BYTES + CPU_GRAPH_BYTES_PER_LAYER * layers``: the IR and kernels of
+  the ``ms.jit`` step functions of train/step.py (a fused step, or accumulate + apply: the same
+  nodes). One copy per decoder layer: ``lazy_inline`` cell reuse fails on CPU. Independent of tokens,
+  positions and width (measured at 1,024 / 2,048 tokens, 128 / 256 positions, hidden 192 / 384);
+- runtime buffers ``4 * CPU_RUNTIME_HIDDEN_ROWS * h`` per token and decoder layer whose activations
+  are kept: what the step holds beyond the activations above. model/kernels/cpu_attention.py records
+  two causes (an elementwise op with an implicitly broadcast operand keeps its output to the end of the
+  graph; kernels run as soon as their inputs exist, so outputs computed early are held); which
+  tensors they are was not traced. The bytes followed tokens, layers and ``h`` (at the same FFN and
+  expert widths) and not positions, so they are counted in rows of ``h``. With ``train.recompute``
+  they are counted for the one rebuilt layer (not measured).
 """
 
 from dataclasses import dataclass, fields
@@ -74,6 +94,17 @@ LOSS_CHUNK_BYTES = 32 * MIB
 LOSS_BUFFERS = 20
 #: Bytes per element of ``train.dtype``.
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+#: CPU only (module docstring). RSS of ``import mindformers`` above the framework baseline: 0.347 GiB.
+CPU_OPTIMIZER_LIBRARY_BYTES = 0.35 * GIB
+#: CPU only: RSS added while the step compiles (before it first runs): 0.37 GiB at 2 decoder layers,
+#: 0.62 GiB at 4 (0.125 GiB a layer; the rest, embedding, head, loss and optimizer, 0.12 GiB).
+CPU_GRAPH_BYTES_PER_LAYER = 0.125 * GIB
+CPU_GRAPH_BASE_BYTES = 0.12 * GIB
+#: CPU only: fp32 rows of width ``h`` per token and decoder layer held beyond the modelled activations: peak
+#: RSS above the baseline less every other term of the plan, in rows. Tiny model, 4 layers: 90 at 2,048
+#: tokens, 94 at 1,024; from 2 to 4 layers: 118; from hidden 192 to 384 (same FFN and expert widths): 104;
+#: 256 instead of 128 positions changed nothing. A round figure inside that spread.
+CPU_RUNTIME_HIDDEN_ROWS = 100
 
 
 @dataclass(frozen=True)
@@ -143,6 +174,10 @@ class RankMemory:
     activations: float = 0.0
     loss: float = 0.0
     comm: float = 0.0
+    #: CPU only (module docstring): MindSpore's runtime buffers, compiled graphs, the optimizer's library.
+    runtime_buffers: float = 0.0
+    graphs: float = 0.0
+    library: float = 0.0
 
     @property
     def total(self) -> float:
@@ -251,6 +286,8 @@ def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig
     if layout.ep > 1:
         rows = routed_rows_per_token(cfg, layout)
         memory.comm += 2 * rows * batch.tokens * cfg.hidden_size * setup.compute_bytes
+    if setup.device == "CPU":
+        add_cpu_runtime(memory, cfg, layout, batch)
     return Plan(
         layout,
         memory,
@@ -258,6 +295,14 @@ def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig
         batch.global_batch * batch.seq_len,
         budget=(plan.device_memory_gb - plan.reserved_gb) * GIB,
     )
+
+
+def add_cpu_runtime(memory: RankMemory, cfg: ModelConfig, layout: Layout, batch: Batch) -> None:
+    """The three CPU runtime terms (module docstring); fp32, the only dtype the trainer runs on CPU."""
+    kept_layers = 1 if layout.recompute else cfg.num_layers
+    memory.runtime_buffers = batch.tokens * kept_layers * 4 * CPU_RUNTIME_HIDDEN_ROWS * cfg.hidden_size
+    memory.graphs = CPU_GRAPH_BASE_BYTES + CPU_GRAPH_BYTES_PER_LAYER * cfg.num_layers
+    memory.library = CPU_OPTIMIZER_LIBRARY_BYTES
 
 
 def divisors(n: int) -> List[int]:

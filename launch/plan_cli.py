@@ -22,6 +22,7 @@ from mindmoe.launch.plan import (
     COMPUTE_BYTES,
     Batch,
     Layout,
+    Plan,
     PlanConfig,
     Setup,
     layout_errors,
@@ -161,7 +162,8 @@ def layout_errors_of(model: ModelConfig, devices: int, batch: Batch) -> str:
     return "; ".join(layout_errors(model, Layout(dp=devices), batch))
 
 
-def report(cfg) -> List[str]:
+def planned_run(cfg):
+    """``(model, plan config, setup, batch, notes)`` of a composed config tree: what every plan of it reads."""
     model: ModelConfig = OmegaConf.to_object(cfg.model)
     plan_cfg: PlanConfig = OmegaConf.to_object(cfg.plan)
     notes = resolve_vocab(model, cfg.data)
@@ -171,6 +173,18 @@ def report(cfg) -> List[str]:
     batch = Batch(
         seq_len=cfg.data.seq_len, micro_batch=cfg.data.micro_batch_size, global_batch=cfg.data.global_batch_size
     )
+    return model, plan_cfg, setup, batch, notes
+
+
+def given_plan(cfg) -> Plan:
+    """The plan of the ``parallel.*`` layout of a composed config tree (``plan.devices`` processes, 0: the fewest
+    it needs), as ``mindmoe-plan`` prints it for these keys."""
+    model, plan_cfg, setup, batch, _ = planned_run(cfg)
+    return plan_layout(model, given_layout(cfg, plan_cfg.devices), batch, plan_cfg, setup)
+
+
+def report(cfg) -> List[str]:
+    model, plan_cfg, setup, batch, notes = planned_run(cfg)
     layout_given = cfg.parallel.dp != 0 or cfg.parallel.ep != 1
     recompute_options = (True,) if cfg.train.recompute else (False, True)
     devices = plan_cfg.devices

@@ -3,7 +3,16 @@
 from typing import List
 
 from mindmoe.launch.config import PlanConfig
-from mindmoe.launch.plan import GIB, Batch, Plan, Setup, routed_rows_per_token
+from mindmoe.launch.plan import (
+    CPU_GRAPH_BASE_BYTES,
+    CPU_GRAPH_BYTES_PER_LAYER,
+    CPU_RUNTIME_HIDDEN_ROWS,
+    GIB,
+    Batch,
+    Plan,
+    Setup,
+    routed_rows_per_token,
+)
 from mindmoe.model.config import ModelConfig
 
 #: What the trainer does not have, so no layout uses it.
@@ -34,6 +43,27 @@ def activation_note(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup) 
     return f"{kept}; {attention}; {rows:g} expert rows per token, train.dtype={setup.compute_dtype}"
 
 
+def cpu_runtime_rows(model: ModelConfig, plan: Plan, setup: Setup) -> List[tuple]:
+    """The terms MindSpore's CPU runtime adds (launch/plan.py docstring), one row each; none on Ascend."""
+    if setup.device != "CPU":
+        return []
+    memory = plan.memory
+    layers = 1 if plan.layout.recompute else model.num_layers
+    return [
+        (
+            "CPU runtime buffers",
+            memory.runtime_buffers,
+            f"measured: {CPU_RUNTIME_HIDDEN_ROWS} fp32 hidden rows per token in each of {layers} layer(s)",
+        ),
+        (
+            "CPU compiled graphs",
+            memory.graphs,
+            f"measured: {CPU_GRAPH_BASE_BYTES / GIB:g} GiB + {CPU_GRAPH_BYTES_PER_LAYER / GIB:g} GiB per layer",
+        ),
+        ("CPU optimizer library", memory.library, "measured, fixed: mindformers imported by the optimizer"),
+    ]
+
+
 def memory_lines(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup, plan_cfg: PlanConfig) -> List[str]:
     memory, layout = plan.memory, plan.layout
     verdict = "fits" if plan.fits else "DOES NOT FIT"
@@ -51,6 +81,7 @@ def memory_lines(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup, pla
         ("activations", memory.activations, activation_note(model, plan, batch, setup)),
         ("loss", memory.loss, "chunked: no [T, V] fp32 tensor beyond one chunk"),
         ("communication buffers", memory.comm, "estimate"),
+        *cpu_runtime_rows(model, plan, setup),
         ("total", memory.total, usable),
     ]
     lines = [

@@ -158,3 +158,39 @@ def test_copied_trainer_constants_equal_the_models():
     assert plan.BLOCK_SIZE == attention.BLOCK_SIZE
     assert plan.BLOCKWISE_DEVICES == attention.BLOCKWISE_DEVICES
     assert plan.LOSS_CHUNK_BYTES == lm_loss.CHUNK_BYTES
+
+
+def test_cpu_plans_add_the_runtimes_named_terms_and_ascend_plans_none():
+    """On CPU: runtime buffers of 100 fp32 hidden rows per token and kept layer, compiled graphs of 0.12 GiB +
+    0.125 GiB per layer, 0.35 GiB of optimizer library; the rest of the plan is the same as Ascend's."""
+    gib = 2**30
+    cpu = hand_plan(Layout(dp=1)).memory
+    assert cpu.runtime_buffers == T * 2 * 4 * 100 * 8
+    assert cpu.graphs == 0.12 * gib + 2 * 0.125 * gib
+    assert cpu.library == 0.35 * gib
+    ascend = hand_plan(Layout(dp=1), Setup(device="Ascend")).memory
+    assert ascend.runtime_buffers == ascend.graphs == ascend.library == 0
+    assert cpu.total - ascend.total == cpu.runtime_buffers + cpu.graphs + cpu.library
+    recompute = hand_plan(Layout(dp=1, recompute=True)).memory
+    assert recompute.runtime_buffers == T * 1 * 4 * 100 * 8  # the one layer rebuilt at a time
+    assert recompute.graphs == cpu.graphs
+
+
+def test_cpu_runtime_terms_are_printed_on_their_own_lines_for_cpu_only():
+    from mindmoe.launch.plan_report import memory_lines
+
+    model = ModelConfig(**HAND)
+    labels = ("CPU runtime buffers", "CPU compiled graphs", "CPU optimizer library")
+    for device, shown in (("CPU", True), ("Ascend", False)):
+        setup = Setup(device=device)
+        plan = plan_layout(model, Layout(dp=1), HAND_BATCH, PlanConfig(), setup)
+        lines = memory_lines(model, plan, HAND_BATCH, setup, PlanConfig())
+        for label in labels:
+            assert any(line.strip().startswith(label) for line in lines) == shown
+
+
+def test_plan_vs_measured_check_fails_outside_its_tolerance():
+    from mindmoe.bench.plan_vs_measured import compare
+
+    assert compare(1.2, 1.0, 0.25)["within"] and compare(0.8, 1.0, 0.25)["within"]
+    assert not compare(1.3, 1.0, 0.25)["within"] and not compare(0.5, 1.0, 0.25)["within"]
