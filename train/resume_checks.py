@@ -59,8 +59,10 @@ def architecture(model_cfg: ModelConfig) -> dict:
 
 def recorded(state: dict) -> dict:
     """The checked values a checkpoint's ``state`` records, by the key they are checked as."""
+    # A key the state lacks is left out; an architecture field may be recorded as None (MLA's q_lora_rank).
     values = {"data.seq_len": state.get(SEQ_LEN_KEY), "train.seed": state.get(SEED_KEY)}
     values[TOKENIZER_LABEL] = state.get(TOKENIZER_HASH_KEY)
+    values = {key: value for key, value in values.items() if value is not None}
     if isinstance(state.get(MODEL_KEY), dict):
         try:
             values.update(architecture(ModelConfig.from_dict(state[MODEL_KEY], MODEL_KEY)))
@@ -74,13 +76,13 @@ def check_resume(checkpoint_dir, state: dict, current: dict, allowed=()) -> None
     differs from checkpoint ``state`` and is not in ``allowed`` (``train.resume_allow_changes``); warn about
     allowed changes and about values the checkpoint does not record (an older one)."""
     before = recorded(state)
-    unchecked = sorted({MODEL_KEY if key.startswith("model.") else key for key in current if before.get(key) is None})
+    unchecked = sorted({MODEL_KEY if key.startswith("model.") else key for key in current if key not in before})
     if unchecked:
         where = Path(checkpoint_dir) / "state.json"
         log.warning("%s records no %s (an older checkpoint): not checked on resume", where, ", ".join(unchecked))
     problems, allowable = [], []
     for key, value in current.items():
-        if before.get(key) is None or before[key] == value:
+        if key not in before or before[key] == value:
             continue
         line = f"{key}: the checkpoint was trained with {before[key]!r}, this run has {value!r}"
         if key in allowed:

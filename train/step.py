@@ -34,6 +34,7 @@ from mindmoe.data.packing import PackedWindows, label_mask
 from mindmoe.model.mtp import mtp_loss_mask, shifted_tokens
 from mindmoe.train.grad_norm import global_squared_norm, sum_of_squares  # noqa: F401 (imported from here)
 from mindmoe.train.head_loss import head_loss, head_nll, head_nll_with_mtp, masked_sum
+from mindmoe.train.loss_scaling import loss_scaling
 
 
 def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
@@ -101,49 +102,6 @@ class StepStats:
     overflow: bool = False
     loss_scale: float | None = None  # the dynamic loss scale after the step; None without loss scaling
     mtp_loss: float | None = None  # train.mtp_loss_coeff * mean over MTP depths of their CE; None without MTP
-
-
-def _loss_scaling(loss_scale):
-    """``(scale_loss, unscale, adjust_scale, state parameters)`` for a ``train.precision.LossScale`` or None.
-
-    Dynamic loss scaling (Micikevicius et al. 2018): the loss is multiplied by the scale before
-    backward so small fp16 gradients do not flush to zero; gradients are divided by it before
-    clipping (the loss that is reported and checked is the one before scaling). A non-finite step
-    halves the scale (not below 1), ``window`` finite steps in a row double it. Without it all
-    three are identities and no state exists.
-    """
-    if loss_scale is None:
-
-        def scale_loss(loss):
-            return loss
-
-        def unscale(grads):
-            return grads
-
-        def adjust_scale(finite):
-            return finite
-
-        return scale_loss, unscale, adjust_scale, []
-    scale = Parameter(Tensor(np.float32(loss_scale.initial)), name="loss_scale.scale", requires_grad=False)
-    good_steps = Parameter(Tensor(np.float32(0.0)), name="loss_scale.good_steps", requires_grad=False)
-    window = float(loss_scale.window)
-
-    def scale_loss(loss):
-        return loss * scale
-
-    def unscale(grads):
-        inv_scale = 1.0 / scale
-        return tuple(g * inv_scale for g in grads)
-
-    def adjust_scale(finite):
-        counted = (good_steps + 1.0) * finite.astype(ms.float32)
-        grow = counted >= window
-        kept_scale = ops.select(grow, scale * 2.0, scale)
-        ops.assign(scale, ops.select(finite, kept_scale, ops.maximum(scale * 0.5, 1.0)))
-        ops.assign(good_steps, ops.select(grow, ops.zeros_like(counted), counted))
-        return finite
-
-    return scale_loss, unscale, adjust_scale, [scale, good_steps]
 
 
 def _grad_buffers(params, accum_steps: int):
@@ -269,7 +227,7 @@ class CompiledStep:
         self.optimizer = optimizer
         self.accum_steps = accum_steps
         params = optimizer.parameters
-        scale_loss, unscale, adjust_scale, self.loss_scale_state = _loss_scaling(loss_scale)
+        scale_loss, unscale, adjust_scale, self.loss_scale_state = loss_scaling(loss_scale)
         self.token_nll = head_loss(model, params)
 
         def scaled_loss(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):
