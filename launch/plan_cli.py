@@ -69,13 +69,14 @@ def count_lines(cfg: ModelConfig) -> List[str]:
         f"total parameters: {counts.total}",
         f"active parameters: {counts.active}",
         f"  total  = {billions(counts.total)}: every trained parameter, input embedding and LM head included "
-        f"({tied}); MTP layer not included (not modelled); router correction bias not included (a buffer). "
+        f"({tied}); MTP layers not included (HF does not count them); router correction bias not included "
+        "(a buffer). "
         "Equals HF num_parameters().",
         f"  active = {billions(counts.active)} per token: input embedding and LM head excluded, "
         f"{cfg.top_k} of {cfg.num_experts} routed experts per MoE layer.",
         f"  active incl. LM head: {counts.active_with_lm_head} ({billions(counts.active_with_lm_head)})",
-        f"  an MTP layer (not modelled) would add {mtp} ({billions(mtp)}): total incl. one MTP layer "
-        f"{counts.total + mtp} ({billions(counts.total + mtp)})",
+        f"  an MTP layer (model.mtp_layers=1; its memory is not planned) adds {mtp} ({billions(mtp)}): "
+        f"total incl. one MTP layer {counts.total + mtp} ({billions(counts.total + mtp)})",
         "",
         f"  {'parameters':<34}{'total':>18}{'active per token':>18}",
     ]

@@ -251,3 +251,29 @@ def test_first_k_dense_replace_is_not_read_by_glm4_moe_lite():
     imported = read_hf_config(lite_dict(first_k_dense_replace=2))
     assert imported.model_config.first_k_dense == 1
     assert any("first_k_dense_replace=2 is not used" in note for note in imported.notes)
+
+
+def test_glm47_flash_model_group_is_the_published_model_and_counts_its_parameters():
+    """``model=glm47_flash`` equals the import of a ``glm4_moe_lite`` config.json holding only its model type
+    (transformers 5.23's defaults are GLM-4.7-Flash's settings), and its count equals transformers 5.23's
+    ``Glm4MoeLiteForCausalLM(Glm4MoeLiteConfig())`` built on the meta device (figures taken there once)."""
+    from hydra import compose, initialize_config_module
+    from omegaconf import OmegaConf
+
+    from mindmoe.conf.schema import register_configs
+    from mindmoe.model.param_count import count_parameters
+
+    register_configs()
+    with initialize_config_module(config_module="mindmoe.conf", version_base="1.3"):
+        group = OmegaConf.to_object(compose(config_name="config", overrides=["model=glm47_flash"]).model)
+    imported = read_hf_config({"model_type": "glm4_moe_lite"}).model_config
+    architecture = [
+        "vocab_size", "hidden_size", "num_layers", "num_heads", "attention_type", "q_lora_rank", "kv_lora_rank",
+        "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "rope_interleaved", "rope_theta",
+        "max_position_embeddings", "rope_scaling", "rms_norm_eps", "intermediate_size", "first_k_dense",
+        "num_experts", "top_k", "moe_intermediate_size", "num_shared_experts", "score_func", "expert_bias",
+        "n_group", "topk_group", "norm_topk_prob", "routed_scaling_factor", "tie_word_embeddings",
+    ]  # fmt: skip
+    assert {key: getattr(group, key) for key in architecture} == {key: getattr(imported, key) for key in architecture}
+    count = count_parameters(group)
+    assert (count.total, count.active, count.active_with_lm_head) == (29_943_390_976, 3_262_374_656, 3_579_568_896)
