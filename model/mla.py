@@ -77,20 +77,33 @@ class MLAttention(AttentionHeads):
             return self.q_proj(x_BSH)
         return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSH)))
 
-    def project_qkv(self, x_BSH, cos, sin):
-        """Queries and keys ``[B, N, S, qk_head_dim]`` (RoPE applied), values ``[B, N, S, v_head_dim]``."""
+    def rope_queries(self, x_BSH, cos, sin):
+        """Queries ``[B, N, S, qk_head_dim]``: each head's no-RoPE channels, then its RoPE'd channels."""
         batch, seq_len, _ = x_BSH.shape
-        heads, nope, rope = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim
-        q_BNSD = self.queries(x_BSH).reshape(batch, seq_len, heads, self.qk_head_dim).transpose(0, 2, 1, 3)
+        nope = self.qk_nope_head_dim
+        q_BNSD = self.queries(x_BSH).reshape(batch, seq_len, self.num_heads, self.qk_head_dim).transpose(0, 2, 1, 3)
         q_rope_BNSD = apply_rope(q_BNSD[..., nope:], cos, sin, self.interleaved, self.rotate)
-        q_BNSD = ops.concat((q_BNSD[..., :nope], q_rope_BNSD), -1)
+        return ops.concat((q_BNSD[..., :nope], q_rope_BNSD), -1)
 
+    def latent_kv(self, x_BSH, cos, sin):
+        """What an MLA cache keeps per token: the normalised latent ``[B, S, kv_lora_rank]`` and the one
+        RoPE'd key shared by all heads ``[B, 1, S, qk_rope_head_dim]``."""
         latent_BSD = self.kv_a_proj_with_mqa(x_BSH)
-        kv_BSD = self.kv_b_proj(self.kv_a_layernorm(latent_BSD[..., : self.kv_lora_rank]))
-        kv_BNSD = kv_BSD.reshape(batch, seq_len, heads, nope + self.v_head_dim).transpose(0, 2, 1, 3)
+        c_kv_BSD = self.kv_a_layernorm(latent_BSD[..., : self.kv_lora_rank])
         k_rope_B1SD = apply_rope(
             latent_BSD[..., self.kv_lora_rank :].expand_dims(1), cos, sin, self.interleaved, self.rotate
         )
-        k_rope_BNSD = ops.broadcast_to(k_rope_B1SD, (batch, heads, seq_len, rope))
-        k_BNSD = ops.concat((kv_BNSD[..., :nope], k_rope_BNSD), -1)
-        return q_BNSD, k_BNSD, kv_BNSD[..., nope:]
+        return c_kv_BSD, k_rope_B1SD
+
+    def expand_latent(self, c_kv_BSD, k_rope_B1SD):
+        """Per-head keys ``[B, N, S, qk_head_dim]`` and values ``[B, N, S, v_head_dim]`` of :meth:`latent_kv`."""
+        batch, seq_len, _ = c_kv_BSD.shape
+        heads, nope = self.num_heads, self.qk_nope_head_dim
+        kv_BNSD = self.kv_b_proj(c_kv_BSD).reshape(batch, seq_len, heads, nope + self.v_head_dim).transpose(0, 2, 1, 3)
+        k_rope_BNSD = ops.broadcast_to(k_rope_B1SD, (batch, heads, seq_len, self.qk_rope_head_dim))
+        return ops.concat((kv_BNSD[..., :nope], k_rope_BNSD), -1), kv_BNSD[..., nope:]
+
+    def project_qkv(self, x_BSH, cos, sin):
+        """Queries and keys ``[B, N, S, qk_head_dim]`` (RoPE applied), values ``[B, N, S, v_head_dim]``."""
+        k_BNSD, v_BNSD = self.expand_latent(*self.latent_kv(x_BSH, cos, sin))
+        return self.rope_queries(x_BSH, cos, sin), k_BNSD, v_BNSD

@@ -4,8 +4,9 @@
     mindmoe-export model.pretrained=/models/glm-4.5-air export.out=exported export.dtype=bf16
     mindmoe-export checkpoint=... export.format=hf export.out=hf_dir
 
-``export.format=mindir`` writes ``prefill.mindir`` and ``decode.mindir`` (:mod:`model.export.serving`),
-the tokenizer files, ``manifest.json`` (every input/output, the model config, versions, source hashes),
+``export.format=mindir`` writes ``prefill.mindir`` and ``decode.mindir`` (:mod:`model.export.serving`; MLA
+models cache their latent, :mod:`model.export.mla_serving`), the tokenizer files, ``manifest.json`` (every
+input/output, the cache layout, the model config, versions, source hashes),
 ``CONVERT.md`` and the Ascend converter configs (:mod:`train.export_convert`). ``export.format=hf`` writes a
 transformers-loadable directory with :func:`model.hf.export_hf`.
 """
@@ -206,6 +207,8 @@ def _version(package: str) -> str:
 def build_manifest(
     source: ExportSource, model_config: ModelConfig, export_cfg: ExportConfig, graphs: dict, tokenizer_files: list
 ) -> dict:
+    from mindmoe.model.export.mindir import cache_layout
+
     return {
         "format": MANIFEST_FORMAT,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -215,6 +218,7 @@ def build_manifest(
         "dtype": export_cfg.dtype,
         "dispatch": "dropless",
         "graphs": graphs,
+        "cache": cache_layout(model_config, export_cfg.dtype),
         "tokenizer_files": tokenizer_files,
         "model_config": dataclasses.asdict(model_config),
         "limits": [
@@ -224,7 +228,7 @@ def build_manifest(
         ]
         + (
             [
-                "rope_scaling dynamic_ntk: the cached keys keep the scaling of the step that wrote them, so "
+                "rope_scaling dynamic_ntk: the cached (RoPE) keys keep the scaling of the step that wrote them, so "
                 "decoded logits differ from a full recompute once the length passes original_max_position"
             ]
             if model_config.rope_scaling.type == "dynamic_ntk"

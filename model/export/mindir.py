@@ -4,7 +4,9 @@
 
 Each entry names the graph file, the external weight files (MindSpore writes the weights of a
 graph beside it, as ``<name>_graph.mindir`` + ``<name>_variables/data_*``, once they pass 1 GiB)
-and every input and output: name, shape (a string for a dynamic axis), dtype.
+and every input and output: name, shape (a string for a dynamic axis), dtype. :func:`cache_layout` states
+what ``kv_cache`` holds (GQA: per-head keys and values; MLA: the latent and the shared RoPE key,
+:mod:`model.export.mla_serving`) for the manifest's ``cache`` entry.
 """
 
 from pathlib import Path
@@ -13,7 +15,8 @@ import mindspore as ms
 from mindspore import Tensor
 
 from mindmoe.model.export.lock_state import lock_state_width
-from mindmoe.model.export.serving import PrefillGraph, carries_lock_state, check_servable, decode_graph
+from mindmoe.model.export.mla_serving import mla_cache_width
+from mindmoe.model.export.serving import PrefillGraph, cache_length_axis, carries_lock_state, decode_graph
 
 EXPORT_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
 DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
@@ -35,18 +38,49 @@ def cast_parameters(model, dtype: str) -> None:
             param.set_dtype(target)
 
 
+def cache_layout(cfg, dtype: str = "fp32") -> dict:
+    """What ``kv_cache`` holds, for the manifest: its kind, axes (``shape``, decode's capacity axis named
+    ``cache_len``), the axis that counts positions, and the values cached per token (per layer and in all)."""
+    layers = cfg.num_layers
+    if cfg.attention_type == "mla":
+        per_layer = mla_cache_width(cfg)
+        layout = {
+            "kind": "mla_latent",
+            "shape": [layers, BATCH, CAPACITY, per_layer],
+            "description": f"per layer and token: c_kv (kv_lora_rank={cfg.kv_lora_rank} values, after "
+            f"kv_a_layernorm) then k_rope (qk_rope_head_dim={cfg.qk_rope_head_dim} values, after RoPE), shared "
+            "by all heads; decode absorbs kv_b_proj into the query and the output",
+        }
+    else:
+        kv_heads, head_dim = cfg.num_kv_heads, cfg.resolved_head_dim
+        per_layer = 2 * kv_heads * head_dim
+        layout = {
+            "kind": "gqa_kv",
+            "shape": [layers, 2, BATCH, kv_heads, CAPACITY, head_dim],
+            "description": "per layer: keys then values of every key/value head, after QK-norm and RoPE",
+        }
+    return dict(
+        layout,
+        dtype=DTYPE_NAMES[dtype],
+        length_axis=cache_length_axis(cfg),
+        values_per_token_per_layer=per_layer,
+        values_per_token=layers * per_layer,
+    )
+
+
 def graph_signatures(cfg, dtype: str) -> dict:
     """Inputs and outputs of both graphs, in call order, for the manifest."""
-    cache_dtype = DTYPE_NAMES[dtype]
-    layers, kv_heads, head_dim = cfg.num_layers, cfg.num_kv_heads, cfg.resolved_head_dim
+    layout = cache_layout(cfg, dtype)
 
     def cache(length: str) -> dict:
+        shape = list(layout["shape"])
+        shape[layout["length_axis"]] = length
         return {
             "name": "kv_cache",
-            "shape": [layers, 2, BATCH, kv_heads, length, head_dim],
-            "dtype": cache_dtype,
-            "description": "per layer: keys then values after QK-norm and RoPE; decode takes the prefill "
-            "cache zero-padded on this axis to a fixed cache_len",
+            "shape": shape,
+            "dtype": layout["dtype"],
+            "description": f"{layout['kind']} cache ({layout['description']}); decode takes the prefill "
+            "cache zero-padded on its length axis to a fixed cache_len",
         }
 
     def logits(what: str) -> dict:
@@ -105,7 +139,6 @@ def export_mindir(model, out_dir, dtype: str = "fp32") -> dict:
     """Write ``prefill`` and ``decode`` MindIR into ``out_dir``; ``model`` is cast to ``dtype`` in place."""
     if dtype not in EXPORT_DTYPES:
         raise ValueError(f"export.dtype={dtype!r}: must be one of {tuple(EXPORT_DTYPES)}")
-    check_servable(model.config)
     out = Path(out_dir)
     stale = sorted(path.name for path in out.iterdir() if path.name.startswith(GRAPH_NAMES)) if out.is_dir() else []
     if stale:

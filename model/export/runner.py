@@ -5,8 +5,10 @@
     new_ids = exported.generate(prompt_ids, 32, temperature=0.8, top_k=50, top_p=0.95, seed=1)
 
 It shows serving code what the graphs expect: one prefill call for the prompts, the returned cache
-zero-padded to a fixed capacity (prompt length + new tokens here), then one decode call per new
-token feeding back the cache (and lock state) the previous call returned. Sampling
+zero-padded to a fixed capacity (prompt length + new tokens here) along the axis the manifest's
+``cache.length_axis`` names (GQA's per-head keys/values or MLA's latent; the runner needs neither's
+layout beyond that), then one decode call per new token feeding back the cache (and lock state) the
+previous call returned. Sampling
 is done in NumPy from the fp32 logits: temperature, then top-k, then top-p (the smallest set of
 most likely tokens whose probability reaches ``top_p``; the most likely token always stays).
 """
@@ -82,6 +84,8 @@ class ExportedModel:
         self.prefill = nn.GraphCell(ms.load(str(self.directory / graphs["prefill"]["file"])))
         self.decode = nn.GraphCell(ms.load(str(self.directory / graphs["decode"]["file"])))
         self.carries_lock_state = any(entry["name"] == "lock_state" for entry in graphs["decode"]["inputs"])
+        # Manifests written before the cache layout was recorded hold GQA caches, positions on axis 4.
+        self.cache_length_axis = int(self.manifest.get("cache", {}).get("length_axis", 4))
 
     @property
     def max_positions(self) -> int:
@@ -114,7 +118,7 @@ class ExportedModel:
         # The decode graph writes token t's keys/values into slot t of a cache of fixed capacity.
         kv_cache = outputs[1].asnumpy()
         padding = [(0, 0)] * kv_cache.ndim
-        padding[4] = (0, max(max_new_tokens - 1, 0))
+        padding[self.cache_length_axis] = (0, max(max_new_tokens - 1, 0))
         outputs[1] = Tensor(np.pad(kv_cache, padding))
         finished_B = np.zeros(batch, bool)
         new_tokens = []

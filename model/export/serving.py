@@ -8,16 +8,19 @@ Both graphs call the training model's own parts: :meth:`MoETransformer.embed` an
 :meth:`~MoETransformer.final_logits`, the attention and FFN halves of each decoder layer, and each MoE
 layer's router and experts, so there is one definition of the math; only the order of calls differs:
 keys/values are kept instead of recomputed, and MoE routing can be overridden by the carried lock state.
+What the cache holds is the attention's: :class:`GQACacheAttention` keeps each key/value head's keys and
+values; MLA keeps its latent and shared RoPE key (:mod:`model.export.mla_serving`, absorbed-weights decode).
 ``construct`` arguments carry no shape suffix because MindIR names the graph inputs after them
 (``<graph>:input_ids``), which converters refer to.
 
 - ``PrefillGraph(input_ids [B, S] int32)`` -> ``(logits [B, V] fp32 of the last position,
-  kv_cache [L, 2, B, G, S, D], lock_state [M, B, W] int32 if expert locking)``.
-- ``DecodeGraph(input_ids [B, 1] int32, kv_cache [L, 2, B, G, P, D], position [B] int32, lock_state)``
-  -> ``(logits [B, V], kv_cache [L, 2, B, G, P, D], lock_state)``: the token at ``position`` (the
-  number of tokens already cached for that sequence) attends to cache slots ``0..position`` and its
-  keys/values are written into slot ``position``; P is any capacity above the last position
-  (the prefill cache padded with zeros).
+  kv_cache, lock_state [M, B, W] int32 if expert locking)``; ``kv_cache`` is ``[L, 2, B, G, S, D]``
+  (GQA) or ``[L, B, S, kv_lora_rank + qk_rope_head_dim]`` (MLA).
+- ``DecodeGraph(input_ids [B, 1] int32, kv_cache, position [B] int32, lock_state)`` -> ``(logits [B, V],
+  kv_cache, lock_state)`` with the cache's S axis now P: the token at ``position`` (the number of tokens
+  already cached for that sequence) attends to cache slots ``0..position`` and its cache values are
+  written into slot ``position``; P is any capacity above the last position (the prefill cache padded
+  with zeros along :func:`cache_length_axis`).
 
 Every prompt is one document and the prompts of a batch have one length (no padding). MoE layers
 run with the (grouped) :class:`~model.moe.token_dispatcher.DroplessDispatcher` whatever ``model.dispatch``
@@ -33,6 +36,7 @@ from mindspore import nn, ops
 from mindmoe.model import kernels
 from mindmoe.model.attention import MASK_VALUE, document_causal_mask
 from mindmoe.model.export.lock_state import decode_lock_step, prefill_lock_state
+from mindmoe.model.export.mla_serving import MLALatentCacheAttention
 from mindmoe.model.moe.token_dispatcher import DroplessDispatcher
 
 
@@ -41,14 +45,32 @@ def carries_lock_state(cfg) -> bool:
     return cfg.expert_lock and cfg.num_moe_layers > 0
 
 
-def check_servable(cfg) -> None:
-    """ValueError for a model the serving graphs cannot run yet: MLA (their cache holds GQA's per-head
-    keys and values; MLA's cache of the latent and the shared RoPE key is not written yet)."""
-    if cfg.attention_type == "mla":
-        raise ValueError(
-            "model.attention_type='mla': the MindIR serving graphs do not support multi-head latent attention "
-            "yet (their KV cache is GQA's); export.format=hf writes the model as a HF deepseek_v3 checkpoint"
-        )
+def cache_attention(cfg) -> nn.Cell:
+    """The attention half the serving graphs run for ``cfg``, which decides what the cache holds."""
+    return MLALatentCacheAttention(cfg) if cfg.attention_type == "mla" else GQACacheAttention()
+
+
+def cache_length_axis(cfg) -> int:
+    """Axis of ``kv_cache`` that counts positions (padded to the decode capacity)."""
+    return MLALatentCacheAttention.cache_length_axis if cfg.attention_type == "mla" else 4
+
+
+class GQACacheAttention(nn.Cell):
+    """The attention half of a decoder layer for the serving graphs with a per-head key/value cache
+    ``[2, B, G, P, D]`` per layer (keys after QK-norm and RoPE, then values)."""
+
+    def prefill(self, layer, x_BSH, cos, sin, mask_BNSP):
+        q_BNSD, k_BGPD, v_BGPD = layer.attention_qkv(x_BSH, cos, sin)
+        return layer.attention_residual(x_BSH, q_BNSD, k_BGPD, v_BGPD, mask_BNSP), ops.stack((k_BGPD, v_BGPD))
+
+    def decode(self, layer, x_B1H, cache_2BGPD, cos, sin, write_BP, visible_BP):
+        batch, capacity = write_BP.shape
+        write_B1P1 = write_BP.astype(cache_2BGPD.dtype).reshape(batch, 1, capacity, 1)
+        q_BN1D, k_BG1D, v_BG1D = layer.attention_qkv(x_B1H, cos, sin)
+        k_BGPD = cache_2BGPD[0] * (1 - write_B1P1) + k_BG1D * write_B1P1
+        v_BGPD = cache_2BGPD[1] * (1 - write_B1P1) + v_BG1D * write_B1P1
+        x_B1H = layer.attention_residual(x_B1H, q_BN1D, k_BGPD, v_BGPD, visible_BP.reshape(batch, 1, 1, capacity))
+        return x_B1H, ops.stack((k_BGPD, v_BGPD))
 
 
 def stack_layers(tensors):
@@ -64,8 +86,9 @@ class _ServingGraph(nn.Cell):
     def __init__(self, model):
         super().__init__()
         cfg = model.config
-        check_servable(cfg)
         self.model = model
+        self.attention = cache_attention(cfg)
+        self.cache_axis = cache_length_axis(cfg)
         self.num_dense = cfg.first_k_dense
         self.top_k = cfg.top_k
         self.expert_lock = carries_lock_state(cfg)
@@ -88,9 +111,8 @@ class PrefillGraph(_ServingGraph):
         kv_cache = []
         lock_states = []
         for layer_idx, layer in enumerate(model.layers):
-            q_BNSD, k_BGPD, v_BGPD = layer.attention_qkv(x_BSH, cos, sin)
-            x_BSH = layer.attention_residual(x_BSH, q_BNSD, k_BGPD, v_BGPD, mask_BNSP)
-            kv_cache.append(ops.stack((k_BGPD, v_BGPD)))
+            x_BSH, layer_cache = self.attention.prefill(layer, x_BSH, cos, sin, mask_BNSP)
+            kv_cache.append(layer_cache)
             if layer_idx < self.num_dense:
                 x_BSH = layer.ffn_block(x_BSH)
                 continue
@@ -109,8 +131,8 @@ class PrefillGraph(_ServingGraph):
 
 
 class DecodeGraph(_ServingGraph):
-    """``construct(input_ids [B, 1], kv_cache [L, 2, B, G, P, D], position [B])`` -> logits, the cache with the
-    new token's keys/values written at ``position``.
+    """``construct(input_ids [B, 1], kv_cache, position [B])`` -> logits, the cache with the new token's
+    values written at ``position``.
 
     The cache has a fixed capacity P (any size > every position, chosen by the caller): slots past a
     sequence's position are masked out, so each step has the same shapes and a converter for Ascend
@@ -122,28 +144,27 @@ class DecodeGraph(_ServingGraph):
     def step(self, input_ids_B1, kv_cache, position_B, lock_state_MBW):
         model = self.model
         batch = input_ids_B1.shape[0]
-        capacity = kv_cache.shape[4]
+        capacity = kv_cache.shape[self.cache_axis]
         cos_BR, sin_BR = model.rotary_emb(position_B)
         # [B, 1, 1, R] broadcasts over heads and the single query of each sequence.
         cos = cos_BR.expand_dims(1).expand_dims(1)
         sin = sin_BR.expand_dims(1).expand_dims(1)
         slots_1P = ops.arange(capacity, dtype=ms.int32).expand_dims(0)
         position_B1 = position_B.expand_dims(1)
-        write_B1P1 = ops.equal(slots_1P, position_B1).astype(kv_cache.dtype).reshape(batch, 1, capacity, 1)
-        visible_B11P = ops.select(
+        write_BP = ops.broadcast_to(ops.equal(slots_1P, position_B1), (batch, capacity))
+        visible_BP = ops.select(
             slots_1P <= position_B1,
             ops.zeros((batch, capacity), ms.float32),
             ops.fill(ms.float32, (batch, capacity), MASK_VALUE),
-        ).reshape(batch, 1, 1, capacity)
+        )
         x_B1H = model.embed(input_ids_B1)
         new_cache = []
         new_states = []
         for layer_idx, layer in enumerate(model.layers):
-            q_BN1D, k_BG1D, v_BG1D = layer.attention_qkv(x_B1H, cos, sin)
-            k_BGPD = kv_cache[layer_idx, 0] * (1 - write_B1P1) + k_BG1D * write_B1P1
-            v_BGPD = kv_cache[layer_idx, 1] * (1 - write_B1P1) + v_BG1D * write_B1P1
-            x_B1H = layer.attention_residual(x_B1H, q_BN1D, k_BGPD, v_BGPD, visible_B11P)
-            new_cache.append(ops.stack((k_BGPD, v_BGPD)))
+            x_B1H, layer_cache = self.attention.decode(
+                layer, x_B1H, kv_cache[layer_idx], cos, sin, write_BP, visible_BP
+            )
+            new_cache.append(layer_cache)
             if layer_idx < self.num_dense:
                 x_B1H = layer.ffn_block(x_B1H)
                 continue

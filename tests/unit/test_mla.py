@@ -1,7 +1,7 @@
 """Multi-head latent attention (``model/mla.py``) beyond the logits of ``test_hf_deepseek_v3.py``: gradients
 against torch autograd through transformers 4.57.1's ``DeepseekV3ForCausalLM`` (values narrower than the
-keys exercise the attention kernel's backward), LoRA on every MLA projection against PEFT 0.21.2, the
-config checks, and the serving graphs' clear refusal.
+keys exercise the attention kernel's backward), LoRA on every MLA projection against PEFT 0.21.2 and the
+config checks (the serving graphs: ``tests/integration/test_export_mla.py``).
 """
 
 import copy
@@ -16,7 +16,6 @@ from safetensors.numpy import load_file
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 
 from mindmoe.model.config import ModelConfig, validate_model_config
-from mindmoe.model.export.serving import PrefillGraph
 from mindmoe.model.hf import NameMap, load_hf_pretrained
 from mindmoe.model.lora import LoraConfig
 from mindmoe.model.lora_plan import lora_parameters
@@ -80,11 +79,6 @@ def test_parameter_shapes_list_exactly_the_mla_models_parameters(q_lora_rank):
 def test_mla_config_errors_name_the_key(overrides, match):
     with pytest.raises(ValueError, match=match):
         validate_model_config(mla_config(**overrides))
-
-
-def test_serving_graphs_refuse_mla_clearly():
-    with pytest.raises(ValueError, match="model.attention_type='mla'.*export.format=hf"):
-        PrefillGraph(MoETransformer(mla_config()))
 
 
 @pytest.fixture(scope="module")
