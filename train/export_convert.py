@@ -128,8 +128,9 @@ def _atc_section(batch_sizes: list, lengths: list) -> list:
         "```",
         "",
         "Limits stated by that documentation: MindSpore-framework inputs are listed as FP32/FP16/UINT8 (input_ids "
-        "are int32), and ND dynamic dimensions cover at most 4 axes, while the decode graph's `kv_cache` has 6; "
-        "for decode, fix every shape (one OM per batch size) if ATC rejects the dynamic form.",
+        "are int32), and ND dynamic dimensions cover at most 4 axes, while the decode graph's `kv_cache` has 6 "
+        "(4 for an MLA model's latent cache: `cache` in `manifest.json`); for decode, fix every shape (one OM per "
+        "batch size) if ATC rejects the dynamic form.",
         "",
     ]
 
