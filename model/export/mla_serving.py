@@ -1,5 +1,5 @@
 """Attention of the serving graphs for multi-head latent attention (MLA, :mod:`model.mla`): a latent cache
-and absorbed-weights decoding (DeepSeek-V2 arXiv 2405.04434 §2.1.2; REFERENCES.md §5.2).
+and absorbed-weights decoding (DeepSeek-V2 arXiv 2405.04434 §2.1.2).
 
 Shape legend: B batch, S prompt length, P cache capacity, H hidden, N heads, R ``kv_lora_rank`` (the
 latent), Y ``qk_rope_head_dim``, D ``qk_nope_head_dim`` (``_BND`` of queries) or ``v_head_dim`` (``_BNV``:
