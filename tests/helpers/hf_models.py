@@ -1,10 +1,12 @@
 """Tiny random HF transformers models (torch) to compare mindmoe against: config, O(1) weights, logits, saving."""
 
+import copy
 from pathlib import Path
 
 import numpy as np
 import torch
 from transformers import DeepseekV3Config, Glm4MoeConfig
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 3
 
@@ -102,6 +104,29 @@ def deepseek_v3_config(**overrides):
     )
     fields.update(overrides)
     return DeepseekV3Config(**fields)
+
+
+#: YaRN with mscale and mscale_all_dim (MLA's softmax scale), from 16 positions.
+DEEPSEEK_V3_YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "mscale": 1.0,
+    "mscale_all_dim": 0.8,
+}
+#: The deepseek_v3 variants the MLA tests run: query compression, interleaved RoPE, YaRN and 4 groups choosing
+#: 2; a plain q_proj, rotate-half RoPE and 2 groups choosing 1.
+DEEPSEEK_V3_VARIANTS = {
+    "q_lora_interleaved_yarn_groups": dict(rope_scaling=DEEPSEEK_V3_YARN),
+    "plain_q_rotate_half_two_groups": dict(q_lora_rank=None, rope_interleave=False, n_group=2, topk_group=1),
+}
+
+
+def deepseek_v3_variant(name: str):
+    """The random ``DeepseekV3ForCausalLM`` (eager attention) of :data:`DEEPSEEK_V3_VARIANTS` ``[name]``."""
+    torch.manual_seed(0)
+    config = deepseek_v3_config(attn_implementation="eager", **copy.deepcopy(DEEPSEEK_V3_VARIANTS[name]))
+    return randomize_hf(DeepseekV3ForCausalLM(config), seed=len(name))
 
 
 def save_hf(hf, directory, **kwargs):

@@ -8,7 +8,6 @@ with the latent cache (absorbed weights) must give HF's logits at every new posi
 and the manifest must state a cache of ``layers * (kv_lora_rank + qk_rope_head_dim)`` values per token.
 """
 
-import copy
 import os
 import subprocess
 import sys
@@ -16,27 +15,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 from mindspore import Tensor
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 
 from mindmoe.model.export.runner import ExportedModel
-from tests.helpers.hf_models import VOCAB, deepseek_v3_config, hf_logits, randomize_hf, save_hf
+from tests.helpers.hf_models import DEEPSEEK_V3_VARIANTS, VOCAB, deepseek_v3_variant, hf_logits, save_hf
 
 REPO = Path(__file__).resolve().parents[2]
 ATOL = 1e-4
 NEW_TOKENS = 8
-YARN = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.8,
-}
-VARIANTS = {
-    "q_lora_interleaved_yarn_groups": dict(rope_scaling=dict(YARN)),
-    "plain_q_rotate_half": dict(q_lora_rank=None, rope_interleave=False, n_group=2, topk_group=1),
-}
+VARIANTS = DEEPSEEK_V3_VARIANTS
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +33,7 @@ def exported_variant(tmp_path_factory):
 
     def get(name):
         if name not in built:
-            torch.manual_seed(0)
-            config = deepseek_v3_config(attn_implementation="eager", **copy.deepcopy(VARIANTS[name]))
-            hf = randomize_hf(DeepseekV3ForCausalLM(config), seed=len(name))
+            hf = deepseek_v3_variant(name)
             work = tmp_path_factory.mktemp(name)
             source = save_hf(hf, work / "hf")
             out = work / "serving"

@@ -16,26 +16,21 @@ import pytest
 import torch
 from mindspore import Tensor
 from transformers import AutoModelForCausalLM
-from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 
 from mindmoe.model.hf import HFCheckpointError, export_hf, load_hf_pretrained, read_hf_config
 from mindmoe.model.mla import mla_softmax_scale
-from tests.helpers.hf_models import deepseek_v3_config, hf_logits, randomize_hf, save_hf, token_ids
+from tests.helpers.hf_models import (
+    DEEPSEEK_V3_VARIANTS,
+    deepseek_v3_config,
+    deepseek_v3_variant,
+    hf_logits,
+    save_hf,
+    token_ids,
+)
 
 ATOL = 1e-4
 SEQ = 20
-YARN = {
-    "rope_type": "yarn",
-    "factor": 4.0,
-    "original_max_position_embeddings": 16,
-    "mscale": 1.0,
-    "mscale_all_dim": 0.8,
-}
-
-VARIANTS = {
-    "q_lora_interleaved_yarn_groups": dict(rope_scaling=dict(YARN)),
-    "plain_q_rotate_half_two_groups": dict(q_lora_rank=None, rope_interleave=False, n_group=2, topk_group=1),
-}
+VARIANTS = DEEPSEEK_V3_VARIANTS
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +40,7 @@ def variant(tmp_path_factory):
 
     def get(name):
         if name not in built:
-            torch.manual_seed(0)
-            config = deepseek_v3_config(attn_implementation="eager", **copy.deepcopy(VARIANTS[name]))
-            hf = randomize_hf(DeepseekV3ForCausalLM(config), seed=len(name))
+            hf = deepseek_v3_variant(name)
             directory = save_hf(hf, tmp_path_factory.mktemp(name))
             cfg, ours, _ = load_hf_pretrained(directory)
             built[name] = hf, directory, cfg, ours
