@@ -89,23 +89,12 @@ class _ChunkedBlockMatmul(nn.Cell):
         self.bmm_tn = ops.BatchMatMul(transpose_a=True)
 
     def construct(self, x_NbF, w_EOF, expert_N, scale_Nb):
-        chunks = block_chunks(x_NbF.shape[0], w_EOF.shape[1], w_EOF.shape[2])
-        if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU: one whole cast
-            w_EOF = self.cast(w_EOF, x_NbF.dtype)
-        outs = ()
-        after = expert_N
-        for start, stop in chunks:
-            # Each chunk's gather waits for the previous chunk's product: MindSpore's CPU runtime runs
-            # independent nodes at once, which would hold every chunk's gathered weights together.
-            index_n = ops.depend(expert_N[start:stop], after)
-            after = self.bmm_nt(x_NbF[start:stop], self.cast(self.gather(w_EOF, index_n, 0), x_NbF.dtype))
-            outs = outs + (after,)
-        return outs[0] if len(outs) == 1 else self.concat(outs)
+        return self.chunk_products(x_NbF, w_EOF, expert_N, True)
 
     def bprop(self, x_NbF, w_EOF, expert_N, scale_Nb, out, dout_NbO):
         if not self.weight_grad:
             return (
-                self.input_grad(w_EOF, expert_N, dout_NbO),
+                self.chunk_products(dout_NbO, w_EOF, expert_N, False),
                 ops.zeros_like(w_EOF),
                 ops.zeros_like(expert_N),
                 ops.zeros_like(scale_Nb),
@@ -131,18 +120,21 @@ class _ChunkedBlockMatmul(nn.Cell):
         dx_NbF = dxs[0] if len(dxs) == 1 else self.concat(dxs)
         return dx_NbF, self.cast(dw_EOF, w_dtype), ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
 
-    def input_grad(self, w_EOF, expert_N, dout_NbO):
-        """``dx [N, b, F]`` alone, chunk by chunk as the forward (each chunk's gather after the previous product)."""
-        chunks = block_chunks(dout_NbO.shape[0], w_EOF.shape[1], w_EOF.shape[2])
+    def chunk_products(self, rows_NbX, w_EOF, expert_N, forward: bool):
+        """Each block's rows times its expert's weight, chunk by chunk: ``x w^T [N, b, O]`` (``forward``) or the
+        input gradient ``dout w [N, b, F]``. Each chunk's gather waits for the previous chunk's product: MindSpore's
+        CPU runtime runs independent nodes at once, which would hold every chunk's gathered weights together."""
+        chunks = block_chunks(rows_NbX.shape[0], w_EOF.shape[1], w_EOF.shape[2])
         if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU: one whole cast
-            w_EOF = self.cast(w_EOF, dout_NbO.dtype)
-        dxs = ()
+            w_EOF = self.cast(w_EOF, rows_NbX.dtype)
+        bmm = self.bmm_nt if forward else self.bmm_nn
+        outs = ()
         after = expert_N
         for start, stop in chunks:
             index_n = ops.depend(expert_N[start:stop], after)
-            after = self.bmm_nn(dout_NbO[start:stop], self.cast(self.gather(w_EOF, index_n, 0), dout_NbO.dtype))
-            dxs = dxs + (after,)
-        return dxs[0] if len(dxs) == 1 else self.concat(dxs)
+            after = bmm(rows_NbX[start:stop], self.cast(self.gather(w_EOF, index_n, 0), rows_NbX.dtype))
+            outs = outs + (after,)
+        return outs[0] if len(outs) == 1 else self.concat(outs)
 
 
 class BlockGroupedMatmul(nn.Cell):
