@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mindmoe.model.dsa_config import DSAConfig, dsa_config, validate_dsa
 from mindmoe.model.rope_scaling import RopeScalingConfig, rope_scaling_config, validate_rope_scaling
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -136,11 +137,17 @@ class ModelConfig:
     #: shares the embedding and the LM head. Training only (``train.mtp_loss_coeff``); evaluation, generation
     #: and MindIR export ignore it. HF checkpoints store depth k as ``model.layers.{num_layers + k}.*``.
     mtp_layers: int = 0
+    #: DeepSeek Sparse Attention (GLM-5; model/dsa.py, keys in model/dsa_config.py): the lightning indexer of
+    #: every MLA layer (``index_n_heads``, ``index_head_dim``, ``index_topk``; 0 heads = none) and the training
+    #: stage (``stage`` dense_warmup | sparse | off, ``warmup_steps``, ``indexer_loss_coeff``).
+    dsa: DSAConfig = field(default_factory=DSAConfig)
 
     def __post_init__(self):
-        # A config read back from JSON (checkpoint state, HF import) carries the section as a dict.
+        # A config read back from JSON (checkpoint state, HF import) carries the sections as dicts.
         if isinstance(self.rope_scaling, dict):
             self.rope_scaling = rope_scaling_config(self.rope_scaling)
+        if isinstance(self.dsa, dict):
+            self.dsa = dsa_config(self.dsa)
 
     @classmethod
     def from_dict(cls, values: dict, source: str) -> "ModelConfig":
@@ -216,6 +223,7 @@ def validate_model_config(cfg: ModelConfig) -> None:
     if isinstance(cfg.mtp_layers, bool) or not isinstance(cfg.mtp_layers, int) or cfg.mtp_layers < 0:
         fail("mtp_layers", "must be an integer >= 0 (0 = no multi-token prediction; DeepSeek-V3 and GLM-4.5 use 1)")
     validate_rope_scaling(cfg.rope_scaling, cfg.max_position_embeddings, cfg.rotary_dim)
+    validate_dsa(cfg.dsa, cfg.attention_type, cfg.q_lora_rank, cfg.qk_rope_head_dim)
 
 
 def _check_attention(cfg: ModelConfig, fail) -> None:

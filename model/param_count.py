@@ -58,7 +58,21 @@ def _mla_attention(prefix: str, cfg: ModelConfig) -> Dict[str, Shape]:
     shapes[f"{prefix}.kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
     shapes[f"{prefix}.kv_b_proj.weight"] = (heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
     shapes[f"{prefix}.o_proj.weight"] = (hidden, heads * cfg.v_head_dim)
+    if cfg.dsa.enabled:
+        shapes.update(_dsa_indexer(f"{prefix}.indexer", cfg))
     return shapes
+
+
+def _dsa_indexer(prefix: str, cfg: ModelConfig) -> Dict[str, Shape]:
+    """The lightning indexer of :class:`model.dsa.LightningIndexer` (HF ``GlmMoeDsaIndexer`` names)."""
+    dsa = cfg.dsa
+    return {
+        f"{prefix}.wq_b.weight": (dsa.index_n_heads * dsa.index_head_dim, cfg.q_lora_rank),
+        f"{prefix}.wk.weight": (dsa.index_head_dim, cfg.hidden_size),
+        f"{prefix}.k_norm.weight": (dsa.index_head_dim,),
+        f"{prefix}.k_norm.bias": (dsa.index_head_dim,),
+        f"{prefix}.weights_proj.weight": (dsa.index_n_heads, cfg.hidden_size),
+    }
 
 
 def _attention(prefix: str, cfg: ModelConfig) -> Dict[str, Shape]:
