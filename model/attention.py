@@ -97,6 +97,9 @@ class AttentionHeads(nn.Cell):
     multi-head attention (MLA). Values may be narrower than queries/keys (MLA's ``v_head_dim``).
     """
 
+    #: True where the layer runs DSA's indexer (model/mla.py): its blocks then also return the indexer's loss.
+    dsa_active = False
+
     def __init__(self, num_heads: int, num_kv_heads: int, scale: float):
         super().__init__()
         self.num_heads = num_heads

@@ -24,6 +24,8 @@ from mindspore import ops
 from mindmoe.model import kernels
 from mindmoe.model.attention import AttentionHeads
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.dsa import LightningIndexer, indexer_kl, select_top_k
+from mindmoe.model.dsa_config import DSA_STAGES
 from mindmoe.model.lora_layers import NO_LORA, AdapterScope, projection
 from mindmoe.model.norm import RMSNorm
 from mindmoe.model.rope import apply_rope
@@ -70,6 +72,13 @@ class MLAttention(AttentionHeads):
         )
         self.o_proj = projection(heads * self.v_head_dim, hidden, False, std, rng, lora, "o_proj")
         self.rotate = kernels.rope(cfg.rope_interleaved)
+        # DSA (model/dsa.py): built last, so a model without it draws the same initial values.
+        self.indexed = cfg.dsa.enabled
+        if self.indexed:
+            self.indexer = LightningIndexer(cfg, rng)
+        self.index_topk = cfg.dsa.index_topk
+        self.dsa_stage = cfg.dsa.stage
+        self.dsa_active = self.indexed and cfg.dsa.stage != "off"
 
     def queries(self, x_BSH):
         """``[B, S, N * qk_head_dim]``, each head's no-RoPE channels first."""
@@ -79,11 +88,35 @@ class MLAttention(AttentionHeads):
 
     def rope_queries(self, x_BSH, cos, sin):
         """Queries ``[B, N, S, qk_head_dim]``: each head's no-RoPE channels, then its RoPE'd channels."""
-        batch, seq_len, _ = x_BSH.shape
+        return self.rope_heads(self.queries(x_BSH), cos, sin)
+
+    def rope_heads(self, q_BSX, cos, sin):
+        """``[B, S, N * qk_head_dim]`` -> ``[B, N, S, qk_head_dim]`` with RoPE on each head's last channels."""
+        batch, seq_len, _ = q_BSX.shape
         nope = self.qk_nope_head_dim
-        q_BNSD = self.queries(x_BSH).reshape(batch, seq_len, self.num_heads, self.qk_head_dim).transpose(0, 2, 1, 3)
+        q_BNSD = q_BSX.reshape(batch, seq_len, self.num_heads, self.qk_head_dim).transpose(0, 2, 1, 3)
         q_rope_BNSD = apply_rope(q_BNSD[..., nope:], cos, sin, self.interleaved, self.rotate)
         return ops.concat((q_BNSD[..., :nope], q_rope_BNSD), -1)
+
+    def indexed_attention(self, x_BSH, cos, sin, mask_BNSP):
+        """DSA training attention (model/dsa.py): ``(output [B, S, H], the indexer's KL loss)``. ``mask`` is the full
+        document-causal mask ``[B, N, S, S]``; stage ``sparse`` adds the top-k selection to it, ``dense_warmup``
+        attends to every visible key. Both stages return the KL of the indexer against the attention."""
+        batch, seq_len, _ = x_BSH.shape
+        q_resid_BSR = self.q_a_layernorm(self.q_a_proj(x_BSH))
+        q_BNSD = self.rope_heads(self.q_b_proj(q_resid_BSR), cos, sin)
+        k_BNSD, v_BNSD = self.expand_latent(*self.latent_kv(x_BSH, cos, sin))
+        if mask_BNSP.shape[1] != self.num_heads:
+            mask_BNSP = ops.tile(mask_BNSP, (1, self.num_heads, 1, 1))
+        visible_BSP = mask_BNSP[:, 0]
+        scores_BSP = self.indexer(ops.stop_gradient(x_BSH), ops.stop_gradient(q_resid_BSR), cos, sin)
+        if self.dsa_stage == "sparse":
+            selected_BSP = select_top_k(ops.stop_gradient(scores_BSP), visible_BSP, self.index_topk)
+            mask_BNSP = mask_BNSP + selected_BSP.expand_dims(1)
+            visible_BSP = visible_BSP + selected_BSP
+        out_BNSD, probs_BNSP = self.core(q_BNSD, k_BNSD, v_BNSD, mask_BNSP)
+        out_BSH = out_BNSD.transpose(0, 2, 1, 3).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
+        return self.o_proj(out_BSH), indexer_kl(probs_BNSP, scores_BSP, visible_BSP)
 
     def latent_kv(self, x_BSH, cos, sin):
         """What an MLA cache keeps per token: the normalised latent ``[B, S, kv_lora_rank]`` and the one
@@ -107,3 +140,14 @@ class MLAttention(AttentionHeads):
         """Queries and keys ``[B, N, S, qk_head_dim]`` (RoPE applied), values ``[B, N, S, v_head_dim]``."""
         k_BNSD, v_BNSD = self.expand_latent(*self.latent_kv(x_BSH, cos, sin))
         return self.rope_queries(x_BSH, cos, sin), k_BNSD, v_BNSD
+
+
+def set_dsa_stage(model, stage: str) -> None:
+    """Switch every DSA layer of ``model`` to ``stage`` (model/dsa_config.py); compiled functions built before must
+    be built again (the stage is read when a graph is compiled)."""
+    if stage not in DSA_STAGES:
+        raise ValueError(f"model.dsa.stage={stage!r}: must be one of {DSA_STAGES}")
+    for _, cell in model.cells_and_names():
+        if isinstance(cell, MLAttention) and cell.indexed:
+            cell.dsa_stage = stage
+            cell.dsa_active = stage != "off"

@@ -9,6 +9,8 @@ Parameter names are the checkpoint format (see README "Checkpoint format"):
     layers.{i}.self_attn.o_proj.weight                   [H, N*D]
     layers.{i}.self_attn.{q_a_proj,q_a_layernorm,q_b_proj | q_proj, kv_a_proj_with_mqa, kv_a_layernorm,
         kv_b_proj, o_proj}.weight                        instead with attention_type mla (model/mla.py)
+    layers.{i}.self_attn.indexer.{wq_b,wk,weights_proj}.weight, .indexer.k_norm.{weight,bias}
+                                                         model.dsa.index_n_heads > 0 (model/dsa.py)
     layers.{i}.post_attention_layernorm.weight           [H]
     layers.{i}.mlp.{gate,up,down}_proj.weight            dense layers (i < first_k_dense)
     layers.{i}.mlp.router.weight                         [E, H]            MoE layers
@@ -89,6 +91,11 @@ class DecoderLayer(nn.Cell):
     def attention_block(self, x_BSH, cos, sin, mask):
         return x_BSH + self.self_attn(self.input_layernorm(x_BSH), cos, sin, mask)
 
+    def indexed_attention_block(self, x_BSH, cos, sin, mask):
+        """DSA (``self_attn.dsa_active``): the attention half and the indexer's KL loss (model/dsa.py)."""
+        out_BSH, indexer_loss = self.self_attn.indexed_attention(self.input_layernorm(x_BSH), cos, sin, mask)
+        return x_BSH + out_BSH, indexer_loss
+
     def attention_qkv(self, x_BSH, cos, sin):
         """Queries ``[B, N, S, D]``, keys and values ``[B, G, S, D]`` of the normalised input (MLA: G = N,
         values ``v_head_dim`` wide)."""
@@ -102,6 +109,10 @@ class DecoderLayer(nn.Cell):
         return x_BSH + self.mlp(self.post_attention_layernorm(x_BSH))
 
     def construct(self, x_BSH, cos, sin, mask):
+        """The block's output; with DSA (``self_attn.dsa_active``) also the indexer's loss."""
+        if self.self_attn.dsa_active:
+            x_BSH, indexer_loss = self.indexed_attention_block(x_BSH, cos, sin, mask)
+            return self.ffn_block(x_BSH), indexer_loss
         return self.ffn_block(self.attention_block(x_BSH, cos, sin, mask))
 
 
@@ -125,7 +136,14 @@ class MoEDecoderLayer(DecoderLayer):
         return x_BSH + ffn_TH.reshape(x_BSH.shape)
 
     def construct(self, x_BSH, cos, sin, mask, doc_ids_BS):
-        x_BSH = self.attention_block(x_BSH, cos, sin, mask)
+        """``(output, aux, z, routing_stats, layer_stats)``, and the indexer's loss last with DSA."""
+        if self.self_attn.dsa_active:
+            x_BSH, indexer_loss = self.indexed_attention_block(x_BSH, cos, sin, mask)
+            return self.moe_ffn_block(x_BSH, doc_ids_BS) + (indexer_loss,)
+        return self.moe_ffn_block(self.attention_block(x_BSH, cos, sin, mask), doc_ids_BS)
+
+    def moe_ffn_block(self, x_BSH, doc_ids_BS):
+        """``(output, aux, z, routing_stats, layer_stats)`` of the MoE half."""
         ffn_BSH, aux, router_z, routing_stats, layer_stats = self.mlp(self.post_attention_layernorm(x_BSH), doc_ids_BS)
         return x_BSH + ffn_BSH, aux, router_z, routing_stats, layer_stats
 
@@ -175,6 +193,10 @@ class MoETransformer(nn.Cell):
     MTP layers' aux and z losses join the sums; their routing statistics are left out of the per-layer rows
     (whose layers the router updates and the metrics index), so an MTP router's correction bias stays fixed.
     Without ``future_ids`` (evaluation, generation, export) the MTP layers do not run.
+
+    DeepSeek Sparse Attention (``model.dsa``, stage sparse or dense_warmup; model/dsa.py): every layer runs its
+    indexer, and a last output holds the mean over the layers (and MTP depths) of the indexer's KL loss. Those
+    layers take the whole document-causal mask (no causal chunks, no blockwise attention).
     """
 
     def __init__(self, cfg: ModelConfig, seed: int = 0, cell_reuse: bool = False, expert_dispatcher=None, lora=None):
@@ -239,8 +261,10 @@ class MoETransformer(nn.Cell):
     def construct(self, input_ids_BS, doc_ids_BS, hidden_only=False, future_ids_UBS=None):
         batch, seq_len = input_ids_BS.shape
         cos, sin = self.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
-        if ops.is_sequence_value_unknown(input_ids_BS.shape):
-            masks = document_causal_mask(doc_ids_BS, self.config.num_heads)  # a graph compiled for any length
+        dsa = self.layers[0].self_attn.dsa_active
+        if dsa or ops.is_sequence_value_unknown(input_ids_BS.shape):
+            # a graph compiled for any length; DSA's selection and loss read the whole [S, S] mask
+            masks = document_causal_mask(doc_ids_BS, self.config.num_heads)
         else:
             blockwise = self.layers[0].self_attn.use_blockwise  # past attention.BLOCK_SIZE
             masks = training_attention_masks(doc_ids_BS, self.config.num_heads, blockwise)
@@ -249,11 +273,18 @@ class MoETransformer(nn.Cell):
         z_losses = []
         routing_stats = []
         layer_stats = []
+        indexer_losses = []
         for layer_idx, layer in enumerate(self.layers):
-            if layer_idx < self.num_dense:
+            if layer_idx < self.num_dense and dsa:
+                x_BSH, indexer_loss = layer(x_BSH, cos, sin, masks)
+                indexer_losses.append(indexer_loss)
+            elif layer_idx < self.num_dense:
                 x_BSH = layer(x_BSH, cos, sin, masks)
             else:
-                x_BSH, aux, router_z, layer_routing, layer_scalars = layer(x_BSH, cos, sin, masks, doc_ids_BS)
+                outs = layer(x_BSH, cos, sin, masks, doc_ids_BS)
+                x_BSH, aux, router_z, layer_routing, layer_scalars = outs[:5]
+                if dsa:
+                    indexer_losses.append(outs[5])
                 aux_losses.append(aux)
                 z_losses.append(router_z)
                 routing_stats.append(layer_routing)
@@ -266,9 +297,12 @@ class MoETransformer(nn.Cell):
         mtp_out = ()
         if future_ids_UBS is not None and self.num_mtp:
             normed_TH = head_out if hidden_only else self.final_hidden(x_BSH)
-            mtp_UTH, mtp_aux, mtp_z = self.mtp_hidden(normed_TH, future_ids_UBS, cos, sin, masks, doc_ids_BS)
+            mtp_UTH, mtp_aux, mtp_z, mtp_indexer = self.mtp_hidden(
+                normed_TH, future_ids_UBS, cos, sin, masks, doc_ids_BS
+            )
             aux_losses.append(mtp_aux)
             z_losses.append(mtp_z)
+            indexer_losses += mtp_indexer
             mtp_out = (mtp_UTH,)
         if not aux_losses:
             zero = ops.zeros((), ms.float32)
@@ -282,18 +316,23 @@ class MoETransformer(nn.Cell):
             )
         else:
             outputs += (ops.stack(routing_stats), ops.stack(layer_stats))
+        if dsa:  # the mean over the layers (and MTP depths) of each one's indexer loss
+            return outputs + mtp_out + (ops.stack(indexer_losses).mean(),)
         return outputs + mtp_out
 
     def mtp_hidden(self, hidden_TH, future_ids_UBS, cos, sin, masks, doc_ids_BS):
-        """``(shared_head.norm outputs [U, T, H], summed aux loss, summed z loss)`` of the MTP depths; depth 1
-        starts from ``hidden_TH``, the main model's final-normed rows (model/mtp.py)."""
+        """``(shared_head.norm outputs [U, T, H], summed aux loss, summed z loss, [indexer loss per depth] (DSA; else
+        empty))`` of the MTP depths; depth 1 starts from ``hidden_TH``, the main model's final-normed rows (model/mtp.py)."""
         batch, seq_len = doc_ids_BS.shape
         previous_BSH = hidden_TH.reshape(batch, seq_len, -1)
-        outputs, aux_total, z_total = [], 0.0, 0.0
+        outputs, aux_total, z_total, indexer_losses = [], 0.0, 0.0, []
         for depth, mtp_layer in enumerate(self.mtp_layers):
             embedded_BSH = self.embed(future_ids_UBS[depth])
-            previous_BSH, aux, router_z, _, _ = mtp_layer(embedded_BSH, previous_BSH, cos, sin, masks, doc_ids_BS)
+            outs = mtp_layer(embedded_BSH, previous_BSH, cos, sin, masks, doc_ids_BS)
+            previous_BSH, aux, router_z = outs[:3]
+            if mtp_layer.self_attn.dsa_active:
+                indexer_losses.append(outs[5])
             outputs.append(mtp_layer.shared_head(previous_BSH).reshape(batch * seq_len, -1))
             aux_total = aux_total + aux
             z_total = z_total + router_z
-        return ops.stack(outputs), aux_total, z_total
+        return ops.stack(outputs), aux_total, z_total, indexer_losses
