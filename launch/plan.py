@@ -13,7 +13,9 @@ rank of its expert. There is no tensor or pipeline parallelism. ``parallel.zero=
 optimizer state of a tensor over the ranks holding the same copy of it: every rank (``devices``) for the
 replicated tensors, the expert replicas for the routed experts.
 
-Stored state per rank (:mod:`launch.plan_params` for the dtypes and what is trained):
+Stored state per rank (:mod:`launch.plan_params` for the dtypes and what is trained), of every tensor
+:func:`model.param_count.parameter_shapes` lists, the ``model.mtp_layers`` depths (``mtp_layers.{k}.*``) and
+the DSA indexers included:
 
 - weights: fp32; with LoRA the frozen matrices in ``lora.base_dtype``, adapters fp32
 - gradients ``4 * trained``, AdamW ``m`` and ``v`` ``8 * trained`` (fp32, no master copy: the weights
@@ -34,19 +36,39 @@ query heads, ``s`` = seq_len, ``r`` routed rows per token (below):
   with QK-norm ``+`` scores: ``4a`` (fp32 log-sum-exp) with blockwise attention (Ascend, ``s`` past
   ``BLOCK_SIZE``), else ``c a s`` (the stored softmax); the full-mask path also keeps one fp32
   ``[B, a, s, s]`` mask for all layers, ``4 a s`` per token
+- MLA attention (``model.attention_type=mla``, model/mla.py) in place of the GQA widths, the same scores
+  and mask: ``c (2h + 2 r_q + 2 r_kv + 2 a d_qk + 2 a d_v)`` with ``r_q`` = q_lora_rank (0 when null: one
+  q_proj reads the normed input), ``r_kv`` = kv_lora_rank, ``d_qk`` = qk_nope_head_dim + qk_rope_head_dim,
+  ``d_v`` = v_head_dim: norm input, normed input (read by q_a_proj or q_proj, kv_a_proj_with_mqa and the
+  indexer), q_a_layernorm input and q_b_proj input, kv_a_layernorm input and kv_b_proj input, queries
+  ``[nope, RoPE(rope)]`` per head, keys ``[nope, RoPE(shared rope key)]`` per head (the one rope key
+  broadcast to every head), values, o_proj input ``a d_v``. RoPE is linear, so its inputs are not kept
+- DSA indexer (``model.dsa``, with ``index_n_heads`` ``n_I`` > 0 and ``stage`` not ``off``; the model's
+  design, :func:`launch.plan_activations.dsa_indexer_bytes_per_token`), per MLA layer: ``c (n_I d_I + 2 d_I +
+  n_I)`` (query after RoPE, key before its LayerNorm and after LayerNorm and RoPE, head weights; ``d_I`` =
+  index_head_dim) ``+ 4s`` (fp32 index scores, summed over the indexer heads) ``+ 4s`` (selection mask)
+  ``+ 4s`` (the indexer's softmax the KL loss keeps, in dense_warmup and sparse alike). The same with
+  blockwise attention: the indexer scores every key whatever the main attention's kernel. dense_warmup's
+  frozen main model is not modelled: the run goes on in sparse, which trains everything
 - dense FFN ``c (2h + 3f)`` (norm input, FFN input, gate, up, product)
 - MoE FFN ``2 c h + 8E`` (fp32 router logits and scores) ``+ r c (2h + 3 f_e) + 3 c f_s``
 - after the last layer ``c h`` (final norm input) and the chunked loss (``model/lm_loss.py``): no
   ``[T, V]`` fp32 tensor beyond one chunk of ``LOSS_CHUNK_BYTES``; the loss holds about
   ``LOSS_BUFFERS`` chunk-sized buffers while it runs, and keeps the log-sum-exp ``4`` per token
   (or the probabilities ``4V`` when all tokens fit in one chunk)
+- MTP depths (``model.mtp_layers`` = U, model/mtp.py), kept whole also with ``train.recompute`` (it rebuilds
+  the main layers only): each depth its MoE layer (above; its input is eh_proj's output) ``+ c (h + 2h + h +
+  h)`` (the embedding enorm reads, the ``[2h]`` concatenation eh_proj reads, the block output that
+  shared_head.norm and the next depth's hnorm read, the depth's normed rows its loss reads) and one more
+  chunked loss's kept bytes (the losses run one after another: one set of chunk buffers); once ``c h``, the
+  main model's final-normed rows depth 1's hnorm reads
 
 Routed rows per token ``r`` (grouped dropless experts run on the routed rows only): dropless, one
 process or ``allgather``: ``top_k`` (every rank of a group runs its experts over the whole sorted buffer);
 dropless ``alltoall``: ``ep * min(top_k, E/ep)`` (each rank receives a fixed worst-case slot from every
 rank of its group, :mod:`train.grouped_exchange`); capacity dispatch: ``top_k * capacity_factor``.
-``train.recompute`` keeps each layer's input ``c h`` and rebuilds one layer at a time. The backward
-pass adds the gradients of one layer's activations (``max layer``) on top.
+``train.recompute`` keeps each main layer's input ``c h`` and rebuilds one layer at a time. The backward
+pass adds the gradients of one layer's activations (``max layer``, MTP blocks included) on top.
 
 Communication buffers (estimates): a reduced copy of the gradients when they are reduced over several
 ranks; ``2 r T h c`` for the expert exchange when ``ep > 1`` (sent and received rows, or the summed
@@ -63,15 +85,16 @@ phases: built, compiled, stepping; one factor changed at a time around the tiny 
   mindmoe.train.trainer``) that measurements subtract;
 - compiled graphs ``CPU_GRAPH_BASE_BYTES + CPU_GRAPH_BYTES_PER_LAYER * layers``: the IR and kernels of
   the ``ms.jit`` step functions of train/step.py (a fused step, or accumulate + apply: the same
-  nodes). One copy per decoder layer: ``lazy_inline`` cell reuse fails on CPU. Independent of tokens,
-  positions and width (measured at 1,024 / 2,048 tokens, 128 / 256 positions, hidden 192 / 384);
+  nodes). One copy per decoder layer (MTP blocks counted as layers, not measured): ``lazy_inline`` cell
+  reuse fails on CPU. Independent of tokens, positions and width (measured at 1,024 / 2,048 tokens,
+  128 / 256 positions, hidden 192 / 384);
 - runtime buffers ``4 * CPU_RUNTIME_HIDDEN_ROWS * h`` per token and decoder layer whose activations
   are kept: what the step holds beyond the activations above. model/kernels/cpu_attention.py records
   two causes (an elementwise op with an implicitly broadcast operand keeps its output to the end of the
   graph; kernels run as soon as their inputs exist, so outputs computed early are held); which
   tensors they are was not traced. The bytes followed tokens, layers and ``h`` (at the same FFN and
   expert widths) and not positions, so they are counted in rows of ``h``. With ``train.recompute``
-  they are counted for the one rebuilt layer (not measured).
+  they are counted for the one rebuilt layer (not measured); MTP blocks are kept layers (not measured).
 """
 
 from dataclasses import dataclass, fields
@@ -80,18 +103,22 @@ from typing import List
 
 from mindmoe.conf.checks import resolve_layout
 from mindmoe.launch.config import PlanConfig, validate_plan_config  # noqa: F401 (plan_cli imports it from here)
+from mindmoe.launch.plan_activations import (  # noqa: F401 (the planner's names: plan_report imports some from here)
+    LOSS_BUFFERS,
+    LOSS_CHUNK_BYTES,
+    activation_bytes_per_token,
+    activation_memory,
+    loss_bytes,
+    routed_rows_per_token,
+)
 from mindmoe.launch.plan_params import RankParameters, Trained, rank_parameters
 from mindmoe.model.config import ModelConfig
 
 GIB = 2**30
-MIB = 2**20
-#: model/attention.py BLOCK_SIZE and BLOCKWISE_DEVICES, model/lm_loss.py CHUNK_BYTES (copied so that a
-#: plan imports no MindSpore; tests/unit/test_plan.py checks they are equal).
+#: model/attention.py BLOCK_SIZE and BLOCKWISE_DEVICES (copied so that a plan imports no MindSpore;
+#: tests/unit/test_plan.py checks they are equal); the loss's constants are in launch/plan_activations.py.
 BLOCK_SIZE = 512
 BLOCKWISE_DEVICES = ("Ascend",)
-LOSS_CHUNK_BYTES = 32 * MIB
-#: Chunk-sized buffers the chunked loss holds at once (model/lm_loss.py: about 20 on CPU).
-LOSS_BUFFERS = 20
 #: Bytes per element of ``train.dtype``.
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 #: CPU only (module docstring). RSS of ``import mindformers`` above the framework baseline: 0.347 GiB.
@@ -216,52 +243,6 @@ def layout_errors(cfg: ModelConfig, layout: Layout, batch: Batch) -> List[str]:
     return []
 
 
-def routed_rows_per_token(cfg: ModelConfig, layout: Layout) -> float:
-    """Expert input rows per token of this rank's micro-batch (module docstring)."""
-    if cfg.dispatch != "dropless":
-        return cfg.top_k * cfg.capacity_factor
-    if layout.routed:
-        return layout.ep * min(cfg.top_k, cfg.num_experts // layout.ep)
-    return cfg.top_k
-
-
-def activation_bytes_per_token(cfg: ModelConfig, moe: bool, seq_len: int, setup: Setup, rows: float) -> float:
-    """Bytes one token leaves alive in one decoder layer until its backward (module docstring)."""
-    c, hidden, head_dim = setup.compute_bytes, cfg.hidden_size, cfg.resolved_head_dim
-    q_width, kv_width = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
-    attention = c * (2 * hidden + 2 * q_width + 2 * kv_width)
-    if cfg.qk_norm:
-        attention += c * (q_width + kv_width)
-    attention += 4 * cfg.num_heads if setup.blockwise(seq_len) else c * cfg.num_heads * seq_len
-    if not moe:
-        return attention + c * (2 * hidden + 3 * cfg.intermediate_size)
-    shared_width = cfg.num_shared_experts * cfg.moe_intermediate_size
-    router = 8 * cfg.num_experts
-    experts = rows * c * (2 * hidden + 3 * cfg.moe_intermediate_size)
-    return attention + c * 2 * hidden + router + experts + 3 * c * shared_width
-
-
-def loss_bytes(cfg: ModelConfig, tokens: int) -> float:
-    """The chunked loss: its chunk buffers plus what it keeps for the backward."""
-    rows = max(1, LOSS_CHUNK_BYTES // (4 * cfg.vocab_size))
-    kept = 4 * cfg.vocab_size * tokens if tokens <= rows else 4 * tokens
-    return LOSS_BUFFERS * 4 * cfg.vocab_size * min(tokens, rows) + kept
-
-
-def activation_memory(cfg: ModelConfig, layout: Layout, batch: Batch, setup: Setup) -> float:
-    c, tokens = setup.compute_bytes, batch.tokens
-    rows = routed_rows_per_token(cfg, layout)
-    per_layer = [
-        activation_bytes_per_token(cfg, layer >= cfg.first_k_dense, batch.seq_len, setup, rows)
-        for layer in range(cfg.num_layers)
-    ]
-    largest = max(per_layer, default=0)
-    kept = cfg.num_layers * c * cfg.hidden_size + largest if layout.recompute else sum(per_layer)
-    mask = 0 if setup.blockwise(batch.seq_len) else 4 * cfg.num_heads * batch.seq_len
-    # + the backward's gradients of one layer's activations, + the final norm's input
-    return tokens * (kept + mask + largest + c * cfg.hidden_size)
-
-
 def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig, setup: Setup = Setup()) -> Plan:
     """Per-rank memory of ``layout`` (formulas in the module docstring); ValueError if the trainer refuses it."""
     errors = layout_errors(cfg, layout, batch)
@@ -299,10 +280,15 @@ def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig
 
 def add_cpu_runtime(memory: RankMemory, cfg: ModelConfig, layout: Layout, batch: Batch) -> None:
     """The three CPU runtime terms (module docstring); fp32, the only dtype the trainer runs on CPU."""
-    kept_layers = 1 if layout.recompute else cfg.num_layers
-    memory.runtime_buffers = batch.tokens * kept_layers * 4 * CPU_RUNTIME_HIDDEN_ROWS * cfg.hidden_size
-    memory.graphs = CPU_GRAPH_BASE_BYTES + CPU_GRAPH_BYTES_PER_LAYER * cfg.num_layers
+    memory.runtime_buffers = batch.tokens * cpu_kept_layers(cfg, layout) * 4 * CPU_RUNTIME_HIDDEN_ROWS * cfg.hidden_size
+    memory.graphs = CPU_GRAPH_BASE_BYTES + CPU_GRAPH_BYTES_PER_LAYER * (cfg.num_layers + cfg.mtp_layers)
     memory.library = CPU_OPTIMIZER_LIBRARY_BYTES
+
+
+def cpu_kept_layers(cfg: ModelConfig, layout: Layout) -> int:
+    """Decoder layers whose activations are kept: every main layer, or the one rebuilt with recompute; plus
+    the MTP depths' blocks, which ``train.recompute`` does not rebuild."""
+    return (1 if layout.recompute else cfg.num_layers) + cfg.mtp_layers
 
 
 def divisors(n: int) -> List[int]:

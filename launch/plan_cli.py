@@ -75,8 +75,7 @@ def count_lines(cfg: ModelConfig) -> List[str]:
         f"  active = {billions(counts.active)} per token: input embedding and LM head excluded, "
         f"{cfg.top_k} of {cfg.num_experts} routed experts per MoE layer.",
         f"  active incl. LM head: {counts.active_with_lm_head} ({billions(counts.active_with_lm_head)})",
-        f"  an MTP layer (model.mtp_layers=1; its memory is not planned) adds {mtp} ({billions(mtp)}): "
-        f"total incl. one MTP layer {counts.total + mtp} ({billions(counts.total + mtp)})",
+        mtp_line(cfg, counts.total, mtp),
         "",
         f"  {'parameters':<34}{'total':>18}{'active per token':>18}",
     ]
@@ -93,6 +92,21 @@ def count_lines(cfg: ModelConfig) -> List[str]:
     if counts.buffers:
         lines.append(f"  {'(buffer) e_score_correction_bias':<34}{counts.buffers:>18,}   not counted")
     return lines
+
+
+def mtp_line(cfg: ModelConfig, total: int, mtp: int) -> str:
+    """The MTP depths' size, outside ``total``; with ``model.mtp_layers`` the memory plan below includes them."""
+    if not cfg.mtp_layers:
+        return (
+            f"  an MTP layer (model.mtp_layers=1 trains it; the memory plan then includes it) adds {mtp} "
+            f"({billions(mtp)}): total incl. one MTP layer {total + mtp} ({billions(total + mtp)})"
+        )
+    depths = cfg.mtp_layers * mtp
+    return (
+        f"  model.mtp_layers={cfg.mtp_layers}: {cfg.mtp_layers} MTP layer(s) of {mtp} ({billions(mtp)}) add {depths}: "
+        f"total incl. them {total + depths} ({billions(total + depths)}); their weights, gradients, optimizer "
+        "state and activations are in the memory plan below"
+    )
 
 
 #: ``plan.*`` keys of the old planner that the trainer's own keys replace, or that it does not have.

@@ -11,6 +11,7 @@ from mindmoe.launch.plan import (
     Batch,
     Plan,
     Setup,
+    cpu_kept_layers,
     routed_rows_per_token,
 )
 from mindmoe.model.config import ModelConfig
@@ -40,7 +41,13 @@ def activation_note(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup) 
     kept = "recomputed per layer" if plan.layout.recompute else "all kept"
     attention = "blockwise attention" if setup.blockwise(batch.seq_len) else "full S x S scores"
     rows = routed_rows_per_token(model, plan.layout)
-    return f"{kept}; {attention}; {rows:g} expert rows per token, train.dtype={setup.compute_dtype}"
+    mtp = f"; {model.mtp_layers} MTP depth(s) kept whole" if model.mtp_layers else ""
+    return f"{kept}; {attention}; {rows:g} expert rows per token{mtp}, train.dtype={setup.compute_dtype}"
+
+
+def loss_note(model: ModelConfig) -> str:
+    depths = f" (the LM loss and {model.mtp_layers} MTP loss(es))" if model.mtp_layers else ""
+    return f"chunked{depths}: no [T, V] fp32 tensor beyond one chunk"
 
 
 def cpu_runtime_rows(model: ModelConfig, plan: Plan, setup: Setup) -> List[tuple]:
@@ -48,7 +55,7 @@ def cpu_runtime_rows(model: ModelConfig, plan: Plan, setup: Setup) -> List[tuple
     if setup.device != "CPU":
         return []
     memory = plan.memory
-    layers = 1 if plan.layout.recompute else model.num_layers
+    layers = cpu_kept_layers(model, plan.layout)
     return [
         (
             "CPU runtime buffers",
@@ -58,7 +65,8 @@ def cpu_runtime_rows(model: ModelConfig, plan: Plan, setup: Setup) -> List[tuple
         (
             "CPU compiled graphs",
             memory.graphs,
-            f"measured: {CPU_GRAPH_BASE_BYTES / GIB:g} GiB + {CPU_GRAPH_BYTES_PER_LAYER / GIB:g} GiB per layer",
+            f"measured: {CPU_GRAPH_BASE_BYTES / GIB:g} GiB + {CPU_GRAPH_BYTES_PER_LAYER / GIB:g} GiB per layer "
+            f"({model.num_layers + model.mtp_layers})",
         ),
         ("CPU optimizer library", memory.library, "measured, fixed: mindformers imported by the optimizer"),
     ]
@@ -79,7 +87,7 @@ def memory_lines(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup, pla
         ("accumulation", memory.accumulation, accumulation),
         ("update", memory.update, "fp32 gradient copies the step reads (clipped, summed)"),
         ("activations", memory.activations, activation_note(model, plan, batch, setup)),
-        ("loss", memory.loss, "chunked: no [T, V] fp32 tensor beyond one chunk"),
+        ("loss", memory.loss, loss_note(model)),
         ("communication buffers", memory.comm, "estimate"),
         *cpu_runtime_rows(model, plan, setup),
         ("total", memory.total, usable),

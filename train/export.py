@@ -8,7 +8,8 @@
 models cache their latent, :mod:`model.export.mla_serving`), the tokenizer files, ``manifest.json`` (every
 input/output, the cache layout, the model config, versions, source hashes),
 ``CONVERT.md`` and the Ascend converter configs (:mod:`train.export_convert`). ``export.format=hf`` writes a
-transformers-loadable directory with :func:`model.hf.export_hf`.
+transformers-loadable directory with :func:`model.hf.export_hf`: a HF source keeps its ``model_type`` (a
+``glm4_moe_lite`` is not relabelled ``deepseek_v3``), a checkpoint gets the first architecture that reproduces it.
 """
 
 import dataclasses
@@ -27,7 +28,14 @@ from mindmoe.data.tokenizer_files import copy_tokenizer, open_tokenizer, special
 from mindmoe.model.checkpoint_shards import model_files
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.export.runner import MANIFEST_FILE
-from mindmoe.model.hf import ImportedConfig, apply_overrides, export_hf, read_pretrained_config
+from mindmoe.model.hf import (
+    HFCheckpointError,
+    ImportedConfig,
+    apply_overrides,
+    export_hf,
+    hf_config_from_model,
+    read_pretrained_config,
+)
 from mindmoe.model.hf.load import weight_files
 from mindmoe.model.kernels.host_runtime import configure_host_runtime
 from mindmoe.train.checkpoint import (
@@ -145,10 +153,28 @@ def merge_adapters(model, adapter_dir: Optional[str] = None, model_type: str = "
     return merge_peft_adapter(model, Path(adapter_dir).expanduser(), model_type)
 
 
+def source_model_type(source: "ExportSource") -> str:
+    """The HF architecture of the source: a HF directory's own ``model_type``; for a mindmoe checkpoint
+    (which does not record one) the first architecture that reproduces its model config, "" if none does."""
+    if source.kind == "pretrained":
+        return read_pretrained_config(source.path).model_type
+    try:
+        return hf_config_from_model(source.model_config)[0]
+    except HFCheckpointError:
+        return ""
+
+
+def adapter_names_type(model_config: ModelConfig, model_type: str) -> str:
+    """The architecture whose module names a LoRA adapter is read with: ``model_type``, or for a model no HF
+    architecture reproduces, the one that names its attention's weights (a mismatch fails the merge loudly)."""
+    return model_type or ("deepseek_v3" if model_config.attention_type == "mla" else "glm4_moe")
+
+
 def _adapter_of(cfg, source: "ExportSource"):
-    """``(adapter dir or None, HF model_type)``; the adapter's hash goes into the manifest."""
+    """``(adapter dir or None, HF model_type or "")`` (see :func:`source_model_type`); the adapter's hash goes
+    into the manifest."""
     export_cfg = cfg.export
-    model_type = read_pretrained_config(source.path).model_type if source.kind == "pretrained" else "glm4_moe"
+    model_type = source_model_type(source)
     if not export_cfg.adapter:
         return None, model_type
     from mindmoe.model.peft_adapter import ADAPTER_WEIGHTS
@@ -182,12 +208,15 @@ def build_serving_model(source: ExportSource, model_overrides: dict):
     return model
 
 
-def export_hf_with_tokenizer(source, out_dir, model_config: ModelConfig = None, tokenizer_dir=None) -> list:
+def export_hf_with_tokenizer(
+    source, out_dir, model_config: ModelConfig = None, tokenizer_dir=None, model_type: str = ""
+) -> list:
     """:func:`model.hf.export_hf` plus the tokenizer (a HF directory or a sentencepiece ``.model``): its
-    files copied beside the weights and its bos/eos/pad ids in ``config.json``. Returns the notes."""
+    files copied beside the weights and its bos/eos/pad ids in ``config.json``. ``model_type`` forces the
+    architecture written ("": the first that reproduces the model). Returns the notes."""
     tokenizer = None if tokenizer_dir is None else Path(tokenizer_dir).expanduser()
     ids = {} if tokenizer is None else special_token_ids(open_tokenizer(tokenizer, "tokenizer"))
-    notes = export_hf(source, model_config, out_dir, special_token_ids=ids)
+    notes = export_hf(source, model_config, out_dir, special_token_ids=ids, model_type=model_type)
     copy_tokenizer(tokenizer, Path(out_dir).expanduser())
     if tokenizer is not None and tokenizer.is_file():
         notes.append(
@@ -273,11 +302,14 @@ def run_export(cfg, run_dir: Path, override_args=None, runtime=None) -> Path:
 
 
 def write_hf_export(source: ExportSource, model_overrides: dict, adapter, model_type: str, out: Path) -> list:
-    """``export.format=hf`` into the (empty) directory ``out``; returns the notes."""
+    """``export.format=hf`` into the (empty) directory ``out``, as the architecture ``model_type`` (a HF
+    source's own, so a ``glm4_moe_lite`` stays one; "": the first that reproduces the model, and an error
+    naming every architecture's reasons if none does); returns the notes."""
     if source.kind == "checkpoint" and adapter is None:
-        return export_hf_with_tokenizer(source.path, out, source.model_config, source.tokenizer)
-    model = merge_adapters(build_serving_model(source, model_overrides), adapter, model_type)
-    return export_hf_with_tokenizer(model, out, tokenizer_dir=source.tokenizer)
+        return export_hf_with_tokenizer(source.path, out, source.model_config, source.tokenizer, model_type)
+    model = build_serving_model(source, model_overrides)
+    model = merge_adapters(model, adapter, adapter_names_type(model.config, model_type))
+    return export_hf_with_tokenizer(model, out, tokenizer_dir=source.tokenizer, model_type=model_type)
 
 
 def write_mindir_export(
@@ -290,7 +322,8 @@ def write_mindir_export(
 
     ms.set_context(mode=ms.GRAPH_MODE)
     configure_host_runtime()
-    model = merge_adapters(build_serving_model(source, model_overrides), adapter, model_type)
+    model = build_serving_model(source, model_overrides)
+    model = merge_adapters(model, adapter, adapter_names_type(model.config, model_type))
     graphs = export_mindir(model, out, export_cfg.dtype)
     tokenizer_files = copy_tokenizer(source.tokenizer, out)
     manifest = build_manifest(source, model.config, export_cfg, graphs, tokenizer_files)

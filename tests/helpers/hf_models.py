@@ -129,6 +129,58 @@ def deepseek_v3_variant(name: str):
     return randomize_hf(DeepseekV3ForCausalLM(config), seed=len(name))
 
 
+#: YaRN as transformers 5 writes it (``rope_parameters``, theta inside), with mscale and mscale_all_dim.
+TRANSFORMERS5_YARN = dict(
+    rope_type="yarn",
+    rope_theta=10000.0,
+    factor=4.0,
+    original_max_position_embeddings=16,
+    mscale=1.0,
+    mscale_all_dim=0.8,
+)
+
+
+def glm4_moe_lite_config(**overrides) -> dict:
+    """A tiny GLM-4.7-Flash config (values for transformers 5's ``AutoConfig.for_model``): MLA with values
+    narrower than queries/keys (6 vs 8 + 4), 8 experts."""
+    values = dict(
+        model_type="glm4_moe_lite",
+        vocab_size=VOCAB,
+        hidden_size=HIDDEN,
+        intermediate_size=48,
+        moe_intermediate_size=16,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        kv_lora_rank=16,
+        q_lora_rank=16,
+        qk_rope_head_dim=4,
+        v_head_dim=6,
+        qk_nope_head_dim=8,
+        num_experts_per_tok=2,
+        max_position_embeddings=64,
+        # GLM-4.7-Flash's; transformers' MLA latent norms keep eps 1e-6 whatever it is
+        rms_norm_eps=1e-5,
+    )
+    values.update(overrides)
+    return values
+
+
+#: The glm4_moe_lite variants the transformers 5 tests build: query compression with interleaved RoPE, YaRN and
+#: group-limited routing; a plain q_proj with rotate-half RoPE, two leading dense layers and a transformers-4
+#: style ``rope_theta``.
+GLM4_MOE_LITE_VARIANTS = {
+    "q_lora_interleaved_yarn_groups": glm4_moe_lite_config(
+        n_group=4, topk_group=2, rope_parameters=dict(TRANSFORMERS5_YARN)
+    ),
+    "plain_q_rotate_half_two_dense": glm4_moe_lite_config(
+        q_lora_rank=None, rope_interleave=False, mlp_layer_types=["dense", "dense", "sparse"], rope_theta=5000.0
+    ),
+}
+
+
 def save_hf(hf, directory, **kwargs):
     hf.save_pretrained(directory, safe_serialization=True, **kwargs)
     return Path(directory)

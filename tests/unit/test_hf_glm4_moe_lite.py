@@ -19,53 +19,11 @@ from mindspore import Tensor
 
 from mindmoe.model.hf import HFCheckpointError, export_hf, load_hf_pretrained, read_hf_config
 from mindmoe.model.mla import mla_softmax_scale
-from tests.helpers.hf_models import token_ids
+from tests.helpers.hf_models import GLM4_MOE_LITE_VARIANTS, TRANSFORMERS5_YARN, glm4_moe_lite_config, token_ids
 
 ATOL = 1e-4
 SEQ = 20
-YARN = dict(
-    rope_type="yarn",
-    rope_theta=10000.0,
-    factor=4.0,
-    original_max_position_embeddings=16,
-    mscale=1.0,
-    mscale_all_dim=0.8,
-)
-
-
-def lite_config(**overrides) -> dict:
-    """A tiny GLM-4.7-Flash: MLA with values narrower than queries/keys (6 vs 8 + 4), 8 experts."""
-    values = dict(
-        model_type="glm4_moe_lite",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_shared_experts=1,
-        n_routed_experts=8,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        qk_nope_head_dim=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        # GLM-4.7-Flash's; transformers' MLA latent norms keep eps 1e-6 whatever it is
-        rms_norm_eps=1e-5,
-    )
-    values.update(overrides)
-    return values
-
-
-VARIANTS = {
-    "q_lora_interleaved_yarn_groups": lite_config(n_group=4, topk_group=2, rope_parameters=dict(YARN)),
-    "plain_q_rotate_half_two_dense": lite_config(
-        q_lora_rank=None, rope_interleave=False, mlp_layer_types=["dense", "dense", "sparse"], rope_theta=5000.0
-    ),
-}
+VARIANTS = GLM4_MOE_LITE_VARIANTS
 
 
 @pytest.fixture(scope="module")
@@ -166,15 +124,19 @@ def test_latent_norm_eps_follows_transformers(tf5_reference, tmp_path):
     """q_a_layernorm / kv_a_layernorm use eps 1e-6 (transformers' norm default), not rms_norm_eps: at 1e-5 and a
     tiny width the two differ by about 1.2e-4 in the logits."""
     ids = token_ids(SEQ, seed=3)
-    reference = tf5_reference.build(lite_config(rms_norm_eps=1e-5), 3, tmp_path / "hf", ids)
+    reference = tf5_reference.build(glm4_moe_lite_config(rms_norm_eps=1e-5), 3, tmp_path / "hf", ids)
     _, ours, _ = load_hf_pretrained(tmp_path / "hf")
     np.testing.assert_allclose(our_logits(ours, ids), reference["logits"], atol=ATOL, rtol=0)
 
 
 def test_deepseek_v3_saved_by_transformers5_gives_its_logits(tf5_reference, tmp_path):
     """transformers 5 writes ``rope_parameters`` (YaRN inside) and ``head_dim``; the import reads both."""
-    config = lite_config(
-        model_type="deepseek_v3", n_group=4, topk_group=2, first_k_dense_replace=1, rope_parameters=dict(YARN)
+    config = glm4_moe_lite_config(
+        model_type="deepseek_v3",
+        n_group=4,
+        topk_group=2,
+        first_k_dense_replace=1,
+        rope_parameters=dict(TRANSFORMERS5_YARN),
     )
     ids = token_ids(SEQ, seed=5)
     reference = tf5_reference.build(config, 7, tmp_path / "hf", ids)
@@ -221,7 +183,7 @@ def test_transformers5_rope_parameters_import_as_transformers4_keys(legacy, tran
 
 
 def lite_dict(**changes):
-    values = lite_config()
+    values = glm4_moe_lite_config()
     values.update(changes)
     return values
 

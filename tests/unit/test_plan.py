@@ -186,6 +186,21 @@ def test_glm45_exact_counts():
     assert (air.total, air.active, air.active_with_lm_head) == (106_852_245_504, 12_182_609_920, 12_803_366_912)
 
 
+@pytest.mark.parametrize(
+    "name, total, active, with_head",
+    [
+        ("deepseek_v3", 671_026_404_352, 35_698_924_544, 36_625_603_584),
+        ("glm5", 743_911_199_232, 39_881_544_192, 40_833_126_912),  # transformers' GlmMoeDsaForCausalLM
+    ],
+)
+def test_mla_models_exact_counts_are_the_plans_first_lines(name, total, active, with_head):
+    counts = count_parameters(model_config(name))
+    assert (counts.total, counts.active, counts.active_with_lm_head) == (total, active, with_head)
+    lines = report(composed([f"model={name}"]))
+    assert lines[:2] == [f"total parameters: {total}", f"active parameters: {active}"]
+    assert f"  active incl. LM head: {with_head} " in "\n".join(lines)
+
+
 def run_cli(args, cwd, env=None):
     return subprocess.run(
         [sys.executable, "-m", "mindmoe.launch.plan_cli", *args],
@@ -276,6 +291,24 @@ def test_glm45_air_lora_on_8_devices_of_64gb_fits_and_names_its_keys():
         Layout(dp=cfg.parallel.dp, ep=cfg.parallel.ep, dispatcher=cfg.parallel.ep_dispatcher),
         Batch(cfg.data.seq_len, cfg.data.micro_batch_size, cfg.data.global_batch_size),
     )
+
+
+GLM5_LORA = ["model=glm5", "lora.enabled=true", "model.bias_update_rate=0", "plan.device_memory_gb=64"]
+
+
+def test_glm5_lora_needs_128_devices_of_64gb_and_names_its_keys():
+    """GLM-5 (744 B, MLA with the DSA indexer) LoRA: the bf16 base outside the routed experts (about 36 GiB) is on
+    every rank, so 64 devices do not fit; 128 do, with the experts split over all of them."""
+    result = run_cli([*GLM5_LORA, "plan.devices=128"], REPO)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0] == "total parameters: 743911199232"
+    assert lines[1] == "active parameters: 39881544192"
+    layout, total = table_verdict(lines)
+    assert layout.startswith("layout: parallel.dp=1 parallel.ep=128 ") and total.endswith(": fits")
+    assert "DOES NOT FIT" not in result.stdout
+    fewer = report(composed([*GLM5_LORA, "plan.devices=64"]))
+    assert "no layout fits on 64 devices; the one needing the least memory:" in fewer
 
 
 def test_search_proposes_only_fitting_layouts_best_first_and_plans_the_best():

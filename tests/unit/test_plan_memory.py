@@ -1,5 +1,6 @@
 """mindmoe-plan's memory model of the trainer against hand arithmetic: full training, LoRA in its base dtype,
-recompute, both expert dispatchers, blockwise attention, the chunked loss; and the layouts it may propose."""
+recompute, both expert dispatchers, blockwise attention, the chunked loss, MLA, the DSA indexer, MTP depths; and
+the layouts it may propose."""
 
 import re
 
@@ -187,6 +188,119 @@ def test_cpu_runtime_terms_are_printed_on_their_own_lines_for_cpu_only():
         lines = memory_lines(model, plan, HAND_BATCH, setup, PlanConfig())
         for label in labels:
             assert any(line.strip().startswith(label) for line in lines) == shown
+
+
+# MLA on the same model: q_lora_rank 6, kv_lora_rank 4, per head 2 no-RoPE + 2 RoPE query/key channels (d_qk = 4)
+# and 3 value channels; 4 heads. HAND's GQA keys (kv heads, head_dim, QK-norm, q/k/v bias) are not read by MLA.
+MLA = dict(
+    HAND, attention_type="mla", q_lora_rank=6, kv_lora_rank=4, qk_nope_head_dim=2, qk_rope_head_dim=2, v_head_dim=3
+)
+# Per layer: q_a_proj 6x8, q_b_proj 16x6, kv_a_proj_with_mqa (4 + 2)x8, kv_b_proj 4*(2 + 3)x4, o_proj 8x12.
+MLA_MATRICES = 100 * 8 * 2 + 2 * (6 * 8 + 16 * 6 + 6 * 8 + 20 * 4 + 8 * 12) + 3 * 8 * 16 + 3 * 8 * 4
+MLA_SMALL = 2 * (6 + 4) + (2 * (8 + 8) + 8) + 4 * 8  # q_a / kv_a layernorms 20, layer and final norms 40, router 32
+# fp32 bytes per token: norm input and normed input 2h; q_a_layernorm input and q_b_proj input 2 * 6; kv_a_layernorm
+# input and kv_b_proj input 2 * 4; queries and keys 4 heads x 4 each; values and o_proj input 4 heads x 3 each;
+# the stored softmax c*a*s
+MLA_ATTN = 4 * (2 * 8 + 2 * 6 + 2 * 4 + 4 * 4 + 4 * 4 + 4 * 3 + 4 * 3) + 4 * 4 * 16  # 624
+MLA_DENSE = MLA_ATTN + 4 * (2 * 8 + 3 * 16)  # 880
+MLA_MOE = MLA_ATTN + 4 * 2 * 8 + 8 * 4 + 2 * 4 * (2 * 8 + 3 * 4) + 3 * 4 * 4  # 992
+
+
+def test_mla_memory_uses_the_latent_widths_not_the_gqa_ones():
+    memory = hand_plan(Layout(dp=1), **MLA).memory  # one rank, 4 micro-batches
+    assert memory.weights == 4 * (MLA_MATRICES + MLA_SMALL + EXPERTS + BUFFER)
+    assert memory.grads == 4 * (MLA_MATRICES + MLA_SMALL + EXPERTS)
+    assert memory.activations == T * (MLA_DENSE + MLA_MOE + MASK + MLA_MOE + FINAL_NORM)
+    # q_lora_rank null: one q_proj reads the normed input, no q latent is kept (2 * 6 elements less a layer)
+    plain = hand_plan(Layout(dp=1), **{**MLA, "q_lora_rank": None}).memory
+    assert plain.activations == T * (MLA_DENSE + MLA_MOE + MASK + MLA_MOE + FINAL_NORM - 3 * 4 * 2 * 6)
+    # Ascend past 512 positions: blockwise, an fp32 log-sum-exp per head instead of the softmax, no mask
+    tokens, blockwise_attn = 1024, MLA_ATTN - 4 * 4 * 16 + 4 * 4
+    long = hand_plan(Layout(dp=1), Setup(device="Ascend"), Batch(1024, 1, 1), **MLA).memory
+    moe = blockwise_attn + MLA_MOE - MLA_ATTN
+    assert long.activations == tokens * (blockwise_attn + MLA_DENSE - MLA_ATTN + moe + moe + FINAL_NORM)
+
+
+# A DSA indexer on the MLA model: 2 indexer heads of width 4, index_topk 4 (it does not change the kept bytes).
+DSA = dict(MLA, dsa=dict(index_n_heads=2, index_head_dim=4, index_topk=4))
+# Per layer: wq_b 8x6, wk 4x8, weights_proj 2x8 (matrices), k_norm weight and bias 4 + 4.
+INDEXER_MATRICES, INDEXER_SMALL = 2 * (8 * 6 + 4 * 8 + 2 * 8), 2 * (4 + 4)
+# fp32 bytes per token and layer: query 2 heads x 4, key before and after its LayerNorm/RoPE 2 x 4, head weights 2;
+# fp32 rows over the s = 16 keys: index scores, selection mask, the KL loss's softmax
+INDEXER = 4 * (2 * 4 + 2 * 4 + 2) + 4 * 16 + 4 * 16 + 4 * 16  # 264
+
+
+@pytest.mark.parametrize("stage, warmup", [("sparse", 0), ("dense_warmup", 10)])
+def test_dsa_indexer_memory_matches_hand_arithmetic(stage, warmup):
+    dsa = dict(DSA["dsa"], stage=stage, warmup_steps=warmup)
+    memory = hand_plan(Layout(dp=1), **{**DSA, "dsa": dsa}).memory
+    held = MLA_MATRICES + INDEXER_MATRICES + MLA_SMALL + INDEXER_SMALL + EXPERTS
+    assert memory.weights == 4 * (held + BUFFER) and memory.grads == 4 * held
+    per_layer = MLA_DENSE + INDEXER + MLA_MOE + INDEXER
+    assert memory.activations == T * (per_layer + MASK + MLA_MOE + INDEXER + FINAL_NORM)
+    # stage off: the indexer's weights are stored and trained, but it does not run
+    off = hand_plan(Layout(dp=1), **{**DSA, "dsa": dict(DSA["dsa"], stage="off")}).memory
+    assert off.weights == memory.weights
+    assert off.activations == T * (MLA_DENSE + MLA_MOE + MASK + MLA_MOE + FINAL_NORM)
+
+
+def test_dsa_indexer_rows_with_blockwise_attention_and_lora_keeps_it_frozen():
+    tokens, s = 1024, 1024
+    attn = MLA_ATTN - 4 * 4 * 16 + 4 * 4 + 4 * (2 * 4 + 2 * 4 + 2) + 3 * 4 * s  # log-sum-exp; indexer rows of s keys
+    long = hand_plan(Layout(dp=1), Setup(device="Ascend"), Batch(1024, 1, 1), **DSA).memory
+    moe = attn + MLA_MOE - MLA_ATTN
+    assert long.activations == tokens * (attn + MLA_DENSE - MLA_ATTN + moe + moe + FINAL_NORM)
+    # LoRA: no adapter on the indexer; its matrices frozen in bf16, its LayerNorm fp32
+    lora = LoraConfig(enabled=True, r=2)
+    setups = [Setup(trained=lora_trained(ModelConfig(**cfg), lora, "Ascend")) for cfg in (DSA, MLA)]
+    assert not any("indexer" in name for name in setups[0].trained.adapted)
+    with_indexer, without = (
+        hand_plan(Layout(dp=1), setup, Batch(16, 2, 2), **cfg).memory for setup, cfg in zip(setups, (DSA, MLA))
+    )
+    assert with_indexer.weights - without.weights == 2 * INDEXER_MATRICES + 4 * INDEXER_SMALL
+    assert with_indexer.grads == without.grads
+
+
+# One MTP depth on HAND: its MoE decoder layer (GQA attention, router, 4 experts, shared expert) and enorm, hnorm,
+# eh_proj [8, 16], shared_head.norm.
+MTP_MATRICES = (8 * 8 + 8 * 4 * 2 + 8 * 8) + 3 * 8 * 4 + 8 * 16  # attention 192, shared expert 96, eh_proj 128
+MTP_SMALL = (8 + 4 + 4) + (8 + 8 + 2 + 2) + (8 + 8 + 8) + 4 * 8  # q/k/v biases, layer norms, MTP norms, router: 92
+# fp32 bytes per token: the MoE layer, + the embedding enorm reads h, eh_proj's input 2h, the block output h, the
+# depth's loss input h; once the main model's normed rows (depth 1's hnorm input) h
+MTP_DEPTH = MOE_K2 + 4 * (8 + 2 * 8 + 8 + 8)
+MTP_ONCE = 4 * 8
+
+
+def test_mtp_depth_memory_matches_hand_arithmetic():
+    memory = hand_plan(Layout(dp=2, ep=2, dispatcher="allgather"), mtp_layers=1).memory
+    held = MATRICES + SMALL + EXPERTS / 2 + MTP_MATRICES + MTP_SMALL + EXPERTS / 2  # the depth's experts split too
+    assert memory.weights == 4 * (held + 2 * BUFFER)
+    assert memory.grads == 4 * held and memory.optimizer == 8 * held
+    assert memory.activations == T * (DENSE + MOE_K2 + MASK + MOE_K2 + FINAL_NORM + MTP_DEPTH + MTP_ONCE)
+    assert memory.loss == LOSS + 4 * 100 * T  # one set of chunk buffers; the depth keeps its own probabilities
+    assert memory.comm == 4 * held + 2 * 2 * T * 8 * 4
+    # train.recompute rebuilds the main layers only: the depth stays whole
+    recompute = hand_plan(Layout(dp=1, recompute=True), mtp_layers=1).memory
+    assert recompute.activations == T * (2 * 4 * 8 + MOE_K2 + MASK + MOE_K2 + FINAL_NORM + MTP_DEPTH + MTP_ONCE)
+    # CPU: the depth is one more kept layer of runtime buffers and one more compiled layer
+    assert recompute.runtime_buffers == T * (1 + 1) * 4 * 100 * 8
+    assert recompute.graphs == 0.12 * 2**30 + (2 + 1) * 0.125 * 2**30
+    two = hand_plan(Layout(dp=1), mtp_layers=2).memory
+    assert two.activations == T * (DENSE + MOE_K2 + MASK + MOE_K2 + FINAL_NORM + 2 * MTP_DEPTH + MTP_ONCE)
+    assert two.loss == LOSS + 2 * 4 * 100 * T
+
+
+def test_mtp_layers_are_reported_as_planned():
+    from mindmoe.launch.plan_cli import count_lines
+
+    without, with_mtp = count_lines(ModelConfig(**HAND)), count_lines(ModelConfig(**HAND, mtp_layers=1))
+    depth = MTP_MATRICES + MTP_SMALL + EXPERTS
+    assert any(
+        f"an MTP layer (model.mtp_layers=1 trains it; the memory plan then includes it) adds {depth} " in line
+        for line in without
+    )
+    assert any(f"1 MTP layer(s) of {depth} " in line and "in the memory plan below" in line for line in with_mtp)
+    assert not any("not planned" in line for line in without + with_mtp)
 
 
 def test_plan_vs_measured_check_fails_outside_its_tolerance():

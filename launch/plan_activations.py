@@ -1,0 +1,123 @@
+"""Activation bytes of ``mindmoe-plan``: what one token of a micro-batch leaves alive until its backward.
+
+The formulas, and which tensors each term is, are in :mod:`launch.plan`'s module docstring; this module
+computes them. ``setup`` is a :class:`launch.plan.Setup` and ``layout`` a :class:`launch.plan.Layout` (only
+their ``compute_bytes`` / ``blockwise`` and ``routed`` / ``ep`` are read, so nothing is imported from there).
+"""
+
+from mindmoe.model.config import ModelConfig
+
+#: model/lm_loss.py CHUNK_BYTES (copied so that a plan imports no MindSpore; tests/unit/test_plan.py checks it).
+LOSS_CHUNK_BYTES = 32 * 2**20
+#: Chunk-sized buffers the chunked loss holds at once (model/lm_loss.py: about 20 on CPU).
+LOSS_BUFFERS = 20
+
+
+def routed_rows_per_token(cfg: ModelConfig, layout) -> float:
+    """Expert input rows per token of this rank's micro-batch (module docstring)."""
+    if cfg.dispatch != "dropless":
+        return cfg.top_k * cfg.capacity_factor
+    if layout.routed:
+        return layout.ep * min(cfg.top_k, cfg.num_experts // layout.ep)
+    return cfg.top_k
+
+
+def scores_bytes_per_token(cfg: ModelConfig, seq_len: int, setup) -> float:
+    """What the attention keeps of its scores: the fp32 log-sum-exp per head (blockwise), else the softmax."""
+    c = setup.compute_bytes
+    return 4 * cfg.num_heads if setup.blockwise(seq_len) else c * cfg.num_heads * seq_len
+
+
+def gqa_attention_bytes_per_token(cfg: ModelConfig, c: int) -> float:
+    """GQA: ``c (2h + 2q + 2kv)``, ``+ c (q + kv)`` with QK-norm."""
+    head_dim = cfg.resolved_head_dim
+    q_width, kv_width = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
+    kept = 2 * cfg.hidden_size + 2 * q_width + 2 * kv_width
+    if cfg.qk_norm:
+        kept += q_width + kv_width
+    return c * kept
+
+
+def mla_attention_bytes_per_token(cfg: ModelConfig, c: int) -> float:
+    """MLA: ``c (2h + 2 r_q + 2 r_kv + 2 a d_qk + 2 a d_v)`` (``r_q`` 0 without ``q_lora_rank``)."""
+    heads = cfg.num_heads
+    q_latent = 2 * (cfg.q_lora_rank or 0)
+    kv_latent = 2 * cfg.kv_lora_rank
+    per_head = 2 * heads * cfg.qk_head_dim + 2 * heads * cfg.v_head_dim
+    return c * (2 * cfg.hidden_size + q_latent + kv_latent + per_head)
+
+
+def dsa_indexer_bytes_per_token(cfg: ModelConfig, seq_len: int, c: int) -> float:
+    """The DSA lightning indexer of one MLA layer (``model.dsa``; 0 without one or with ``stage=off``).
+
+    Its query ``n_I d_I``, its key before the LayerNorm and after the LayerNorm and RoPE ``2 d_I``, the head
+    weights ``n_I`` (``c`` bytes each), and three fp32 rows over the ``s`` keys: the index scores, the
+    selection mask and the indexer's softmax kept by the KL loss (both training stages run it).
+    """
+    dsa = cfg.dsa
+    if not dsa.enabled or dsa.stage == "off":
+        return 0
+    vectors = dsa.index_n_heads * dsa.index_head_dim + 2 * dsa.index_head_dim + dsa.index_n_heads
+    scores, selection, kl_softmax = 4 * seq_len, 4 * seq_len, 4 * seq_len
+    return c * vectors + scores + selection + kl_softmax
+
+
+def attention_bytes_per_token(cfg: ModelConfig, seq_len: int, setup) -> float:
+    """The attention block of one layer: its widths (GQA or MLA), its scores, the DSA indexer."""
+    c = setup.compute_bytes
+    if cfg.attention_type == "mla":
+        widths = mla_attention_bytes_per_token(cfg, c) + dsa_indexer_bytes_per_token(cfg, seq_len, c)
+    else:
+        widths = gqa_attention_bytes_per_token(cfg, c)
+    return widths + scores_bytes_per_token(cfg, seq_len, setup)
+
+
+def activation_bytes_per_token(cfg: ModelConfig, moe: bool, seq_len: int, setup, rows: float) -> float:
+    """Bytes one token leaves alive in one decoder layer until its backward (module docstring)."""
+    c, hidden = setup.compute_bytes, cfg.hidden_size
+    attention = attention_bytes_per_token(cfg, seq_len, setup)
+    if not moe:
+        return attention + c * (2 * hidden + 3 * cfg.intermediate_size)
+    shared_width = cfg.num_shared_experts * cfg.moe_intermediate_size
+    router = 8 * cfg.num_experts
+    experts = rows * c * (2 * hidden + 3 * cfg.moe_intermediate_size)
+    return attention + c * 2 * hidden + router + experts + 3 * c * shared_width
+
+
+def mtp_bytes_per_token(cfg: ModelConfig, seq_len: int, setup, rows: float) -> float:
+    """The ``model.mtp_layers`` depths, never recomputed: each its MoE layer plus ``5 c h`` (the embedding
+    enorm reads, the ``[2h]`` eh_proj input, the block output, the depth's loss input), and once ``c h`` (the
+    main model's final-normed rows, depth 1's hnorm input)."""
+    if not cfg.mtp_layers:
+        return 0
+    c, hidden = setup.compute_bytes, cfg.hidden_size
+    depth = activation_bytes_per_token(cfg, True, seq_len, setup, rows) + c * (hidden + 2 * hidden + hidden + hidden)
+    return cfg.mtp_layers * depth + c * hidden
+
+
+def loss_bytes(cfg: ModelConfig, tokens: int) -> float:
+    """The chunked losses (the main one and one per MTP depth, one after another): one set of chunk buffers
+    plus what each keeps for the backward."""
+    rows = max(1, LOSS_CHUNK_BYTES // (4 * cfg.vocab_size))
+    kept = 4 * cfg.vocab_size * tokens if tokens <= rows else 4 * tokens
+    return LOSS_BUFFERS * 4 * cfg.vocab_size * min(tokens, rows) + (1 + cfg.mtp_layers) * kept
+
+
+def activation_memory(cfg: ModelConfig, layout, batch, setup) -> float:
+    """Activations of one micro-batch of ``batch.tokens`` tokens on one rank (module docstring)."""
+    c, tokens = setup.compute_bytes, batch.tokens
+    rows = routed_rows_per_token(cfg, layout)
+    per_layer = [
+        activation_bytes_per_token(cfg, layer >= cfg.first_k_dense, batch.seq_len, setup, rows)
+        for layer in range(cfg.num_layers)
+    ]
+    if cfg.mtp_layers:  # an MTP block's activations can be the largest layer's (a model without main MoE layers)
+        per_layer.append(activation_bytes_per_token(cfg, True, batch.seq_len, setup, rows))
+    main = per_layer[: cfg.num_layers]
+    largest = max(per_layer, default=0)
+    rebuilt = max(main, default=0)  # train.recompute rebuilds the main layers only (train/precision.py)
+    kept = cfg.num_layers * c * cfg.hidden_size + rebuilt if layout.recompute else sum(main)
+    mask = 0 if setup.blockwise(batch.seq_len) else 4 * cfg.num_heads * batch.seq_len
+    mtp = mtp_bytes_per_token(cfg, batch.seq_len, setup, rows)
+    # + the backward's gradients of one layer's activations, + the final norm's input
+    return tokens * (kept + mask + largest + c * cfg.hidden_size + mtp)
