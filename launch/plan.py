@@ -46,10 +46,12 @@ query heads, ``s`` = seq_len, ``r`` routed rows per token (below):
 - DSA indexer (``model.dsa``, with ``index_n_heads`` ``n_I`` > 0 and ``stage`` not ``off``; the model's
   design, :func:`launch.plan_activations.dsa_indexer_bytes_per_token`), per MLA layer: ``c (n_I d_I + 2 d_I +
   n_I)`` (query after RoPE, key before its LayerNorm and after LayerNorm and RoPE, head weights; ``d_I`` =
-  index_head_dim) ``+ 4s`` (fp32 index scores, summed over the indexer heads) ``+ 4s`` (selection mask)
-  ``+ 4s`` (the indexer's softmax the KL loss keeps, in dense_warmup and sparse alike). The same with
-  blockwise attention: the indexer scores every key whatever the main attention's kernel. dense_warmup's
-  frozen main model is not modelled: the run goes on in sparse, which trains everything
+  index_head_dim) ``+ 4 n_I s`` (the ReLU'd products of every indexer head, fp32) ``+ 4s`` (fp32 index
+  scores, summed over the indexer heads) ``+ 4s`` (selection mask) ``+ 4s`` (the indexer's softmax the KL
+  loss keeps, in dense_warmup and sparse alike). DSA layers take the whole mask and keep the softmax even
+  where the main attention would run blockwise (the selection reads the whole score matrix; no blockwise DSA
+  kernel yet). dense_warmup's frozen main model is not modelled: the run goes on in sparse, which trains
+  everything
 - dense FFN ``c (2h + 3f)`` (norm input, FFN input, gate, up, product)
 - MoE FFN ``2 c h + 8E`` (fp32 router logits and scores) ``+ r c (2h + 3 f_e) + 3 c f_s``
 - after the last layer ``c h`` (final norm input) and the chunked loss (``model/lm_loss.py``): no

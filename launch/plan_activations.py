@@ -22,10 +22,21 @@ def routed_rows_per_token(cfg: ModelConfig, layout) -> float:
     return cfg.top_k
 
 
+def dsa_active(cfg: ModelConfig) -> bool:
+    """The DSA indexer runs (model/mla.py): its layers then take the whole ``[B, a, s, s]`` mask."""
+    return cfg.attention_type == "mla" and cfg.dsa.enabled and cfg.dsa.stage != "off"
+
+
+def full_mask(cfg: ModelConfig, seq_len: int, setup) -> bool:
+    """The attention keeps its softmax and the model one fp32 mask: no blockwise kernel, or DSA (which selects
+    keys from the whole score matrix and is not blockwise yet)."""
+    return dsa_active(cfg) or not setup.blockwise(seq_len)
+
+
 def scores_bytes_per_token(cfg: ModelConfig, seq_len: int, setup) -> float:
     """What the attention keeps of its scores: the fp32 log-sum-exp per head (blockwise), else the softmax."""
     c = setup.compute_bytes
-    return 4 * cfg.num_heads if setup.blockwise(seq_len) else c * cfg.num_heads * seq_len
+    return c * cfg.num_heads * seq_len if full_mask(cfg, seq_len, setup) else 4 * cfg.num_heads
 
 
 def gqa_attention_bytes_per_token(cfg: ModelConfig, c: int) -> float:
@@ -51,15 +62,17 @@ def dsa_indexer_bytes_per_token(cfg: ModelConfig, seq_len: int, c: int) -> float
     """The DSA lightning indexer of one MLA layer (``model.dsa``; 0 without one or with ``stage=off``).
 
     Its query ``n_I d_I``, its key before the LayerNorm and after the LayerNorm and RoPE ``2 d_I``, the head
-    weights ``n_I`` (``c`` bytes each), and three fp32 rows over the ``s`` keys: the index scores, the
-    selection mask and the indexer's softmax kept by the KL loss (both training stages run it).
+    weights ``n_I`` (``c`` bytes each), the ReLU'd query-key products of every indexer head ``4 n_I s`` (fp32;
+    the head-weighted sum's backward reads them), and three fp32 rows over the ``s`` keys: the index scores,
+    the selection mask and the indexer's softmax kept by the KL loss (both training stages run it).
     """
-    dsa = cfg.dsa
-    if not dsa.enabled or dsa.stage == "off":
+    if not dsa_active(cfg):
         return 0
+    dsa = cfg.dsa
     vectors = dsa.index_n_heads * dsa.index_head_dim + 2 * dsa.index_head_dim + dsa.index_n_heads
+    products = 4 * dsa.index_n_heads * seq_len
     scores, selection, kl_softmax = 4 * seq_len, 4 * seq_len, 4 * seq_len
-    return c * vectors + scores + selection + kl_softmax
+    return c * vectors + products + scores + selection + kl_softmax
 
 
 def attention_bytes_per_token(cfg: ModelConfig, seq_len: int, setup) -> float:
@@ -117,7 +130,7 @@ def activation_memory(cfg: ModelConfig, layout, batch, setup) -> float:
     largest = max(per_layer, default=0)
     rebuilt = max(main, default=0)  # train.recompute rebuilds the main layers only (train/precision.py)
     kept = cfg.num_layers * c * cfg.hidden_size + rebuilt if layout.recompute else sum(main)
-    mask = 0 if setup.blockwise(batch.seq_len) else 4 * cfg.num_heads * batch.seq_len
+    mask = 4 * cfg.num_heads * batch.seq_len if full_mask(cfg, batch.seq_len, setup) else 0
     mtp = mtp_bytes_per_token(cfg, batch.seq_len, setup, rows)
     # + the backward's gradients of one layer's activations, + the final norm's input
     return tokens * (kept + mask + largest + c * cfg.hidden_size + mtp)

@@ -226,8 +226,9 @@ DSA = dict(MLA, dsa=dict(index_n_heads=2, index_head_dim=4, index_topk=4))
 # Per layer: wq_b 8x6, wk 4x8, weights_proj 2x8 (matrices), k_norm weight and bias 4 + 4.
 INDEXER_MATRICES, INDEXER_SMALL = 2 * (8 * 6 + 4 * 8 + 2 * 8), 2 * (4 + 4)
 # fp32 bytes per token and layer: query 2 heads x 4, key before and after its LayerNorm/RoPE 2 x 4, head weights 2;
-# fp32 rows over the s = 16 keys: index scores, selection mask, the KL loss's softmax
-INDEXER = 4 * (2 * 4 + 2 * 4 + 2) + 4 * 16 + 4 * 16 + 4 * 16  # 264
+# the ReLU'd products of the 2 indexer heads over the s = 16 keys; fp32 rows over the keys: index scores, selection
+# mask, the KL loss's softmax
+INDEXER = 4 * (2 * 4 + 2 * 4 + 2) + 4 * 2 * 16 + 4 * 16 + 4 * 16 + 4 * 16  # 392
 
 
 @pytest.mark.parametrize("stage, warmup", [("sparse", 0), ("dense_warmup", 10)])
@@ -244,12 +245,14 @@ def test_dsa_indexer_memory_matches_hand_arithmetic(stage, warmup):
     assert off.activations == T * (MLA_DENSE + MLA_MOE + MASK + MLA_MOE + FINAL_NORM)
 
 
-def test_dsa_indexer_rows_with_blockwise_attention_and_lora_keeps_it_frozen():
+def test_dsa_indexer_rows_at_the_blockwise_length_and_lora_keeps_it_frozen():
+    # DSA takes the whole mask even where the main attention would run blockwise (Ascend past 512 positions):
+    # the stored softmax c*a*s and the [B, a, s, s] mask, plus the indexer's products and rows over s keys
     tokens, s = 1024, 1024
-    attn = MLA_ATTN - 4 * 4 * 16 + 4 * 4 + 4 * (2 * 4 + 2 * 4 + 2) + 3 * 4 * s  # log-sum-exp; indexer rows of s keys
+    attn = MLA_ATTN - 4 * 4 * 16 + 4 * 4 * s + 4 * (2 * 4 + 2 * 4 + 2) + 4 * 2 * s + 3 * 4 * s
     long = hand_plan(Layout(dp=1), Setup(device="Ascend"), Batch(1024, 1, 1), **DSA).memory
     moe = attn + MLA_MOE - MLA_ATTN
-    assert long.activations == tokens * (attn + MLA_DENSE - MLA_ATTN + moe + moe + FINAL_NORM)
+    assert long.activations == tokens * (attn + MLA_DENSE - MLA_ATTN + moe + 4 * 4 * s + moe + FINAL_NORM)
     # LoRA: no adapter on the indexer; its matrices frozen in bf16, its LayerNorm fp32
     lora = LoraConfig(enabled=True, r=2)
     setups = [Setup(trained=lora_trained(ModelConfig(**cfg), lora, "Ascend")) for cfg in (DSA, MLA)]
