@@ -1,5 +1,5 @@
-"""Hugging Face interop: import ``glm4_moe`` / ``qwen3_moe`` / ``mixtral`` checkpoint directories,
-export mindmoe models as HF checkpoints.
+"""Hugging Face interop: import ``glm4_moe`` / ``qwen3_moe`` / ``mixtral`` / ``deepseek_v3`` / ``glm4_moe_lite`` /
+``glm_moe_dsa`` checkpoint directories, export mindmoe models as HF checkpoints.
 
     cfg, model, notes = load_hf_pretrained("/path/to/hf_dir")           # config + streamed weights
     notes = export_hf(model, out_dir="/path/to/out")                       # or a checkpoint directory

@@ -26,7 +26,9 @@ def deepseek_v3_fields(reader, model_type: str = "deepseek_v3", first_k_dense=No
             "attention_bias", "MLA projections with biases are not supported (no released checkpoint has them)"
         )
     rope_dim = reader.int("qk_rope_head_dim")
-    if reader.raw("head_dim") not in (None, rope_dim):
+    # GlmMoeDsaConfig sets head_dim to qk_rope_head_dim itself and always interleaves (model.hf.dsa_fields notes).
+    dsa = model_type == "glm_moe_dsa"
+    if not dsa and reader.raw("head_dim") not in (None, rope_dim):
         # HF sizes its RoPE tables from head_dim, which DeepseekV3Config sets to qk_rope_head_dim;
         # Glm4MoeLiteConfig maps a head_dim key onto qk_rope_head_dim itself (attribute_map).
         why = "HF rotates head_dim channels" if model_type == "deepseek_v3" else "HF reads it as qk_rope_head_dim"
@@ -44,7 +46,7 @@ def deepseek_v3_fields(reader, model_type: str = "deepseek_v3", first_k_dense=No
         qkv_bias=False,
         qk_norm=False,
         partial_rotary_factor=1.0,
-        rope_interleaved=reader.bool("rope_interleave"),
+        rope_interleaved=True if dsa else reader.bool("rope_interleave"),
         q_lora_rank=reader.int("q_lora_rank", optional=True),
         kv_lora_rank=reader.int("kv_lora_rank"),
         qk_nope_head_dim=reader.int("qk_nope_head_dim"),
@@ -68,12 +70,12 @@ def glm4_moe_lite_fields(reader, notes: list) -> dict:
     return fields
 
 
-def _leading_dense_layers(reader) -> int:
-    """How many leading layers ``mlp_layer_types`` makes dense (null: the first one, as transformers)."""
+def _leading_dense_layers(reader, when_unset: int = 1) -> int:
+    """How many leading layers ``mlp_layer_types`` makes dense (null: the first ``when_unset``, as transformers)."""
     num_layers = reader.int("num_hidden_layers") or 0
     types = reader.raw("mlp_layer_types")
     if types is None:
-        return min(1, num_layers)
+        return min(when_unset, num_layers)
     if not isinstance(types, list) or not all(t in ("dense", "sparse") for t in types):
         reader.reject("mlp_layer_types", "must be a list of 'dense' / 'sparse', one per layer")
         return 0

@@ -1,5 +1,5 @@
 """HF ``config.json`` -> :class:`ModelConfig`, per architecture (``glm4_moe``, ``qwen3_moe``, ``mixtral``,
-``deepseek_v3``, ``glm4_moe_lite``).
+``deepseek_v3``, ``glm4_moe_lite``, ``glm_moe_dsa``).
 
 The reverse (a ``config.json`` for an export) is :func:`model.hf.export.hf_config_from_model`.
 
@@ -27,8 +27,9 @@ RoPE            rotate_half, partial        rotate_half, full           rotate_h
 (``model.attention_type=mla``; ``q_lora_rank`` null = plain ``q_proj``), RoPE on ``qk_rope_head_dim``
 channels, interleaved when ``rope_interleave``; YaRN's ``mscale_all_dim`` also scales the softmax.
 ``glm4_moe_lite`` (GLM-4.7-Flash, transformers 5.23) is the same model with its dense layers listed in
-``mlp_layer_types``. A ``config.json`` written by transformers 5 (``rope_parameters``) imports like one
-written by transformers 4 (:mod:`model.hf.rope_parameters`).
+``mlp_layer_types``; ``glm_moe_dsa`` (GLM-5) adds DeepSeek Sparse Attention's indexer to every layer
+(``model.dsa``; :mod:`model.hf.dsa_fields`). A ``config.json`` written by transformers 5 (``rope_parameters``)
+imports like one written by transformers 4 (:mod:`model.hf.rope_parameters`).
 """
 
 import dataclasses
@@ -43,20 +44,22 @@ from mindmoe.model.hf.arch_fields import (
     mixtral_fields,
     qwen3_moe_fields,
 )
+from mindmoe.model.hf.dsa_fields import dsa_override, glm_moe_dsa_fields
 from mindmoe.model.hf.hf_defaults import HF_DEFAULTS
 from mindmoe.model.hf.rope_parameters import with_transformers4_rope_keys
 from mindmoe.model.rope_scaling import RopeScalingConfig
 
-SUPPORTED_MODEL_TYPES = ("glm4_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe_lite")
+SUPPORTED_MODEL_TYPES = ("glm4_moe", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe_lite", "glm_moe_dsa")
 ARCHITECTURES = {
     "glm4_moe": "Glm4MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
     "glm4_moe_lite": "Glm4MoeLiteForCausalLM",
+    "glm_moe_dsa": "GlmMoeDsaForCausalLM",
 }
 #: Architectures whose attention is MLA (``model.attention_type=mla``); the others are GQA.
-MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite")
+MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "glm_moe_dsa")
 
 #: ModelConfig fields an import may change: they alter training or the context length, never the
 #: shape or meaning of a pretrained weight. Every other field comes from config.json.
@@ -171,6 +174,10 @@ def read_hf_config(hf: dict, source: str = "config.json", max_seq_len: int = 0) 
         mtp_layers = reader.int("num_nextn_predict_layers", optional=True) or 0
     elif model_type == "glm4_moe_lite":
         fields.update(glm4_moe_lite_fields(reader, notes))
+        mtp_layers = reader.int("num_nextn_predict_layers", optional=True) or 0
+    elif model_type == "glm_moe_dsa":
+        fields.update(glm_moe_dsa_fields(reader, notes))
+        # GLM-5 stores its MTP layer as model.layers.78.*, which transformers ignores; its config.json counts it.
         mtp_layers = reader.int("num_nextn_predict_layers", optional=True) or 0
     elif model_type == "qwen3_moe":
         fields.update(qwen3_moe_fields(reader, fields.get("num_layers")))
@@ -305,7 +312,8 @@ def apply_overrides(imported: ImportedConfig, overrides: dict, source: str = "co
 
     Fields in :data:`OVERRIDABLE_FIELDS` replace the imported value; any other field must equal
     what ``config.json`` says (a pretrained model's architecture is not negotiable). ``vocab_size``
-    and ``head_dim`` 0 mean "unset" and always agree.
+    and ``head_dim`` 0 mean "unset" and always agree. Of ``dsa`` only the training keys may change
+    (:func:`model.hf.dsa_fields.dsa_override`).
     """
     cfg = imported.model_config
     known = {f.name for f in dataclasses.fields(ModelConfig)}
@@ -325,6 +333,9 @@ def apply_overrides(imported: ImportedConfig, overrides: dict, source: str = "co
                 )
         elif key in ("vocab_size", "head_dim") and value == 0:
             continue
+        elif key == "dsa":  # how the indexer trains may change, its shape and index_topk may not
+            changes[key], dsa_problems = dsa_override(cfg.dsa, value, source, imported.model_type)
+            problems += dsa_problems
         elif value != getattr(cfg, key):
             problems.append(
                 f"model.{key}={value!r} conflicts with {source} ({imported.model_type}), which "

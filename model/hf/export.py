@@ -1,7 +1,8 @@
 """Write a mindmoe model or checkpoint as a HF checkpoint directory (``mindmoe-export export.format=hf``).
 
 The directory holds ``config.json`` (``glm4_moe`` when the model is one, else ``qwen3_moe`` or
-``mixtral`` if it fits, ``deepseek_v3`` for MLA, ``glm4_moe_lite`` when asked; see
+``mixtral`` if it fits, ``deepseek_v3`` for MLA, ``glm_moe_dsa`` for MLA with DSA's indexer (the only
+architecture that keeps it), ``glm4_moe_lite`` when asked; see
 :func:`hf_config_from_model`), fp32 safetensors with HF names (sharded with an index above ``max_shard_bytes``), so that
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the same logits. The tokenizer files are the
 caller's to copy (``train/export.py`` does, and passes its special token ids for ``config.json``).
@@ -25,7 +26,7 @@ from mindmoe.model.param_count import parameter_shapes
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
 #: Architectures whose router always has the correction bias buffer.
-SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite")
+SIGMOID_ROUTER_TYPES = ("glm4_moe", "deepseek_v3", "glm4_moe_lite", "glm_moe_dsa")
 
 
 def export_hf(
@@ -120,7 +121,7 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str = "") -> tuple:
             raise HFCheckpointError(f"export model_type={candidate!r}: must be one of {SUPPORTED_MODEL_TYPES}")
         problems = _export_problems(cfg, candidate)
         if not problems:
-            return candidate, _export_dict(cfg, candidate), _export_notes(cfg)
+            return candidate, _export_dict(cfg, candidate), _export_notes(cfg, candidate)
         reasons[candidate] = problems
     lines = [f"  {name}: " + "; ".join(problems) for name, problems in reasons.items()]
     raise HFCheckpointError(
@@ -152,6 +153,16 @@ def _export_problems(cfg: ModelConfig, model_type: str) -> list:
             need.update(qk_norm=True)
         else:
             need.update(qk_norm=False, norm_topk_prob=True, first_k_dense=0)
+    if model_type == "glm_moe_dsa":
+        need.update(rope_interleaved=True)
+        if not cfg.dsa.enabled:
+            problems.append("needs model.dsa.index_n_heads > 0 (every glm_moe_dsa layer runs a DSA indexer)")
+        if cfg.q_lora_rank is None:
+            problems.append("needs model.q_lora_rank (glm_moe_dsa compresses its queries)")
+    elif cfg.dsa.enabled:
+        problems.append(
+            f"has a DSA indexer (model.dsa.index_n_heads={cfg.dsa.index_n_heads}), which only glm_moe_dsa keeps"
+        )
     problems += [
         f"needs {key}={value!r} (has {getattr(cfg, key)!r})"
         for key, value in need.items()
@@ -168,8 +179,13 @@ def _export_problems(cfg: ModelConfig, model_type: str) -> list:
     return problems
 
 
-def _export_notes(cfg: ModelConfig) -> list:
+def _export_notes(cfg: ModelConfig, model_type: str) -> list:
     notes = []
+    if model_type == "glm_moe_dsa" and cfg.dsa.stage != "sparse":
+        notes.append(
+            f"model.dsa.stage={cfg.dsa.stage!r}: transformers' glm_moe_dsa always keeps each query's index_topk="
+            f"{cfg.dsa.index_topk} best keys (stage sparse), so logits of longer sequences differ"
+        )
     if cfg.expert_lock:
         notes.append(
             "expert locking (model.expert_lock) is a mindmoe routing rule; HF routes without it, so "
@@ -251,6 +267,8 @@ def _export_dict(cfg: ModelConfig, model_type: str) -> dict:
         )
     if model_type == "glm4_moe_lite":
         _transformers5_keys(out)
+    elif model_type == "glm_moe_dsa":
+        _glm_moe_dsa_keys(out, cfg)
     if model_type == "glm4_moe":
         out.update(
             partial_rotary_factor=cfg.partial_rotary_factor,
@@ -288,6 +306,24 @@ def _transformers5_keys(out: dict) -> None:
     dense = out.pop("first_k_dense_replace")
     out["mlp_layer_types"] = ["dense"] * dense + ["sparse"] * (out["num_hidden_layers"] - dense)
     del out["head_dim"], out["num_nextn_predict_layers"]
+
+
+def _glm_moe_dsa_keys(out: dict, cfg: ModelConfig) -> None:
+    """Rewrite ``out`` as transformers 5.23 writes a ``glm_moe_dsa`` config (model.hf.dsa_fields): transformers 5's
+    RoPE and dense-layer keys (``first_k_dense_replace`` kept, equal), no ``rope_interleave`` (always interleaved),
+    the indexer's keys with every layer ``"full"``, and the MTP layer count, as GLM-5's config.json has it."""
+    num_nextn = out["num_nextn_predict_layers"]
+    _transformers5_keys(out)
+    del out["rope_interleave"]
+    out.update(
+        head_dim=cfg.qk_rope_head_dim,
+        first_k_dense_replace=cfg.first_k_dense,
+        index_n_heads=cfg.dsa.index_n_heads,
+        index_head_dim=cfg.dsa.index_head_dim,
+        index_topk=cfg.dsa.index_topk,
+        indexer_types=["full"] * cfg.num_layers,
+        num_nextn_predict_layers=num_nextn,
+    )
 
 
 def _source(source, model_config):

@@ -2,7 +2,8 @@
 
 ``from_pretrained`` fills a key missing from ``config.json`` with its config class's default, so the
 import must too; one dict per ``model_type`` (``Glm4MoeConfig``, ``Qwen3MoeConfig``, ``MixtralConfig``,
-``DeepseekV3Config``; ``Glm4MoeLiteConfig`` of transformers 5.23, the first line with that architecture).
+``DeepseekV3Config``; ``Glm4MoeLiteConfig`` and ``GlmMoeDsaConfig`` of transformers 5.23, the first line with
+those architectures).
 """
 
 HF_DEFAULTS = {
@@ -150,5 +151,46 @@ HF_DEFAULTS = {
         mlp_layer_types=None,
         attention_bias=False,
         attention_dropout=0.0,
+    ),
+    # transformers 5.23 GlmMoeDsaConfig (GLM-5). No rope_theta field (RotaryEmbeddingConfigMixin.default_theta); null
+    # mlp_layer_types means first_k_dense_replace dense layers, null indexer_types comes from index_topk_freq (1) and
+    # index_skip_topk_offset (2): every layer "full". head_dim and qk_head_dim are recomputed, so they are not here.
+    "glm_moe_dsa": dict(
+        vocab_size=154880,
+        hidden_size=6144,
+        intermediate_size=12288,
+        moe_intermediate_size=2048,
+        num_hidden_layers=78,
+        num_attention_heads=64,
+        num_key_value_heads=64,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        routed_scaling_factor=2.5,
+        kv_lora_rank=512,
+        q_lora_rank=2048,
+        qk_rope_head_dim=64,
+        v_head_dim=256,
+        qk_nope_head_dim=192,
+        n_group=1,
+        topk_group=1,
+        num_experts_per_tok=8,
+        norm_topk_prob=True,
+        hidden_act="silu",
+        max_position_embeddings=202752,
+        initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_theta=10000.0,
+        rope_scaling=None,
+        mlp_layer_types=None,
+        attention_bias=False,
+        attention_dropout=0.0,
+        index_topk=2048,
+        index_head_dim=128,
+        index_n_heads=32,
+        mlp_bias=False,
+        first_k_dense_replace=3,
+        layer_types=None,
+        indexer_types=None,
     ),
 }

@@ -108,6 +108,13 @@ RULES = {
 }
 # transformers 5 fuses experts in memory but saves (and loads) deepseek_v3's per-expert names for glm4_moe_lite.
 RULES["glm4_moe_lite"] = RULES["deepseek_v3"]
+#: DeepSeek Sparse Attention's lightning indexer (model/dsa.py), the same names on both sides under ``model.``.
+DSA_INDEXER = Rule(
+    "model.layers.{layer}.self_attn.indexer.{part}",
+    "layers.{layer}.self_attn.indexer.{part}",
+    (("part", ("wq_b.weight", "wk.weight", "k_norm.weight", "k_norm.bias", "weights_proj.weight")),),
+)
+RULES["glm_moe_dsa"] = RULES["deepseek_v3"] + [DSA_INDEXER]
 
 
 #: What an MTP depth (model/mtp.py) adds to a decoder layer's names; HF keeps the depth at ``model.layers.{L + k}``.

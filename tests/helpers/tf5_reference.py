@@ -85,16 +85,13 @@ class Reference:
             raise RuntimeError(f"the transformers 5 reference failed (exit {done.returncode}):\n{done.stderr[-4000:]}")
         return json.loads((work / "result.json").read_text(encoding="utf-8"))
 
-    def build(self, config: dict, seed: int, save_dir: Path, ids: np.ndarray) -> dict:
+    def build(self, config: dict, seed: int, save_dir: Path, ids: np.ndarray, capture=()) -> dict:
         """A random fp32 ``AutoModelForCausalLM.from_config(config)`` (O(1) weights from ``seed``) saved with
         ``save_pretrained`` to ``save_dir``; returns ``logits`` for ``ids`` [B, S] (all positions), the
-        ``state`` file (its ``state_dict`` as safetensors) and ``config`` (``config.to_dict()``)."""
-        return self._load_outputs(
-            self._run(
-                dict(mode="build", config=config, seed=seed, save_dir=str(save_dir), ids=ids.tolist()),
-                Path(str(save_dir) + ".work"),
-            )
-        )
+        ``state`` file (its ``state_dict`` as safetensors) and ``config`` (``config.to_dict()``). ``capture``:
+        module-name suffixes whose call arguments come back as ``captured`` (``tf5_reference_script.py``)."""
+        spec = dict(mode="build", config=config, seed=seed, save_dir=str(save_dir), ids=ids.tolist())
+        return self._load_outputs(self._run(dict(spec, capture=list(capture)), Path(str(save_dir) + ".work")))
 
     def reload(self, directory: Path, ids: np.ndarray) -> dict:
         """``AutoModelForCausalLM.from_pretrained(directory)`` in fp32: logits for ``ids``, state, config."""
@@ -112,4 +109,7 @@ class Reference:
 
         result["logits"] = np.load(result["logits"])
         result["state"] = load_file(result["state"])
+        if "captured" in result:
+            with np.load(result["captured"]) as captured:
+                result["captured"] = dict(captured)
         return result

@@ -10,7 +10,9 @@
 
 ``build`` and ``reload`` write, next to ``spec.json``: ``logits.npy`` (all positions of ``ids``),
 ``state.safetensors`` (the model's ``state_dict``) and ``result.json`` (paths, ``config.to_dict()``,
-transformers' version).
+transformers' version). With ``capture`` (module-name suffixes, e.g. ``["self_attn.indexer"]``) also
+``captured.npz``: the tensor arguments each such module was called with, ``{module}.arg{i}`` (``arg{i}.{j}`` for
+the tensors of a tuple argument).
 """
 
 import json
@@ -48,6 +50,28 @@ def randomize(model, seed: int) -> None:
             tensor.copy_(value)
 
 
+def capture_inputs(model, suffixes) -> dict:
+    """Forward pre-hooks on the modules whose names end with one of ``suffixes``; the returned dict fills with their
+    tensor arguments as numpy arrays while the model runs."""
+    captured = {}
+
+    def hook(name):
+        def record(_module, args):
+            for i, arg in enumerate(args):
+                tensors = enumerate(arg) if isinstance(arg, tuple) else [(None, arg)]
+                parts = [(f"arg{i}" if j is None else f"arg{i}.{j}", a) for j, a in tensors]
+                for key, value in parts:
+                    if isinstance(value, torch.Tensor):
+                        captured[f"{name}.{key}"] = value.detach().float().numpy()
+
+        return record
+
+    for name, module in model.named_modules():
+        if any(name.endswith(suffix) for suffix in suffixes):
+            module.register_forward_pre_hook(hook(name))
+    return captured
+
+
 def main(spec_file: str) -> None:
     spec = json.loads(Path(spec_file).read_text(encoding="utf-8"))
     work = Path(spec_file).parent
@@ -69,6 +93,7 @@ def main(spec_file: str) -> None:
             spec["load_dir"], dtype=torch.float32, attn_implementation="eager"
         ).eval()
     ids = torch.tensor(spec["ids"], dtype=torch.long)
+    captured = capture_inputs(model, spec.get("capture") or ())
     with torch.no_grad():
         logits = model(input_ids=ids).logits.float().numpy()
     np.save(work / "logits.npy", logits)
@@ -81,6 +106,9 @@ def main(spec_file: str) -> None:
         transformers=transformers.__version__,
         model_class=type(model).__name__,
     )
+    if captured:
+        np.savez(work / "captured.npz", **captured)
+        result["captured"] = str(work / "captured.npz")
     (work / "result.json").write_text(json.dumps(result, default=str), encoding="utf-8")
 
 
