@@ -64,6 +64,12 @@ def validate_run_config(cfg, device_target: Optional[str]) -> None:
             "step makes of the embedding table (TensorMove), nor bf16 MatMul; use lora.base_dtype=auto (fp16 on "
             "CPU, bf16 on Ascend) or fp16 / fp32 on CPU"
         )
+    if cfg.lora.enabled and cfg.model.dsa.stage == "dense_warmup":
+        raise ValueError(
+            "model.dsa.stage=dense_warmup with lora.enabled=true: the dense warm-up trains a base model's DSA "
+            "indexers and freezes everything else, while LoRA freezes the base; warm the indexers up in a full "
+            "training run first, or fine-tune with model.dsa.stage=sparse (or off)"
+        )
 
 
 @dataclass(frozen=True)

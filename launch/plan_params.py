@@ -7,19 +7,16 @@ and ``lora.modules_to_save`` in fp32, and trains only the adapters (fp32) and th
 Routed experts and their adapters are split over the ``ep`` ranks of an expert group; everything else
 is held whole by every rank. The router's correction bias is an fp32 buffer, never trained.
 
-LoRA targets are matched against the HF module names of the architecture with the model's weights:
-``deepseek_v3`` for MLA (``glm4_moe``, :func:`model.lora_plan.plan_adapters`' default, has no MLA names),
-else ``glm4_moe``. No architecture mindmoe imports names the DSA indexer's weights yet, so targets are
-matched on the config without the indexer: a LoRA plan keeps the indexer frozen, its matrices in
-``lora.base_dtype`` and its LayerNorm fp32, with no adapter and no gradient.
+LoRA targets are matched as the trainer matches them (:func:`model.lora_plan.plan_adapters`, the module
+names of the model's own architecture). The DSA indexer is never adapted: it stays frozen with the base, its
+matrices in ``lora.base_dtype`` and its LayerNorm fp32, with no gradient.
 """
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from math import prod
 from typing import Optional
 
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.dsa_config import DSAConfig
 from mindmoe.model.param_count import parameter_category, parameter_shapes
 
 #: Bytes per element of a storage dtype name.
@@ -51,9 +48,7 @@ def lora_trained(model: ModelConfig, lora, device_target: str) -> Trained:
     # Imported here: the adapter plan needs MindSpore's dtypes, full-training plans do not.
     from mindmoe.model.lora_plan import plan_adapters
 
-    model_type = "deepseek_v3" if model.attention_type == "mla" else "glm4_moe"
-    matched = replace(model, dsa=DSAConfig()) if model.dsa.enabled else model
-    adapters = plan_adapters(matched, lora, model_type=model_type, device_target=device_target)
+    adapters = plan_adapters(model, lora, device_target=device_target)
     return Trained(frozenset(adapters.adapted), frozenset(adapters.saved), lora.r, adapters.base_dtype)
 
 

@@ -224,6 +224,8 @@ def validate_model_config(cfg: ModelConfig) -> None:
         fail("mtp_layers", "must be an integer >= 0 (0 = no multi-token prediction; DeepSeek-V3 and GLM-4.5 use 1)")
     validate_rope_scaling(cfg.rope_scaling, cfg.max_position_embeddings, cfg.rotary_dim)
     validate_dsa(cfg.dsa, cfg.attention_type, cfg.q_lora_rank, cfg.qk_rope_head_dim)
+    if cfg.dsa.enabled and not cfg.rope_interleaved:
+        fail("rope_interleaved", "the DSA indexer rotates interleaved channel pairs (GLM-5); set it to true")
 
 
 def _check_attention(cfg: ModelConfig, fail) -> None:

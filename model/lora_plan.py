@@ -1,6 +1,6 @@
 """The adapter plan: which projections get LoRA adapters, computed from the model config before the build.
 
-    plan = plan_adapters(model_cfg, lora_cfg, seed=0, model_type="glm4_moe")
+    plan = plan_adapters(model_cfg, lora_cfg, seed=0, model_type="glm4_moe")  # "" = the model's own names
     model = MoETransformer(model_cfg, lora=plan)          # adapters in place, base frozen
     report = lora_report(model)
 
@@ -31,6 +31,8 @@ from mindmoe.model.param_count import parameter_shapes
 STATE_SUFFIX = "e_score_correction_bias"
 #: Name endings of the 2-D projection weights LoRA can adapt (MLA's ``kv_a_proj_with_mqa`` included).
 PROJECTION_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight")
+#: Parameters of a DSA indexer (model/dsa.py), never adapted.
+INDEXER = ".self_attn.indexer."
 
 
 @dataclass(frozen=True)
@@ -77,11 +79,27 @@ class LoraTarget:
     hf_modules: list  # [(HF module name, expert row or None)]
 
 
-def adaptable_projections(model_cfg: ModelConfig, model_type: str = "glm4_moe") -> List[LoraTarget]:
-    """Every projection LoRA can adapt in a model of ``model_cfg``, in model order."""
-    names = NameMap(model_type)
+def names_type(model_cfg: ModelConfig) -> str:
+    """The HF architecture whose module names a mindmoe model's adapters use when no checkpoint gave one:
+    ``glm_moe_dsa`` with a DSA indexer, ``deepseek_v3`` for other MLA models, else ``glm4_moe``."""
+    if model_cfg.attention_type != "mla":
+        return "glm4_moe"
+    return "glm_moe_dsa" if model_cfg.dsa.enabled else "deepseek_v3"
+
+
+def _name_map(model_cfg: ModelConfig, model_type: str) -> NameMap:
+    """HF names of ``model_type``, MTP depths (``mtp_layers.{k}``) included when the model has them."""
+    return NameMap(model_type or names_type(model_cfg), model_cfg.num_layers if model_cfg.mtp_layers else None)
+
+
+def adaptable_projections(model_cfg: ModelConfig, model_type: str = "") -> List[LoraTarget]:
+    """Every projection LoRA can adapt in a model of ``model_cfg``, in model order (not the DSA indexer's:
+    it is not a LoRA layer and stays frozen with the base)."""
+    names = _name_map(model_cfg, model_type)
     found = []
     for name, shape in _shapes(model_cfg).items():
+        if INDEXER in name:
+            continue
         if is_stacked_expert(name):
             found.append(LoraTarget(name, [(_module_of(hf), row) for hf, row in names.to_hf(name, shape[0])]))
         elif name.endswith(PROJECTION_SUFFIXES):
@@ -99,14 +117,15 @@ def _module_of(hf_param_name: str) -> str:
 
 
 def plan_adapters(
-    model_cfg: ModelConfig, cfg: LoraConfig, seed: int = 0, model_type: str = "glm4_moe", device_target: str = None
+    model_cfg: ModelConfig, cfg: LoraConfig, seed: int = 0, model_type: str = "", device_target: str = None
 ):
     """The :class:`AdapterPlan` of ``cfg`` on a model of ``model_cfg``; errors name the ``lora.*`` key.
 
     ``model_type`` names the HF architecture whose module names the targets are matched against
-    (the imported checkpoint's; ``glm4_moe`` for a mindmoe model). ``device_target`` (default: the
-    context's) resolves ``lora.base_dtype=auto``.
+    (the imported checkpoint's; empty for a mindmoe model: :func:`names_type`). ``device_target`` (default:
+    the context's) resolves ``lora.base_dtype=auto``.
     """
+    model_type = model_type or names_type(model_cfg)
     validate_lora_config(cfg)
     if model_cfg.expert_bias and model_cfg.bias_update_rate > 0 and model_cfg.num_moe_layers > 0:
         raise ValueError(
@@ -144,7 +163,7 @@ def _modules_to_save(model_cfg: ModelConfig, cfg: LoraConfig, model_type: str, a
     """Our parameter names of the ``modules_to_save`` (PEFT: module name equals or ends with an entry)."""
     if not cfg.modules_to_save:
         return set()
-    names = NameMap(model_type)
+    names = _name_map(model_cfg, model_type)
     saved, used = set(), set()
     for name, shape in _shapes(model_cfg).items():
         hf_names = names.to_hf(name, shape[0] if is_stacked_expert(name) else 0)

@@ -321,8 +321,9 @@ class MoETransformer(nn.Cell):
         return outputs + mtp_out
 
     def mtp_hidden(self, hidden_TH, future_ids_UBS, cos, sin, masks, doc_ids_BS):
-        """``(shared_head.norm outputs [U, T, H], summed aux loss, summed z loss, [indexer loss per depth] (DSA; else
-        empty))`` of the MTP depths; depth 1 starts from ``hidden_TH``, the main model's final-normed rows (model/mtp.py)."""
+        """``(shared_head.norm outputs [U, T, H], summed aux loss, summed z loss, [indexer loss per depth] (DSA;
+        else empty))`` of the MTP depths; depth 1 starts from ``hidden_TH``, the main model's final-normed rows
+        (model/mtp.py)."""
         batch, seq_len = doc_ids_BS.shape
         previous_BSH = hidden_TH.reshape(batch, seq_len, -1)
         outputs, aux_total, z_total, indexer_losses = [], 0.0, 0.0, []

@@ -167,7 +167,9 @@ def source_model_type(source: "ExportSource") -> str:
 def adapter_names_type(model_config: ModelConfig, model_type: str) -> str:
     """The architecture whose module names a LoRA adapter is read with: ``model_type``, or for a model no HF
     architecture reproduces, the one that names its attention's weights (a mismatch fails the merge loudly)."""
-    return model_type or ("deepseek_v3" if model_config.attention_type == "mla" else "glm4_moe")
+    from mindmoe.model.lora_plan import names_type
+
+    return model_type or names_type(model_config)
 
 
 def _adapter_of(cfg, source: "ExportSource"):

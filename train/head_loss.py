@@ -33,8 +33,9 @@ def head_nll(model, token_nll, input_ids_BS, doc_ids_BS, labels_BS):
 
 
 def head_nll_with_mtp(model, token_nll, input_ids_BS, doc_ids_BS, future_ids_VBS, mtp_weights_UBS):
-    """:func:`head_nll`'s outputs (labels: ``future_ids[0]``) plus the multi-token-prediction sum
-    ``sum_k sum_i nll_k,i * mtp_weights[k, i]`` (model/mtp.py).
+    """:func:`head_nll`'s outputs (labels: ``future_ids[0]``) with the multi-token-prediction sum
+    ``sum_k sum_i nll_k,i * mtp_weights[k, i]`` (model/mtp.py) after the layer statistics (and before the DSA
+    indexer loss, which the model returns last).
 
     ``future_ids`` ``[U + 1, B, S]`` is :func:`model.mtp.shifted_tokens`: row 0 the labels, rows 0..U-1 the depths'
     input tokens, row k depth k's targets; ``mtp_weights`` the depths' loss masks times their token weights. Every
@@ -42,13 +43,14 @@ def head_nll_with_mtp(model, token_nll, input_ids_BS, doc_ids_BS, future_ids_VBS
     """
     depths = mtp_weights_UBS.shape[0]
     head_VH = model.head_weight()
-    hidden_TH, aux, z, routing, layers, mtp_UTH = model(input_ids_BS, doc_ids_BS, True, future_ids_VBS[:depths])
+    outputs = model(input_ids_BS, doc_ids_BS, True, future_ids_VBS[:depths])
+    hidden_TH, aux, z, routing, layers, mtp_UTH = outputs[:6]
     nll_T, _ = token_nll(hidden_TH, head_VH, future_ids_VBS[0].reshape(-1))
     mtp_sum = ops.zeros((), ms.float32)
     for depth in range(depths):
         depth_nll_T, _ = token_nll(mtp_UTH[depth], head_VH, future_ids_VBS[depth + 1].reshape(-1))
         mtp_sum = mtp_sum + (depth_nll_T * mtp_weights_UBS[depth].reshape(-1)).sum()
-    return nll_T, aux, z, routing, layers, mtp_sum
+    return (nll_T, aux, z, routing, layers, mtp_sum) + outputs[6:]
 
 
 def masked_sum(nll_T, mask_BS):

@@ -224,6 +224,8 @@ def window_row(
     }
     if window[-1].mtp_loss is not None:
         row["mtp_loss"] = float(np.mean([s.mtp_loss for s in window]))
+    if window[-1].indexer_loss is not None:
+        row["indexer_loss"] = float(np.mean([s.indexer_loss for s in window]))
     row.update(per_layer_metrics(routing_L3E, layer_means_L5))
     row["lock_rate"] = float(np.mean(row["layer_lock_rate"])) if row["layer_lock_rate"] else 0.0
     return row

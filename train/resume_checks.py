@@ -49,9 +49,12 @@ def run_state(seq_len: int, tokenizer_path) -> dict:
 
 def architecture(model_cfg: ModelConfig) -> dict:
     """``{"model.<field>": value}`` of the architecture fields, ``head_dim`` resolved (0 = hidden_size /
-    num_heads) and ``vocab_size`` left out while 0 (a planned model whose tokenizer is not read yet)."""
+    num_heads), ``dsa`` as the indexer's shape and ``vocab_size`` left out while 0 (a planned model whose
+    tokenizer is not read yet)."""
     values = {name: getattr(model_cfg, name) for name in ARCHITECTURE_FIELDS}
     values["head_dim"] = model_cfg.resolved_head_dim
+    if "dsa" in values:  # the indexer's weights; its stage, top-k and loss weight are training settings
+        values["dsa"] = {"index_n_heads": model_cfg.dsa.index_n_heads, "index_head_dim": model_cfg.dsa.index_head_dim}
     if not values["vocab_size"]:
         del values["vocab_size"]
     return {f"model.{name}": value for name, value in json.loads(json.dumps(values)).items()}

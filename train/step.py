@@ -2,8 +2,8 @@
 
 Shape legend: B micro-batch, S sequence, V vocabulary, L MoE layers, E experts.
 
-The objective of a step is ``lm_loss + aux_loss + z_loss (+ mtp_loss)``. ``lm_loss`` is normalised by tokens:
-the sum of next-token cross-entropies over every scored label (same document as the input; SFT:
+The objective of a step is ``lm_loss + aux_loss + z_loss (+ mtp_loss) (+ coeff * indexer_loss)``. ``lm_loss``
+is normalised by tokens: the sum of next-token cross-entropies over every scored label (same document as the input; SFT:
 assistant tokens) of every micro-batch on every data-parallel rank, divided by the number of
 scored labels in the global batch, so a token weighs the same whichever micro-batch holds it.
 ``aux_loss`` and ``z_loss`` are per-micro-batch values averaged over the step's micro-batches.
@@ -16,7 +16,9 @@ therefore matches ``n`` data-parallel ranks that each see one of them.
 With ``model.mtp_layers`` = U > 0, ``mtp_loss = train.mtp_loss_coeff / U * sum_k CE_k`` (DeepSeek-V3 §2.2),
 where ``CE_k`` is depth k's cross-entropy of predicting ``t_{i+k+1}`` normalised the same way as ``lm_loss``:
 over the global batch's labels that depth scores (:func:`model.mtp.mtp_loss_mask`: same document, SFT
-assistant tokens, inside the window), through a per-depth token weight.
+assistant tokens, inside the window), through a per-depth token weight. With DeepSeek Sparse Attention
+(``model.dsa``, model/dsa.py) the indexer's KL loss, a mean over its layers and queries, enters times
+``model.dsa.indexer_loss_coeff`` and is logged unweighted as ``indexer_loss``.
 
 Everything numeric runs inside ``ms.jit`` functions (GRAPH_MODE). Functions are jitted,
 not the cells: ``ms.jit(cell)`` would freeze the parameter values it captured.
@@ -33,8 +35,9 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 from mindmoe.data.packing import PackedWindows, label_mask
 from mindmoe.model.mtp import mtp_loss_mask, shifted_tokens
 from mindmoe.train.grad_norm import global_squared_norm, sum_of_squares  # noqa: F401 (imported from here)
-from mindmoe.train.head_loss import head_loss, head_nll, head_nll_with_mtp, masked_sum
+from mindmoe.train.head_loss import head_loss, head_nll, masked_sum
 from mindmoe.train.loss_scaling import loss_scaling
+from mindmoe.train.objective import Objective, step_objective
 
 
 def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
@@ -102,6 +105,7 @@ class StepStats:
     overflow: bool = False
     loss_scale: float | None = None  # the dynamic loss scale after the step; None without loss scaling
     mtp_loss: float | None = None  # train.mtp_loss_coeff * mean over MTP depths of their CE; None without MTP
+    indexer_loss: float | None = None  # DSA: mean over layers of the indexer's KL (unweighted); None without it
 
 
 def _grad_buffers(params, accum_steps: int):
@@ -222,7 +226,7 @@ class CompiledStep:
     ):
         self.model = model
         self.mtp_depths = model.config.mtp_layers
-        self.mtp_loss_coeff = float(mtp_loss_coeff)
+        self.objective = Objective.of(model, mtp_loss_coeff)
         self.dist = dist
         self.optimizer = optimizer
         self.accum_steps = accum_steps
@@ -257,23 +261,15 @@ class CompiledStep:
         )
 
     def _loss(self, input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):
-        """The micro-batch's share of the step objective, and ``(loss, lm, aux, z, routing, layer, mtp)``
-        unscaled. ``token_weight`` is a graph input, not a constant: it changes every step. ``future_ids`` and
-        ``mtp_weights`` (:meth:`_mtp_inputs`) are read only with MTP depths."""
-        if self.mtp_depths:
-            nll_T, aux_loss, z_loss, routing_stats, layer_stats, mtp_sum = head_nll_with_mtp(
-                self.model, self.token_nll, input_ids, doc_ids, future_ids, mtp_weights
-            )
-            mtp_loss = mtp_sum * (self.mtp_loss_coeff / self.mtp_depths)
-        else:
-            nll_T, aux_loss, z_loss, routing_stats, layer_stats = head_nll(
-                self.model, self.token_nll, input_ids, doc_ids, labels
-            )
-            mtp_loss = ops.zeros((), ms.float32)
-        nll_sum, _ = masked_sum(nll_T, loss_mask)
-        lm_loss = nll_sum * token_weight
-        loss = lm_loss + aux_loss + z_loss + mtp_loss
-        return loss, (loss, lm_loss, aux_loss, z_loss, routing_stats, layer_stats, mtp_loss)
+        """The micro-batch's share of the step objective, and ``(loss, lm, aux, z, routing, layer, mtp, indexer)``
+        unscaled (:func:`train.objective.step_objective`)."""
+        return step_objective(
+            self.model,
+            self.token_nll,
+            self.objective,
+            (input_ids, doc_ids, labels, loss_mask, token_weight),
+            (future_ids, mtp_weights),
+        )
 
     def step(self, micro_batches) -> StepStats:
         """One optimizer step over ``accum_steps`` micro-batches (dicts of packed windows)."""
@@ -305,6 +301,7 @@ class CompiledStep:
                 routing_stats=np.sum([a[4].asnumpy() for a in auxes], axis=0),
                 layer_stats=np.mean([a[5].asnumpy() for a in auxes], axis=0),
                 mtp_loss=float(np.mean([a[6].asnumpy() for a in auxes])) if self.mtp_depths else None,
+                indexer_loss=float(np.mean([a[7].asnumpy() for a in auxes])) if self.objective.dsa else None,
             )
         )
         stats = self._with_loss_scale(stats, scale_before)
@@ -368,12 +365,13 @@ class CompiledStep:
         if self.dist is None or not self.dist.active:
             return local
         scalars = [local.loss, local.lm_loss, local.aux_loss, local.z_loss, local.mtp_loss or 0.0]
+        scalars.append(local.indexer_loss or 0.0)
         routing, layer = local.routing_stats, local.layer_stats
         packed = np.concatenate([np.asarray(scalars, np.float32), routing.reshape(-1), layer.reshape(-1)])
         total = self.dist.sum_over_ranks(packed)
         world = self.dist.world_size
-        loss, lm_loss, aux_loss, z_loss, mtp_loss = (float(v) / world for v in total[:5])
-        routing_end = 5 + routing.size
+        loss, lm_loss, aux_loss, z_loss, mtp_loss, indexer_loss = (float(v) / world for v in total[:6])
+        routing_end = 6 + routing.size
         return dataclasses.replace(
             local,
             loss=loss,
@@ -381,7 +379,8 @@ class CompiledStep:
             aux_loss=aux_loss,
             z_loss=z_loss,
             mtp_loss=None if local.mtp_loss is None else mtp_loss,
-            routing_stats=total[5:routing_end].reshape(routing.shape) / self.dist.replica_copies,
+            indexer_loss=None if local.indexer_loss is None else indexer_loss,
+            routing_stats=total[6:routing_end].reshape(routing.shape) / self.dist.replica_copies,
             layer_stats=total[routing_end:].reshape(layer.shape) / world,
         )
 

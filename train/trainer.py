@@ -29,6 +29,7 @@ from mindmoe.train.checkpoint import (
 )
 from mindmoe.train.checkpoint_tokenizer import run_data_config
 from mindmoe.train.distributed import init_distributed
+from mindmoe.train.dsa_stage import continue_schedule, enter_stage, stage_at, switches_after
 from mindmoe.train.heatmap import render_expert_load, save_png
 from mindmoe.train.init_model import build_model, planned_model_config
 from mindmoe.train.lineage import settle_lineage
@@ -67,6 +68,8 @@ class Trainer:
         ms.set_context(mode=ms.GRAPH_MODE)
         self.host_runtime = configure_host_runtime()
         self.model_cfg, self.model = self._build_model(explicit_model_keys)
+        self.dsa_stage = stage_at(self.model_cfg, 0 if self.resume_state is None else self.resume_state["step"])
+        enter_stage(self.model, self.model_cfg, self.dsa_stage)
         self.compiled_step = self._compile_step()
         self.moe_layer_ids = [idx for idx, layer in enumerate(self.model.layers) if layer.is_moe]
         self.start_step = self._resume()
@@ -141,7 +144,8 @@ class Trainer:
         model, train_cfg = self.model, OmegaConf.to_object(self.cfg.train)
         loss_scale = apply_precision(model, self.cfg.train)
         optimizer = build_optimizer(model.trainable_params(), train_cfg, self.dist, self.cfg.parallel.zero)
-        router_updates = RouterStepUpdates(model, self.model_cfg)
+        # The dense warm-up of DSA trains only the indexers: the routers stay as they are.
+        router_updates = None if self.dsa_stage == "dense_warmup" else RouterStepUpdates(model, self.model_cfg)
         accum_steps = self.dist.layout.accumulation
         step = CompiledStep(
             model,
@@ -219,6 +223,8 @@ class Trainer:
         with StopRequest() as stop:
             for step in range(self.start_step + 1, train.max_steps + 1):
                 self.train_step(step)
+                if switches_after(self.model_cfg, step):
+                    self._end_dsa_warmup(step)
                 if step % train.log_every == 0 or step == train.max_steps:
                     row = self.log(step)
                     progress.set_postfix(loss=f"{row['loss']:.3f}", tok_s=f"{row['tokens_per_s']:.0f}")
@@ -240,6 +246,14 @@ class Trainer:
         self.first_loss = stats.lm_loss if self.first_loss is None else self.first_loss
         self.bad_steps.record(step, stats)
         return stats
+
+    def _end_dsa_warmup(self, step: int) -> None:
+        """After the last warm-up step: every parameter trains, with sparse attention (train/dsa_stage.py)."""
+        self.dsa_stage = stage_at(self.model_cfg, step)
+        enter_stage(self.model, self.model_cfg, self.dsa_stage)
+        self.compiled_step = self._compile_step()
+        continue_schedule(self.compiled_step.optimizer, step)
+        log.info("DSA: dense warm-up done after step %d; training sparse, every parameter", step)
 
     def log(self, step: int) -> dict:
         """The metrics row of the steps since the last one (written by rank 0, with the expert-load heatmap)."""

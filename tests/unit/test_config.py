@@ -132,6 +132,7 @@ def test_cross_section_checks_import_no_mindspore():
 
 def run_config(**sections):
     base = {
+        "model": ModelConfig(),
         "data": DataConfig(),
         "train": TrainConfig(),
         "lora": SimpleNamespace(enabled=False),
