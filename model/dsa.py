@@ -96,20 +96,37 @@ class LightningIndexer(nn.Cell):
         relu_BISP = ops.relu(self.bmm_nt(q_BISD, ops.broadcast_to(k_B1PD, q_BISD.shape[:2] + k_B1PD.shape[2:])))
         return (relu_BISP * self.score_scale * w_BIS1).sum(1)
 
-    def construct(self, x_BSH, q_resid_BSR, cos, sin):
+    def query_scores(self, x_BSH, q_BISD, k_B1PD):
+        """``I [B, S, P]`` fp32 of the queries ``q`` of the inputs ``x`` (whose head weights they take) against the
+        keys ``k``: every key of the sequence in training, the cached keys for one new query when decoding."""
+        return self.scores(q_BISD.astype(ms.float32), k_B1PD.astype(ms.float32), self.head_weights(x_BSH))
+
+    def scores_and_keys(self, x_BSH, q_resid_BSR, cos, sin):
+        """``(scores [B, S, S] fp32, keys [B, 1, S, D])``: :meth:`construct` and what a decode cache keeps."""
         q_BISD, k_B1SD = self.queries_keys(x_BSH, q_resid_BSR, cos, sin)
-        return self.scores(q_BISD.astype(ms.float32), k_B1SD.astype(ms.float32), self.head_weights(x_BSH))
+        return self.query_scores(x_BSH, q_BISD, k_B1SD), k_B1SD
+
+    def construct(self, x_BSH, q_resid_BSR, cos, sin):
+        return self.scores_and_keys(x_BSH, q_resid_BSR, cos, sin)[0]
 
 
 def select_top_k(scores_BSP, visible_BSP, topk: int):
     """Additive mask ``[B, S, P]`` fp32: 0 at the keys each query keeps, :data:`UNSELECTED` elsewhere.
 
     ``visible`` is the document-causal mask (0 where visible, a large negative value elsewhere); a query keeps
-    its ``min(topk, visible keys)`` best visible keys (keys tied with the last one kept are kept too)."""
+    its ``min(topk, visible keys)`` best visible keys (keys tied with the last one kept are kept too). ``S`` may be 1
+    (a decode step ranks the cache for its one query)."""
     ranked_BSP = scores_BSP + visible_BSP
-    if topk >= ranked_BSP.shape[-1]:
+    if ops.is_sequence_value_unknown(ranked_BSP.shape):
+        # A graph for any P (the serving graphs): no branch on P, which MindSpore 2.9 cannot run from a MindIR file
+        # once several layers hold it ("The actor already exists"). topk floor values below every score join the
+        # ranking, so a query that sees fewer keys keeps them all.
+        floor_BSK = ops.zeros_like(ranked_BSP[..., :1]) + ops.full((topk,), float("-inf"), dtype=ranked_BSP.dtype)
+        kth_BS1 = ops.topk(ops.concat((ranked_BSP, floor_BSK), -1), topk)[0][..., topk - 1 :]
+    elif topk >= ranked_BSP.shape[-1]:
         return ops.zeros_like(ranked_BSP)
-    kth_BS1 = ops.topk(ranked_BSP, topk)[0][..., topk - 1 :]
+    else:
+        kth_BS1 = ops.topk(ranked_BSP, topk)[0][..., topk - 1 :]
     keep_BSP = ranked_BSP >= kth_BS1
     return ops.stop_gradient(ops.select(keep_BSP, ops.zeros_like(ranked_BSP), ops.full_like(ranked_BSP, UNSELECTED)))
 

@@ -84,7 +84,11 @@ class MLAttention(AttentionHeads):
         """``[B, S, N * qk_head_dim]``, each head's no-RoPE channels first."""
         if self.q_lora_rank is None:
             return self.q_proj(x_BSH)
-        return self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BSH)))
+        return self.q_b_proj(self.query_residual(x_BSH))
+
+    def query_residual(self, x_BSH):
+        """The compressed query ``q_a_layernorm(q_a_proj(x))`` ``[B, S, q_lora_rank]``, which DSA's indexer reads."""
+        return self.q_a_layernorm(self.q_a_proj(x_BSH))
 
     def rope_queries(self, x_BSH, cos, sin):
         """Queries ``[B, N, S, qk_head_dim]``: each head's no-RoPE channels, then its RoPE'd channels."""
@@ -102,21 +106,33 @@ class MLAttention(AttentionHeads):
         """DSA training attention (model/dsa.py): ``(output [B, S, H], the indexer's KL loss)``. ``mask`` is the full
         document-causal mask ``[B, N, S, S]``; stage ``sparse`` adds the top-k selection to it, ``dense_warmup``
         attends to every visible key. Both stages return the KL of the indexer against the attention."""
+        out_BSH, loss_inputs, _ = self.indexed_attention_parts(x_BSH, cos, sin, mask_BNSP)
+        return out_BSH, indexer_kl(*loss_inputs)
+
+    def indexed_attention_parts(self, x_BSH, cos, sin, mask_BNSP):
+        """:meth:`indexed_attention` before its loss: ``(output [B, S, H], the loss's inputs (probabilities
+        [B, N, S, P], indexer scores [B, S, P], the mask of the keys it is taken over [B, S, P]), what a decode
+        cache keeps per token (c_kv [B, S, kv_lora_rank], k_rope [B, 1, S, qk_rope_head_dim], the indexer's
+        keys [B, 1, S, index_head_dim]))``; the serving prefill (model/export/mla_serving.py) keeps the last."""
         batch, seq_len, _ = x_BSH.shape
-        q_resid_BSR = self.q_a_layernorm(self.q_a_proj(x_BSH))
+        q_resid_BSR = self.query_residual(x_BSH)
         q_BNSD = self.rope_heads(self.q_b_proj(q_resid_BSR), cos, sin)
-        k_BNSD, v_BNSD = self.expand_latent(*self.latent_kv(x_BSH, cos, sin))
+        c_kv_BSR, k_rope_B1SY = self.latent_kv(x_BSH, cos, sin)
+        k_BNSD, v_BNSD = self.expand_latent(c_kv_BSR, k_rope_B1SY)
         if mask_BNSP.shape[1] != self.num_heads:
             mask_BNSP = ops.tile(mask_BNSP, (1, self.num_heads, 1, 1))
         visible_BSP = mask_BNSP[:, 0]
-        scores_BSP = self.indexer(ops.stop_gradient(x_BSH), ops.stop_gradient(q_resid_BSR), cos, sin)
+        scores_BSP, index_k_B1SD = self.indexer.scores_and_keys(
+            ops.stop_gradient(x_BSH), ops.stop_gradient(q_resid_BSR), cos, sin
+        )
         if self.dsa_stage == "sparse":
             selected_BSP = select_top_k(ops.stop_gradient(scores_BSP), visible_BSP, self.index_topk)
             mask_BNSP = mask_BNSP + selected_BSP.expand_dims(1)
             visible_BSP = visible_BSP + selected_BSP
         out_BNSD, probs_BNSP = self.core(q_BNSD, k_BNSD, v_BNSD, mask_BNSP)
         out_BSH = out_BNSD.transpose(0, 2, 1, 3).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
-        return self.o_proj(out_BSH), indexer_kl(probs_BNSP, scores_BSP, visible_BSP)
+        cache = (c_kv_BSR, k_rope_B1SY, index_k_B1SD)
+        return self.o_proj(out_BSH), (probs_BNSP, scores_BSP, visible_BSP), cache
 
     def latent_kv(self, x_BSH, cos, sin):
         """What an MLA cache keeps per token: the normalised latent ``[B, S, kv_lora_rank]`` and the one

@@ -193,13 +193,14 @@ def _adapter_of(cfg, source: "ExportSource"):
 
 
 def build_serving_model(source: ExportSource, model_overrides: dict):
-    """The training model with the source's weights and dropless MoE dispatch (see model/export/serving.py)."""
+    """The training model with the source's weights and dropless MoE dispatch (see model/export/serving.py);
+    DeepSeek Sparse Attention in stage sparse unless ``model.dsa.stage`` is off (:func:`serve_dsa_sparse`)."""
     if source.kind == "pretrained":
         from mindmoe.model.hf import load_hf_pretrained
 
         _, model, notes = load_hf_pretrained(source.path, dict(model_overrides, dispatch="dropless"))
         source.notes += [note for note in notes if note not in source.notes]
-        return model
+        return serve_dsa_sparse(model, source.notes)
     from mindmoe.model.transformer import MoETransformer
     from mindmoe.train.checkpoint import load_model_weights
 
@@ -207,6 +208,23 @@ def build_serving_model(source: ExportSource, model_overrides: dict):
     validate_model_config(model_cfg)
     model = MoETransformer(model_cfg)
     load_model_weights(list(model.get_parameters()), source.path)
+    return serve_dsa_sparse(model, source.notes)
+
+
+def serve_dsa_sparse(model, notes: list):
+    """Switch a DSA model (``model.dsa.index_n_heads`` > 0) in stage dense_warmup to sparse, layers and config: an
+    export serves the attention the model is trained towards (model/dsa_config.py); stage off stays dense."""
+    dsa = model.config.dsa
+    if not dsa.enabled or dsa.stage in ("sparse", "off"):
+        return model
+    from mindmoe.model.mla import set_dsa_stage
+
+    set_dsa_stage(model, "sparse")
+    model.config = dataclasses.replace(model.config, dsa=dataclasses.replace(dsa, stage="sparse", warmup_steps=0))
+    notes.append(
+        f"model.dsa.stage={dsa.stage!r} exported as 'sparse': every query attends to its index_topk={dsa.index_topk} "
+        "best keys, as training does after the warm-up"
+    )
     return model
 
 

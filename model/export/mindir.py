@@ -5,8 +5,8 @@
 Each entry names the graph file, the external weight files (MindSpore writes the weights of a
 graph beside it, as ``<name>_graph.mindir`` + ``<name>_variables/data_*``, once they pass 1 GiB)
 and every input and output: name, shape (a string for a dynamic axis), dtype. :func:`cache_layout` states
-what ``kv_cache`` holds (GQA: per-head keys and values; MLA: the latent and the shared RoPE key,
-:mod:`model.export.mla_serving`) for the manifest's ``cache`` entry.
+what ``kv_cache`` holds (GQA: per-head keys and values; MLA: the latent and the shared RoPE key, and with DeepSeek
+Sparse Attention the indexer's key, :mod:`model.export.mla_serving`) for the manifest's ``cache`` entry.
 """
 
 from pathlib import Path
@@ -15,7 +15,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from mindmoe.model.export.lock_state import lock_state_width
-from mindmoe.model.export.mla_serving import mla_cache_width
+from mindmoe.model.export.mla_serving import caches_indexer_keys, mla_cache_row, mla_cache_width
 from mindmoe.model.export.serving import PrefillGraph, cache_length_axis, carries_lock_state, decode_graph
 
 EXPORT_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
@@ -40,17 +40,12 @@ def cast_parameters(model, dtype: str) -> None:
 
 def cache_layout(cfg, dtype: str = "fp32") -> dict:
     """What ``kv_cache`` holds, for the manifest: its kind, axes (``shape``, decode's capacity axis named
-    ``cache_len``), the axis that counts positions, and the values cached per token (per layer and in all)."""
+    ``cache_len``), the axis that counts positions, and the values cached per token (per layer and in all);
+    MLA also lists the parts of a row (``row``: name, first value, values, what)."""
     layers = cfg.num_layers
     if cfg.attention_type == "mla":
         per_layer = mla_cache_width(cfg)
-        layout = {
-            "kind": "mla_latent",
-            "shape": [layers, BATCH, CAPACITY, per_layer],
-            "description": f"per layer and token: c_kv (kv_lora_rank={cfg.kv_lora_rank} values, after "
-            f"kv_a_layernorm) then k_rope (qk_rope_head_dim={cfg.qk_rope_head_dim} values, after RoPE), shared "
-            "by all heads; decode absorbs kv_b_proj into the query and the output",
-        }
+        layout = mla_layout(cfg)
     else:
         kv_heads, head_dim = cfg.num_kv_heads, cfg.resolved_head_dim
         per_layer = 2 * kv_heads * head_dim
@@ -66,6 +61,30 @@ def cache_layout(cfg, dtype: str = "fp32") -> dict:
         values_per_token_per_layer=per_layer,
         values_per_token=layers * per_layer,
     )
+
+
+def mla_layout(cfg) -> dict:
+    """The MLA part of :func:`cache_layout`: ``row`` lists each part of a layer's row (name, index of its first
+    value, number of values, what it is), and the description states the same in words."""
+    row, start = [], 0
+    for name, values, what in mla_cache_row(cfg):
+        row.append({"name": name, "start": start, "values": values, "description": what})
+        start += values
+    parts = ", then ".join(
+        f"{part['name']} (values {part['start']}..{part['start'] + part['values'] - 1}, {part['description']})"
+        for part in row
+    )
+    description = (
+        f"per layer and token, shared by all heads: {parts}; decode absorbs kv_b_proj into the query and output"
+    )
+    kind = "mla_latent"
+    if caches_indexer_keys(cfg):
+        kind = "mla_latent_dsa"
+        description += (
+            f"; each decode step attends to the min(index_topk={cfg.dsa.index_topk}, position + 1) slots whose "
+            "index_k its indexer query scores best"
+        )
+    return {"kind": kind, "shape": [cfg.num_layers, BATCH, CAPACITY, start], "description": description, "row": row}
 
 
 def graph_signatures(cfg, dtype: str) -> dict:

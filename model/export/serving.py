@@ -9,13 +9,14 @@ Both graphs call the training model's own parts: :meth:`MoETransformer.embed` an
 layer's router and experts, so there is one definition of the math; only the order of calls differs:
 keys/values are kept instead of recomputed, and MoE routing can be overridden by the carried lock state.
 What the cache holds is the attention's: :class:`GQACacheAttention` keeps each key/value head's keys and
-values; MLA keeps its latent and shared RoPE key (:mod:`model.export.mla_serving`, absorbed-weights decode).
+values; MLA keeps its latent and shared RoPE key (:mod:`model.export.mla_serving`, absorbed-weights decode), and
+with DeepSeek Sparse Attention the indexer's key, whose top-k selection prefill and decode run as training does.
 ``construct`` arguments carry no shape suffix because MindIR names the graph inputs after them
 (``<graph>:input_ids``), which converters refer to.
 
 - ``PrefillGraph(input_ids [B, S] int32)`` -> ``(logits [B, V] fp32 of the last position,
   kv_cache, lock_state [M, B, W] int32 if expert locking)``; ``kv_cache`` is ``[L, 2, B, G, S, D]``
-  (GQA) or ``[L, B, S, kv_lora_rank + qk_rope_head_dim]`` (MLA).
+  (GQA) or ``[L, B, S, kv_lora_rank + qk_rope_head_dim]`` (MLA; ``+ index_head_dim`` with DSA's selection).
 - ``DecodeGraph(input_ids [B, 1] int32, kv_cache, position [B] int32, lock_state)`` -> ``(logits [B, V],
   kv_cache, lock_state)`` with the cache's S axis now P: the token at ``position`` (the number of tokens
   already cached for that sequence) attends to cache slots ``0..position`` and its cache values are
@@ -36,7 +37,7 @@ from mindspore import nn, ops
 from mindmoe.model import kernels
 from mindmoe.model.attention import MASK_VALUE, document_causal_mask
 from mindmoe.model.export.lock_state import decode_lock_step, prefill_lock_state
-from mindmoe.model.export.mla_serving import MLALatentCacheAttention
+from mindmoe.model.export.mla_serving import MLALatentCacheAttention, check_dsa_stage
 from mindmoe.model.moe.token_dispatcher import DroplessDispatcher
 
 
@@ -86,6 +87,7 @@ class _ServingGraph(nn.Cell):
     def __init__(self, model):
         super().__init__()
         cfg = model.config
+        check_dsa_stage(model)
         self.model = model
         self.attention = cache_attention(cfg)
         self.cache_axis = cache_length_axis(cfg)

@@ -1,0 +1,212 @@
+"""Serving graphs of DeepSeek Sparse Attention (GLM-5; model/dsa.py) against the training model.
+
+A tiny DSA model (MLA with query compression and interleaved RoPE, a dense first layer, 8 indexer heads keeping
+``index_topk=5`` keys, fewer than the prompts so the selection matters) with O(1) random weights is exported once
+with :func:`export_mindir`; the graphs, loaded back by :class:`ExportedModel`, must give the training model's
+(stage sparse) last-position logits at two prompt shapes, its logits at every decode step with the latent +
+indexer-key cache, and its greedy tokens by full recompute. The same weights with ``model.dsa.stage=off`` give
+other logits, so the checks see the selection. The indexer's scores of every compared sequence have no near-tie at
+the ``index_topk``-th key (a tie would let the graphs and training keep different keys; model/dsa.py).
+"""
+
+import dataclasses
+import json
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor, nn, ops
+
+from mindmoe.model.attention import document_causal_mask
+from mindmoe.model.config import ModelConfig
+from mindmoe.model.export.mindir import cache_layout, export_mindir
+from mindmoe.model.export.runner import MANIFEST_FILE, ExportedModel
+from mindmoe.model.transformer import MoETransformer
+from mindmoe.train.export import ExportSource, build_manifest, serve_dsa_sparse
+from mindmoe.train.export_config import ExportConfig
+
+VOCAB, TOPK, ATOL, NEW_TOKENS = 64, 5, 1e-4, 8
+# Rank, RoPE and indexer widths of a cache row (kv_lora_rank, qk_rope_head_dim, index_head_dim).
+RANK, ROPE, INDEX_DIM = 16, 4, 8
+CONFIG = ModelConfig(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    num_layers=3,
+    num_heads=4,
+    attention_type="mla",
+    q_lora_rank=16,
+    kv_lora_rank=RANK,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=ROPE,
+    v_head_dim=6,
+    rope_interleaved=True,
+    first_k_dense=1,
+    num_experts=4,
+    top_k=2,
+    moe_intermediate_size=16,
+    intermediate_size=32,
+    dispatch="dropless",
+    max_position_embeddings=64,
+    dsa=dict(index_n_heads=8, index_head_dim=INDEX_DIM, index_topk=TOPK),
+)
+
+
+def with_stage(stage: str, cfg: ModelConfig = CONFIG) -> ModelConfig:
+    return dataclasses.replace(cfg, dsa=dataclasses.replace(cfg.dsa, stage=stage))
+
+
+def dynamic(model):
+    """``model`` compiled once for any batch and length."""
+    model.set_train(False)
+    model.set_inputs(Tensor(shape=[None, None], dtype=ms.int32), Tensor(shape=[None, None], dtype=ms.int32))
+    return model
+
+
+def training_logits(model, ids):
+    """The training forward's logits ``[B, S, V]`` of prompts ``ids`` (one document each)."""
+    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
+
+
+class IndexerScores(nn.Cell):
+    """The training forward of ``model`` (its layers' own ``construct``) returning each layer's indexer scores of
+    its normed input ``[L, B, S, S]``, the scores the sparse stage ranks."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def construct(self, input_ids, doc_ids):
+        model = self.model
+        cos, sin = model.rotary_emb(ops.arange(input_ids.shape[1], dtype=ms.int32))
+        mask = document_causal_mask(doc_ids, model.config.num_heads)
+        x = model.embed(input_ids)
+        scores = []
+        for layer_idx, layer in enumerate(model.layers):
+            h = layer.input_layernorm(x)
+            attn = layer.self_attn
+            scores.append(attn.indexer(h, attn.query_residual(h), cos, sin).expand_dims(0))
+            x = layer(x, cos, sin, mask)[0] if layer_idx < model.num_dense else layer(x, cos, sin, mask, doc_ids)[0]
+        return ops.concat(scores, 0)
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """``(training model (sparse, dynamic shapes), the same weights with stage off, indexer scores cell, exported)``;
+    O(1) random weights as tests/unit/test_dsa.py's, so attention is far from uniform and the scores spread."""
+    model = MoETransformer(CONFIG)
+    rng = np.random.default_rng(0)
+    for param in model.get_parameters():
+        if param.name.endswith("e_score_correction_bias"):
+            continue
+        scale = 0.5 if len(param.shape) > 1 else 0.3
+        base = 1.0 if param.name.endswith("norm.weight") else 0.0
+        param.set_data(Tensor((base + rng.normal(0, scale, param.shape)).astype(np.float32)))
+    dense = MoETransformer(with_stage("off"))
+    weights = {param.name: param for param in model.get_parameters()}
+    for param in dense.get_parameters():
+        param.set_data(Tensor(weights[param.name].asnumpy()))
+    scores = IndexerScores(model)
+    scores.set_train(False)
+    scores.set_inputs(Tensor(shape=[None, None], dtype=ms.int32), Tensor(shape=[None, None], dtype=ms.int32))
+
+    out = tmp_path_factory.mktemp("dsa_export")
+    graphs = export_mindir(model, out, "fp32")
+    source = ExportSource("checkpoint", out, model.config, None, {})
+    manifest = build_manifest(source, model.config, ExportConfig(out=str(out)), graphs, [])
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2), encoding="utf-8")
+    return dynamic(model), dynamic(dense), scores, ExportedModel(out)
+
+
+def prompt(batch, length, seed):
+    return np.random.default_rng(seed).integers(0, VOCAB, (batch, length)).astype(np.int32)
+
+
+def assert_no_tie_at_top_k(scores_cell, ids):
+    """Every query with more than ``index_topk`` visible keys has a clear gap between its k-th and (k+1)-th best
+    indexer score in every layer (so float rounding cannot change which keys are kept)."""
+    scores_LBSS = scores_cell(Tensor(ids), Tensor(np.zeros_like(ids))).asnumpy()
+    gaps = []
+    for t in range(TOPK, ids.shape[1]):
+        ranked = -np.sort(-scores_LBSS[:, :, t, : t + 1], -1)
+        gaps.append((ranked[..., TOPK - 1] - ranked[..., TOPK]) / np.maximum(1.0, np.abs(ranked[..., TOPK - 1])))
+    assert np.abs(scores_LBSS).max() > 1.0, "indexer scores must spread for the selection to mean anything"
+    assert np.min(gaps) > 1e-4, f"near-tie at the top-{TOPK} boundary: pick another prompt seed"
+
+
+def test_prefill_gives_the_sparse_training_models_last_position_logits_at_two_shapes(models):
+    model, dense, scores, exported = models
+    for batch, length in ((2, 7), (1, 19)):
+        ids = prompt(batch, length, seed=length)
+        assert_no_tie_at_top_k(scores, ids)
+        logits, cache = exported.prefill(Tensor(ids))
+        expected = training_logits(model, ids)[:, -1]
+        assert np.abs(expected).max() > 1.0, "logits must be far from zero for the comparison to mean anything"
+        np.testing.assert_allclose(logits.asnumpy(), expected, rtol=0, atol=ATOL)
+        assert cache.shape == (CONFIG.num_layers, batch, length, RANK + ROPE + INDEX_DIM)
+        # The selection matters: the same weights attending densely give other logits.
+        assert np.abs(training_logits(dense, ids)[:, -1] - expected).max() > 1e-2
+
+
+def test_decode_with_the_indexer_key_cache_gives_training_logits_and_greedy_tokens(models):
+    model, _, scores, exported = models
+    ids = prompt(2, 11, seed=5)  # 11 + 8 positions: every decode step selects 5 of more cached keys
+    sequence = ids
+    expected_logits = []
+    for _ in range(NEW_TOKENS):  # greedy by full recompute in the training model (no cache)
+        logits = training_logits(model, sequence)[:, -1]
+        expected_logits.append(logits)
+        sequence = np.concatenate([sequence, logits.argmax(-1).astype(np.int32)[:, None]], 1)
+    assert_no_tie_at_top_k(scores, sequence)
+    np.testing.assert_array_equal(exported.generate(ids, max_new_tokens=NEW_TOKENS), sequence[:, ids.shape[1] :])
+
+    # Every decode step's logits, fed the same tokens, against the training model's at that position.
+    logits, cache = exported.prefill(Tensor(ids))
+    capacity = ids.shape[1] + NEW_TOKENS
+    cache = Tensor(np.pad(cache.asnumpy(), [(0, 0), (0, 0), (0, capacity - ids.shape[1]), (0, 0)]))
+    np.testing.assert_allclose(logits.asnumpy(), expected_logits[0], rtol=0, atol=ATOL)
+    for step in range(1, NEW_TOKENS):
+        position = ids.shape[1] + step - 1
+        logits, cache = exported.decode(
+            Tensor(sequence[:, position : position + 1]), cache, Tensor(np.full(2, position, np.int32))
+        )
+        np.testing.assert_allclose(logits.asnumpy(), expected_logits[step], rtol=0, atol=ATOL, err_msg=f"{step=}")
+    # The decode graph wrote each token's row, indexer key included, as prefill computes it.
+    _, full_cache = exported.prefill(Tensor(sequence[:, :-1]))
+    np.testing.assert_allclose(cache.asnumpy()[:, :, : capacity - 1], full_cache.asnumpy(), rtol=0, atol=ATOL)
+
+
+def test_manifest_states_the_latent_and_indexer_key_cache(models):
+    manifest = models[3].manifest
+    width = RANK + ROPE + INDEX_DIM
+    cache = manifest["cache"]
+    assert cache["kind"] == "mla_latent_dsa" and cache["length_axis"] == 2
+    assert cache["shape"] == [CONFIG.num_layers, "batch", "cache_len", width]
+    assert cache["values_per_token_per_layer"] == width and cache["values_per_token"] == CONFIG.num_layers * width
+    assert [(part["name"], part["start"], part["values"]) for part in cache["row"]] == [
+        ("c_kv", 0, RANK),
+        ("k_rope", RANK, ROPE),
+        ("index_k", RANK + ROPE, INDEX_DIM),
+    ]
+    assert "index_topk=5" in cache["description"]
+    prefill, decode = manifest["graphs"]["prefill"], manifest["graphs"]["decode"]
+    assert [(entry["name"], entry["shape"], entry["dtype"]) for entry in prefill["inputs"]] == [
+        ("input_ids", ["batch", "prompt_len"], "int32")
+    ]
+    assert [entry["name"] for entry in prefill["outputs"]] == ["logits", "kv_cache"]
+    assert prefill["outputs"][1]["shape"] == [CONFIG.num_layers, "batch", "prompt_len", width]
+    assert [entry["name"] for entry in decode["inputs"]] == ["input_ids", "kv_cache", "position"]
+    assert manifest["model_config"]["dsa"]["stage"] == "sparse"
+
+
+def test_stage_off_caches_the_plain_latent_and_exports_serve_dense_warmup_sparse():
+    layout = cache_layout(with_stage("off"))
+    assert layout["kind"] == "mla_latent" and layout["values_per_token_per_layer"] == RANK + ROPE
+    assert [part["name"] for part in layout["row"]] == ["c_kv", "k_rope"]
+    warmup = dataclasses.replace(CONFIG, dsa=dataclasses.replace(CONFIG.dsa, stage="dense_warmup", warmup_steps=3))
+    notes = []
+    model = serve_dsa_sparse(MoETransformer(warmup), notes)
+    assert model.config.dsa.stage == "sparse" and model.config.dsa.warmup_steps == 0
+    assert all(layer.self_attn.dsa_stage == "sparse" for layer in model.layers)
+    assert "model.dsa.stage='dense_warmup' exported as 'sparse'" in notes[0]
+    off = MoETransformer(with_stage("off"))
+    assert serve_dsa_sparse(off, notes).config.dsa.stage == "off" and len(notes) == 1
