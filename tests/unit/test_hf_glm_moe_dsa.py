@@ -22,71 +22,14 @@ from mindspore import Tensor
 
 from mindmoe.model.dsa_config import DSAConfig
 from mindmoe.model.hf import HFCheckpointError, export_hf, hf_config_from_model, load_hf_pretrained, read_hf_config
+from tests.helpers.hf_models import GLM_MOE_DSA_VARIANTS as VARIANTS
+from tests.helpers.hf_models import glm_moe_dsa_config as dsa_config
 from tests.helpers.hf_models import token_ids
 from tests.helpers.hf_mtp import all_tensors, with_mtp_layer
 
 ATOL = 1e-4
 SEQ = 20
 INDEXER = "self_attn.indexer"
-#: YaRN with mscale and mscale_all_dim (MLA's softmax scale), from 16 positions.
-YARN = dict(
-    rope_type="yarn", rope_theta=1e4, factor=4.0, original_max_position_embeddings=16, mscale=1, mscale_all_dim=0.8
-)
-
-
-def dsa_config(**overrides) -> dict:
-    """A tiny glm_moe_dsa: MLA with values narrower than queries/keys (6 vs 8 + 4), 8 experts, 16 indexer heads keeping
-    5 of up to 20 keys; the first layer dense (first_k_dense_replace)."""
-    values = dict(
-        model_type="glm_moe_dsa",
-        vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        qk_nope_head_dim=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
-        first_k_dense_replace=1,
-        index_n_heads=16,
-        index_head_dim=8,
-        index_topk=5,
-    )
-    values.update(overrides)
-    return values
-
-
-VARIANTS = {
-    # GLM-5's structure, small: three dense layers first (mlp_layer_types), a shared expert, a sigmoid router with
-    # its correction bias, routed_scaling_factor 2.5 (the class default), MLA with query compression (values wider
-    # than the no-RoPE query part, as GLM-5's 256 vs 192), the indexer with unrotated channels, rope_theta 1e6.
-    "glm5_shaped": dsa_config(
-        num_hidden_layers=4,
-        mlp_layer_types=["dense"] * 3 + ["sparse"],
-        first_k_dense_replace=3,
-        qk_nope_head_dim=12,
-        v_head_dim=16,
-        index_head_dim=16,
-        rope_parameters=dict(rope_theta=1e6, rope_type="default"),
-    ),
-    # YaRN (mscale / mscale_all_dim), two dense layers, 8 indexer heads keeping 7, group-limited routing.
-    "yarn_two_dense_topk7": dsa_config(
-        rope_parameters=dict(YARN),
-        mlp_layer_types=["dense", "dense", "sparse"],
-        n_group=4,
-        topk_group=2,
-        index_n_heads=8,
-        index_head_dim=12,
-        index_topk=7,
-    ),
-}
 
 
 @pytest.fixture(scope="module")
