@@ -24,27 +24,16 @@ from mindmoe.model.export.runner import MANIFEST_FILE, ExportedModel
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.export import ExportSource, build_manifest, serve_dsa_sparse
 from mindmoe.train.export_config import ExportConfig
+from tests.helpers.dsa_models import randomize, tiny_dsa_config
 
 VOCAB, TOPK, ATOL, NEW_TOKENS = 64, 5, 1e-4, 8
 # Rank, RoPE and indexer widths of a cache row (kv_lora_rank, qk_rope_head_dim, index_head_dim).
 RANK, ROPE, INDEX_DIM = 16, 4, 8
-CONFIG = ModelConfig(
-    vocab_size=VOCAB,
-    hidden_size=32,
+CONFIG = tiny_dsa_config(
+    TOPK,
     num_layers=3,
-    num_heads=4,
-    attention_type="mla",
-    q_lora_rank=16,
     kv_lora_rank=RANK,
-    qk_nope_head_dim=8,
     qk_rope_head_dim=ROPE,
-    v_head_dim=6,
-    rope_interleaved=True,
-    first_k_dense=1,
-    num_experts=4,
-    top_k=2,
-    moe_intermediate_size=16,
-    intermediate_size=32,
     dispatch="dropless",
     max_position_embeddings=64,
     dsa=dict(index_n_heads=8, index_head_dim=INDEX_DIM, index_topk=TOPK),
@@ -92,15 +81,9 @@ class IndexerScores(nn.Cell):
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """``(training model (sparse, dynamic shapes), the same weights with stage off, indexer scores cell, exported)``;
-    O(1) random weights as tests/unit/test_dsa.py's, so attention is far from uniform and the scores spread."""
+    O(1) random weights (tests/helpers/dsa_models.py), so attention is far from uniform and the scores spread."""
     model = MoETransformer(CONFIG)
-    rng = np.random.default_rng(0)
-    for param in model.get_parameters():
-        if param.name.endswith("e_score_correction_bias"):
-            continue
-        scale = 0.5 if len(param.shape) > 1 else 0.3
-        base = 1.0 if param.name.endswith("norm.weight") else 0.0
-        param.set_data(Tensor((base + rng.normal(0, scale, param.shape)).astype(np.float32)))
+    randomize(model)
     dense = MoETransformer(with_stage("off"))
     weights = {param.name: param for param in model.get_parameters()}
     for param in dense.get_parameters():

@@ -10,49 +10,24 @@ from mindspore import Tensor, ops
 
 from mindmoe.conf.checks import validate_run_config
 from mindmoe.model.attention import document_causal_mask
-from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.config import validate_model_config
 from mindmoe.model.dsa import UNSELECTED, indexer_kl, select_top_k
 from mindmoe.model.mla import set_dsa_stage
 from mindmoe.model.transformer import MoETransformer
+from tests.helpers.dsa_models import randomize, tiny_dsa_config
 
 SEQ = 12
 TOPK = 4
 
 
 def dsa_config(**dsa):
-    return ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        attention_type="mla",
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        rope_interleaved=True,
-        first_k_dense=1,
-        num_experts=4,
-        top_k=2,
-        moe_intermediate_size=16,
-        intermediate_size=32,
-        dsa=dict(dict(index_n_heads=8, index_head_dim=8, index_topk=TOPK), **dsa),
-    )
+    return tiny_dsa_config(TOPK, dsa=dict(dict(index_n_heads=8, index_head_dim=8, index_topk=TOPK), **dsa))
 
 
 @pytest.fixture(scope="module")
 def model():
-    """A tiny DSA model with O(1) random weights (norm gains and LayerNorm biases too), so attention is far from
-    uniform and the indexer's scores spread."""
     built = MoETransformer(dsa_config())
-    rng = np.random.default_rng(0)
-    for param in built.get_parameters():
-        if param.name.endswith("e_score_correction_bias"):
-            continue
-        scale = 0.5 if len(param.shape) > 1 else 0.3
-        base = 1.0 if param.name.endswith("norm.weight") else 0.0
-        param.set_data(Tensor((base + rng.normal(0, scale, param.shape)).astype(np.float32)))
+    randomize(built)
     return built
 
 
