@@ -24,7 +24,7 @@ def routed_rows_per_token(cfg: ModelConfig, layout) -> float:
 
 def dsa_active(cfg: ModelConfig) -> bool:
     """The DSA indexer runs (model/mla.py): its layers then take the whole ``[B, a, s, s]`` mask."""
-    return cfg.attention_type == "mla" and cfg.dsa.enabled and cfg.dsa.stage != "off"
+    return cfg.attention_type == "mla" and cfg.dsa.active
 
 
 def full_mask(cfg: ModelConfig, seq_len: int, setup) -> bool:

@@ -35,6 +35,7 @@ import numpy as np
 from mindspore import Parameter, nn, ops
 
 from mindmoe.model import kernels
+from mindmoe.model.attention import MASK_VALUE
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.deferred_init import constant
 from mindmoe.model.linear import Linear
@@ -42,8 +43,8 @@ from mindmoe.model.rope import apply_rope
 
 #: Epsilon of the indexer key's LayerNorm (HF ``GlmMoeDsaIndexer.k_norm``).
 INDEXER_NORM_EPS = 1e-6
-#: Added to the scores of keys a query does not keep (as ``model.attention.MASK_VALUE``).
-UNSELECTED = -1e9
+#: Added to the scores of keys a query does not keep: the attention's own mask value.
+UNSELECTED = MASK_VALUE
 
 
 class LayerNorm(nn.Cell):

@@ -47,6 +47,11 @@ class DSAConfig:
     def enabled(self) -> bool:
         return self.index_n_heads > 0
 
+    @property
+    def active(self) -> bool:
+        """The indexer runs (an indexer, in a stage other than ``off``)."""
+        return self.enabled and self.stage != "off"
+
 
 def dsa_config(value) -> DSAConfig:
     """Accept the dataclass or a mapping of its fields (a config read back with ``dataclasses.asdict``)."""

@@ -78,7 +78,7 @@ class MLAttention(AttentionHeads):
             self.indexer = LightningIndexer(cfg, rng)
         self.index_topk = cfg.dsa.index_topk
         self.dsa_stage = cfg.dsa.stage
-        self.dsa_active = self.indexed and cfg.dsa.stage != "off"
+        self.dsa_active = cfg.dsa.active
 
     def queries(self, x_BSH):
         """``[B, S, N * qk_head_dim]``, each head's no-RoPE channels first."""

@@ -225,7 +225,6 @@ class CompiledStep:
         mtp_loss_coeff: float = 0.0,
     ):
         self.model = model
-        self.mtp_depths = model.config.mtp_layers
         self.objective = Objective.of(model, mtp_loss_coeff)
         self.dist = dist
         self.optimizer = optimizer
@@ -300,7 +299,7 @@ class CompiledStep:
                 lr=float(np.asarray(lr.asnumpy()).reshape(-1)[0]),
                 routing_stats=np.sum([a[4].asnumpy() for a in auxes], axis=0),
                 layer_stats=np.mean([a[5].asnumpy() for a in auxes], axis=0),
-                mtp_loss=float(np.mean([a[6].asnumpy() for a in auxes])) if self.mtp_depths else None,
+                mtp_loss=float(np.mean([a[6].asnumpy() for a in auxes])) if self.objective.mtp_depths else None,
                 indexer_loss=float(np.mean([a[7].asnumpy() for a in auxes])) if self.objective.dsa else None,
             )
         )
@@ -322,14 +321,14 @@ class CompiledStep:
     def _mtp_inputs(self, micro_batches) -> list:
         """``(future_ids, mtp_weights)`` tensors per micro-batch: :func:`mtp_window` with each depth's mask times
         its token weight (micro-batches / that depth's scored labels in the global batch, as :meth:`_token_weight`)."""
-        parts = [mtp_window(batch, self.mtp_depths) for batch in micro_batches]
-        if not self.mtp_depths:
+        parts = [mtp_window(batch, self.objective.mtp_depths) for batch in micro_batches]
+        if not self.objective.mtp_depths:
             return [(Tensor(future), Tensor(mask.astype(np.float32))) for future, mask in parts]
         micro_batches_total = self.accum_steps
         if self.dist is not None and self.dist.active:
             micro_batches_total *= self.dist.dp
         weights = []
-        for depth in range(self.mtp_depths):
+        for depth in range(self.objective.mtp_depths):
             scored = sum(int(mask[depth].sum()) for _, mask in parts)
             if self.dist is not None and self.dist.active:
                 scored = self.dist.sum_count_over_replicas(scored)
