@@ -25,6 +25,7 @@ from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.export import ExportSource, build_manifest, serve_dsa_sparse
 from mindmoe.train.export_config import ExportConfig
 from tests.helpers.dsa_models import randomize, tiny_dsa_config
+from tests.helpers.greedy_decode import assert_decode_steps_match, greedy_by_recompute
 
 VOCAB, TOPK, ATOL, NEW_TOKENS = 64, 5, 1e-4, 8
 # Rank, RoPE and indexer widths of a cache row (kv_lora_rank, qk_rope_head_dim, index_head_dim).
@@ -133,26 +134,14 @@ def test_prefill_gives_the_sparse_training_models_last_position_logits_at_two_sh
 def test_decode_with_the_indexer_key_cache_gives_training_logits_and_greedy_tokens(models):
     model, _, scores, exported = models
     ids = prompt(2, 11, seed=5)  # 11 + 8 positions: every decode step selects 5 of more cached keys
-    sequence = ids
-    expected_logits = []
-    for _ in range(NEW_TOKENS):  # greedy by full recompute in the training model (no cache)
-        logits = training_logits(model, sequence)[:, -1]
-        expected_logits.append(logits)
-        sequence = np.concatenate([sequence, logits.argmax(-1).astype(np.int32)[:, None]], 1)
+    # greedy by full recompute in the training model (no cache)
+    sequence, expected_logits = greedy_by_recompute(lambda seq: training_logits(model, seq)[:, -1], ids, NEW_TOKENS)
     assert_no_tie_at_top_k(scores, sequence)
     np.testing.assert_array_equal(exported.generate(ids, max_new_tokens=NEW_TOKENS), sequence[:, ids.shape[1] :])
 
     # Every decode step's logits, fed the same tokens, against the training model's at that position.
-    logits, cache = exported.prefill(Tensor(ids))
+    cache = assert_decode_steps_match(exported, ids, sequence, expected_logits, ATOL)
     capacity = ids.shape[1] + NEW_TOKENS
-    cache = Tensor(np.pad(cache.asnumpy(), [(0, 0), (0, 0), (0, capacity - ids.shape[1]), (0, 0)]))
-    np.testing.assert_allclose(logits.asnumpy(), expected_logits[0], rtol=0, atol=ATOL)
-    for step in range(1, NEW_TOKENS):
-        position = ids.shape[1] + step - 1
-        logits, cache = exported.decode(
-            Tensor(sequence[:, position : position + 1]), cache, Tensor(np.full(2, position, np.int32))
-        )
-        np.testing.assert_allclose(logits.asnumpy(), expected_logits[step], rtol=0, atol=ATOL, err_msg=f"{step=}")
     # The decode graph wrote each token's row, indexer key included, as prefill computes it.
     _, full_cache = exported.prefill(Tensor(sequence[:, :-1]))
     np.testing.assert_allclose(cache.asnumpy()[:, :, : capacity - 1], full_cache.asnumpy(), rtol=0, atol=ATOL)

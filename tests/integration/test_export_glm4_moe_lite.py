@@ -29,6 +29,7 @@ from mindspore import Tensor
 from mindmoe.model.export.runner import ExportedModel
 from mindmoe.model.hf import HFCheckpointError, hf_config_from_model, load_hf_pretrained, read_hf_config
 from mindmoe.train.export import ExportSource, adapter_names_type, source_model_type
+from tests.helpers.greedy_decode import greedy_by_recompute
 from tests.helpers.hf_models import GLM4_MOE_LITE_VARIANTS, VOCAB
 
 REPO = Path(__file__).resolve().parents[2]
@@ -153,11 +154,12 @@ def test_latent_cache_greedy_decoding_equals_the_training_models_greedy(source, 
     _, ours, _ = load_hf_pretrained(directory, {"dispatch": "dropless"})
     ours.set_inputs(Tensor(shape=[None, None], dtype=ms.int32), Tensor(shape=[None, None], dtype=ms.int32))
     ids = prompt(2, 11, seed=5)  # 11 + 8 positions pass YaRN's original 16
-    sequence = ids
-    for _ in range(NEW_TOKENS):  # full recompute of the whole sequence at every step
-        logits = ours(Tensor(sequence), Tensor(np.zeros_like(sequence)))[0].asnumpy()[:, -1]
+    # full recompute of the whole sequence at every step
+    sequence, step_logits = greedy_by_recompute(
+        lambda seq: ours(Tensor(seq), Tensor(np.zeros_like(seq)))[0].asnumpy()[:, -1], ids, NEW_TOKENS
+    )
+    for logits in step_logits:
         assert np.abs(logits).max() > 1.0, "logits must be far from zero for the comparison to mean anything"
-        sequence = np.concatenate([sequence, logits.argmax(-1).astype(np.int32)[:, None]], 1)
     generated = exported(name).generate(ids, max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(generated, sequence[:, ids.shape[1] :])
 

@@ -18,6 +18,7 @@ import pytest
 from mindspore import Tensor
 
 from mindmoe.model.export.runner import ExportedModel
+from tests.helpers.greedy_decode import assert_decode_steps_match, greedy_by_recompute
 from tests.helpers.hf_models import DEEPSEEK_V3_VARIANTS, VOCAB, deepseek_v3_variant, hf_logits, save_hf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -84,26 +85,12 @@ def test_latent_cache_decode_gives_transformers_logits_and_greedy_tokens(exporte
     hf, exported = exported_variant(name)
     ids = prompt(2, 11, seed=5)  # 11 + 8 positions pass YaRN's original 16
     # Greedy by full recompute in transformers (no cache): the independent reference.
-    sequence = ids
-    expected_logits = []
-    for _ in range(NEW_TOKENS):
-        logits = hf_logits(hf, sequence)[:, -1]
-        expected_logits.append(logits)
-        sequence = np.concatenate([sequence, logits.argmax(-1).astype(np.int32)[:, None]], 1)
+    sequence, expected_logits = greedy_by_recompute(lambda seq: hf_logits(hf, seq)[:, -1], ids, NEW_TOKENS)
     generated = exported.generate(ids, max_new_tokens=NEW_TOKENS)
     np.testing.assert_array_equal(generated, sequence[:, ids.shape[1] :])
 
     # Every decode step's logits, fed HF's tokens, against HF's at the same position.
-    logits, cache = exported.prefill(Tensor(ids))
-    capacity = ids.shape[1] + NEW_TOKENS
-    cache = Tensor(np.pad(cache.asnumpy(), [(0, 0), (0, 0), (0, capacity - ids.shape[1]), (0, 0)]))
-    np.testing.assert_allclose(logits.asnumpy(), expected_logits[0], rtol=0, atol=ATOL)
-    for step in range(1, NEW_TOKENS):
-        position = ids.shape[1] + step - 1
-        logits, cache = exported.decode(
-            Tensor(sequence[:, position : position + 1]), cache, Tensor(np.full(2, position, np.int32))
-        )
-        np.testing.assert_allclose(logits.asnumpy(), expected_logits[step], rtol=0, atol=ATOL, err_msg=f"{step=}")
+    assert_decode_steps_match(exported, ids, sequence, expected_logits, ATOL)
 
 
 def test_manifest_states_the_latent_cache_layout(exported_variant):
