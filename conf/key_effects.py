@@ -55,6 +55,16 @@ RULES = (
         lambda cfg, model: "model.mtp_layers=0: there is no multi-token-prediction loss to weight",
     ),
     NoEffectRule(
+        tuple(f"model.dsa.{key}" for key in ("index_head_dim", "index_topk", "stage", "indexer_loss_coeff")),
+        lambda cfg, model: not model.dsa.enabled,
+        lambda cfg, model: "model.dsa.index_n_heads=0: the model has no DSA indexer",
+    ),
+    NoEffectRule(
+        ("model.dsa.index_topk", "model.dsa.indexer_loss_coeff"),
+        lambda cfg, model: model.dsa.enabled and model.dsa.stage == "off",
+        lambda cfg, model: "model.dsa.stage=off: the indexer does not run (dense attention, no indexer loss)",
+    ),
+    NoEffectRule(
         ("data.text_field", "data.num_proc"),
         lambda cfg, model: cfg.data.format == "sft",
         lambda cfg, model: (

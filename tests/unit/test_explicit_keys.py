@@ -94,6 +94,17 @@ def model_and_cfg(overrides, **model):
         (["data.vocab_size=1000", "data.tokenizer=/t.model"], {}, ["data.vocab_size"]),
         (["data.vocab_size=1000", "model.pretrained=/hf"], {}, ["data.vocab_size"]),
         (["data.vocab_size=1000"], {}, []),
+        (
+            ["model.dsa.index_topk=64", "model.dsa.indexer_loss_coeff=0.5"],
+            {},
+            ["model.dsa.index_topk", "model.dsa.indexer_loss_coeff"],
+        ),
+        (
+            ["recipe=glm5_tiny", "model.dsa.stage=off", "model.dsa.warmup_steps=0", "model.dsa.index_topk=16"],
+            {},
+            ["model.dsa.index_topk"],
+        ),
+        (["recipe=glm5_tiny", "model.dsa.index_topk=16"], {}, []),
     ],
 )
 def test_the_rule_table_names_explicit_keys_that_have_no_effect(overrides, model, idle):
