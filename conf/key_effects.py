@@ -55,7 +55,10 @@ RULES = (
         lambda cfg, model: "model.mtp_layers=0: there is no multi-token-prediction loss to weight",
     ),
     NoEffectRule(
-        tuple(f"model.dsa.{key}" for key in ("index_head_dim", "index_topk", "stage", "indexer_loss_coeff")),
+        tuple(
+            f"model.dsa.{key}"
+            for key in ("index_head_dim", "index_topk", "stage", "warmup_steps", "indexer_loss_coeff")
+        ),
         lambda cfg, model: not model.dsa.enabled,
         lambda cfg, model: "model.dsa.index_n_heads=0: the model has no DSA indexer",
     ),
