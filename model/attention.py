@@ -66,15 +66,15 @@ def _document_causal_mask(query_doc_ids_BQ, key_doc_ids_BP, offset: int, num_hea
     return ops.tile(mask_B1QP, (1, num_heads, 1, 1))
 
 
-def training_attention_masks(doc_ids_BS, num_heads: int, blockwise: bool):
+def training_attention_masks(doc_ids_BS, num_heads: int, blockwise: bool, chunked: bool = True):
     """What a training forward passes every layer's :meth:`Attention.attend` as ``mask``: the document ids
     ``[B, S]`` themselves when ``blockwise`` (:attr:`Attention.use_blockwise`) and ``S > BLOCK_SIZE``
-    (blockwise attention builds each block's mask and keeps no ``[S, S]`` tensor), else the full mask in
-    :func:`causal_chunks` chunks (faster at short lengths)."""
+    (blockwise attention builds each block's mask and keeps no ``[S, S]`` tensor), else the full mask, in
+    :func:`causal_chunks` chunks (faster at short lengths) when ``chunked`` (DSA's layers take it whole)."""
     seq_len = doc_ids_BS.shape[1]
     if blockwise and seq_len > BLOCK_SIZE:
         return doc_ids_BS
-    return document_causal_mask(doc_ids_BS, num_heads, causal_chunks(seq_len))
+    return document_causal_mask(doc_ids_BS, num_heads, causal_chunks(seq_len) if chunked else 1)
 
 
 def causal_chunks(seq_len: int) -> int:

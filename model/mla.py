@@ -21,7 +21,7 @@ import math
 import numpy as np
 from mindspore import ops
 
-from mindmoe.model import kernels
+from mindmoe.model import attention, kernels
 from mindmoe.model.attention import AttentionHeads
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.dsa import LightningIndexer, indexer_kl, select_top_k
@@ -76,6 +76,11 @@ class MLAttention(AttentionHeads):
         self.indexed = cfg.dsa.enabled
         if self.indexed:
             self.indexer = LightningIndexer(cfg, rng)
+            # Training past attention.BLOCK_SIZE positions (model/kernels/cpu_dsa.py).
+            sparse = cfg.dsa.stage == "sparse"
+            self.indexed_blockwise = kernels.indexed_attention(
+                self.scale, self.indexer.score_scale, cfg.dsa.index_topk, attention.BLOCK_SIZE, sparse
+            )
         self.index_topk = cfg.dsa.index_topk
         self.dsa_stage = cfg.dsa.stage
         self.dsa_active = cfg.dsa.active
@@ -102,12 +107,29 @@ class MLAttention(AttentionHeads):
         q_rope_BNSD = apply_rope(q_BNSD[..., nope:], cos, sin, self.interleaved, self.rotate)
         return ops.concat((q_BNSD[..., :nope], q_rope_BNSD), -1)
 
-    def indexed_attention(self, x_BSH, cos, sin, mask_BNSP):
+    def indexed_attention(self, x_BSH, cos, sin, mask):
         """DSA training attention (model/dsa.py): ``(output [B, S, H], the indexer's KL loss)``. ``mask`` is the full
-        document-causal mask ``[B, N, S, S]``; stage ``sparse`` adds the top-k selection to it, ``dense_warmup``
-        attends to every visible key. Both stages return the KL of the indexer against the attention."""
-        out_BSH, loss_inputs, _ = self.indexed_attention_parts(x_BSH, cos, sin, mask_BNSP)
+        document-causal mask ``[B, N, S, S]``, or the document ids ``[B, S]`` for the blockwise kernel
+        (:func:`model.attention.training_attention_masks`, past ``BLOCK_SIZE`` positions); stage ``sparse`` adds the
+        top-k selection to it, ``dense_warmup`` attends to every visible key. Both stages return the KL of the
+        indexer against the attention, the mean over the queries."""
+        if mask.ndim == 2:
+            return self.blockwise_indexed_attention(x_BSH, cos, sin, mask)
+        out_BSH, loss_inputs, _ = self.indexed_attention_parts(x_BSH, cos, sin, mask)
         return out_BSH, indexer_kl(*loss_inputs)
+
+    def blockwise_indexed_attention(self, x_BSH, cos, sin, doc_ids_BS):
+        """:meth:`indexed_attention` through the ``indexed_attention`` kernel: no ``[S, S]`` tensor."""
+        batch, seq_len, _ = x_BSH.shape
+        q_resid_BSR = self.query_residual(x_BSH)
+        q_BNSD = self.rope_heads(self.q_b_proj(q_resid_BSR), cos, sin)
+        k_BNSD, v_BNSE = self.expand_latent(*self.latent_kv(x_BSH, cos, sin))
+        x_detached_BSH = ops.stop_gradient(x_BSH)
+        iq_BISC, ik_B1SC = self.indexer.queries_keys(x_detached_BSH, ops.stop_gradient(q_resid_BSR), cos, sin)
+        w_BIS1 = self.indexer.head_weights(x_detached_BSH)
+        out_BNSE, kl_sum = self.indexed_blockwise(q_BNSD, k_BNSD, v_BNSE, doc_ids_BS, iq_BISC, ik_B1SC, w_BIS1)
+        out_BSH = out_BNSE.transpose(0, 2, 1, 3).reshape(batch, seq_len, self.num_heads * self.v_head_dim)
+        return self.o_proj(out_BSH), kl_sum / (batch * seq_len)
 
     def indexed_attention_parts(self, x_BSH, cos, sin, mask_BNSP):
         """:meth:`indexed_attention` before its loss: ``(output [B, S, H], the loss's inputs (probabilities
@@ -167,3 +189,4 @@ def set_dsa_stage(model, stage: str) -> None:
         if isinstance(cell, MLAttention) and cell.indexed:
             cell.dsa_stage = stage
             cell.dsa_active = stage != "off"
+            cell.indexed_blockwise.sparse = stage == "sparse"

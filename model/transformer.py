@@ -262,9 +262,10 @@ class MoETransformer(nn.Cell):
         batch, seq_len = input_ids_BS.shape
         cos, sin = self.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
         dsa = self.layers[0].self_attn.dsa_active
-        if dsa or ops.is_sequence_value_unknown(input_ids_BS.shape):
-            # a graph compiled for any length; DSA's selection and loss read the whole [S, S] mask
+        if ops.is_sequence_value_unknown(input_ids_BS.shape):  # a graph compiled for any length
             masks = document_causal_mask(doc_ids_BS, self.config.num_heads)
+        elif dsa:  # the indexed_attention kernel past attention.BLOCK_SIZE, else the whole [S, S] mask
+            masks = training_attention_masks(doc_ids_BS, self.config.num_heads, True, chunked=False)
         else:
             blockwise = self.layers[0].self_attn.use_blockwise  # past attention.BLOCK_SIZE
             masks = training_attention_masks(doc_ids_BS, self.config.num_heads, blockwise)

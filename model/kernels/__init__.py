@@ -37,6 +37,9 @@ all_gather     ``cpu_collectives.EmulatedAllGather``      ``ops.AllGather(group=
 in the future or in no document of the query block are skipped), on Ascend
 :class:`~.ascend_attention.AscendFlashAttention` (``ops.flash_attention_score`` with a boolean mask and
 ``next_tokens=0``: the future is skipped, the other documents are masked).
+``indexed_attention`` (DeepSeek Sparse Attention for training: the indexer's scores, top-k, attention and KL
+loss, memory linear in the length): :class:`~.cpu_dsa.BlockwiseIndexedAttention` on every device (blocks of
+queries, recomputing backward); MindSpore 2.9's Ascend DSA ops serve inference only (see the function).
 ``grouped_matmul_row_scaled`` and ``grouped_alignment`` go with ``grouped_matmul``.
 """
 
@@ -49,6 +52,7 @@ from mindmoe.model.kernels import (
     cpu,
     cpu_attention,
     cpu_collectives,
+    cpu_dsa,
     cpu_grouped,
     cpu_rope,
 )
@@ -57,6 +61,7 @@ CPU_KERNELS = {
     "rms_norm": cpu.RowRMSNormalize,
     "attention_core": cpu.GroupedAttentionCore,
     "blockwise_attention": cpu_attention.BlockwiseAttention,
+    "indexed_attention": cpu_dsa.BlockwiseIndexedAttention,
     "swiglu": lambda: cpu.swiglu,
     "rope": cpu_rope.rope,
     "grouped_matmul": cpu_grouped.BlockGroupedMatmul,
@@ -116,6 +121,22 @@ def blockwise_attention(scale: float, block_size: int, device_target: str = None
     probabilities are kept for the backward (CPU: blocks of ``block_size`` positions, scores fp32 whatever
     the dtype of q/k/v; Ascend: FlashAttentionScore, fp16/bf16 q/k/v). Gradients flow to q, k and v."""
     return implementation("blockwise_attention", device_target)(scale, block_size)
+
+
+def indexed_attention(
+    scale: float, index_scale: float, topk: int, block_size: int, sparse: bool, device_target: str = None
+):
+    """DeepSeek Sparse Attention for training, memory linear in S: ``(q [B, N, S, D], k [B, N, S, D], v [B, N, S, E],
+    doc_ids [B, S] int32, iq [B, I, S, C], ik [B, 1, S, C], w [B, I, S, 1]) -> (out [B, N, S, E], kl_sum [] fp32)``:
+    the lightning indexer's scores ``I = sum_j w_j ReLU(iq_j . ik) * index_scale``, each
+    query's top ``topk`` visible keys (every visible key unless ``sparse``), ``softmax(q k^T * scale + mask) v`` over
+    them and the sum over queries of ``KL(p || softmax(I + mask))``, ``p`` the head-summed probabilities (no
+    gradient); see :class:`~.cpu_dsa.BlockwiseIndexedAttention`. ``q, k, v`` get gradients from ``out`` only,
+    ``iq, ik, w`` from ``kl_sum`` only. Every device runs the CPU kernel's MindSpore ops: MindSpore 2.9's Ascend
+    ``lightning_indexer`` and ``sparse_flash_attention`` are inference ops (fixed 64 heads of 128 and 512 + 64 wide
+    MLA-absorbed heads, 2048 selected keys, one length per sequence instead of document ids, no log-sum-exp in
+    graph mode), so no training graph can call them."""
+    return implementation("indexed_attention", device_target)(scale, index_scale, topk, block_size, sparse)
 
 
 def swiglu(device_target: str = None):
@@ -186,6 +207,7 @@ __all__ = [
     "grouped_matmul",
     "grouped_matmul_row_scaled",
     "implementation",
+    "indexed_attention",
     "reduce_scatter",
     "rms_norm",
     "rope",

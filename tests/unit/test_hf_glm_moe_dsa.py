@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from mindspore import Tensor
 
+from mindmoe.model import attention
 from mindmoe.model.dsa_config import DSAConfig
 from mindmoe.model.hf import HFCheckpointError, export_hf, hf_config_from_model, load_hf_pretrained, read_hf_config
 from tests.helpers.hf_models import GLM_MOE_DSA_VARIANTS as VARIANTS
@@ -98,6 +99,16 @@ def test_glm_moe_dsa_checkpoint_gives_transformers5_logits(variant, name):
     expected = reference["logits"]
     assert np.abs(expected).max() > 1.0, "logits must be far from zero for the comparison to mean anything"
     np.testing.assert_allclose(our_logits(ours, token_ids(SEQ, seed=3)), expected, atol=ATOL, rtol=0)
+
+
+def test_blockwise_dsa_kernel_gives_transformers5_logits(variant, monkeypatch):
+    """The same checkpoint with 20 positions in blocks of 8: every layer runs the ``indexed_attention`` kernel
+    (model/kernels/cpu_dsa.py) instead of the whole-mask path."""
+    reference, directory, _, _ = variant("glm5_shaped")
+    monkeypatch.setattr(attention, "BLOCK_SIZE", 8)
+    _, blockwise, _ = load_hf_pretrained(directory)
+    assert all(layer.self_attn.indexed_blockwise.block_size == 8 for layer in blockwise.layers)
+    np.testing.assert_allclose(our_logits(blockwise, token_ids(SEQ, seed=3)), reference["logits"], atol=ATOL, rtol=0)
 
 
 def test_dense_attention_misses_transformers_logits(variant):
