@@ -46,12 +46,14 @@ query heads, ``s`` = seq_len, ``r`` routed rows per token (below):
 - DSA indexer (``model.dsa``, with ``index_n_heads`` ``n_I`` > 0 and ``stage`` not ``off``; the model's
   design, :func:`launch.plan_activations.dsa_indexer_bytes_per_token`), per MLA layer: ``c (n_I d_I + 2 d_I +
   n_I)`` (query after RoPE, key before its LayerNorm and after LayerNorm and RoPE, head weights; ``d_I`` =
-  index_head_dim) ``+ 4 n_I s`` (the ReLU'd products of every indexer head, fp32) ``+ 4s`` (fp32 index
-  scores, summed over the indexer heads) ``+ 4s`` (selection mask) ``+ 4s`` (the indexer's softmax the KL
-  loss keeps, in dense_warmup and sparse alike). DSA layers take the whole mask and keep the softmax even
-  where the main attention would run blockwise (the selection reads the whole score matrix; no blockwise DSA
-  kernel yet). dense_warmup's frozen main model is not modelled: the run goes on in sparse, which trains
-  everything
+  index_head_dim). Up to ``BLOCK_SIZE`` positions DSA layers take the whole mask and keep the softmax (above)
+  and ``+ 4 n_I s`` (the ReLU'd products of every indexer head, fp32) ``+ 4s`` (fp32 index scores, summed over
+  the indexer heads) ``+ 4s`` (selection mask) ``+ 4s`` (the indexer's softmax the KL loss keeps, in
+  dense_warmup and sparse alike). Past it, on every device, the ``indexed_attention`` kernel
+  (model/kernels/cpu_dsa.py) keeps none of these, no scores and no mask; its backward holds one block of
+  queries at a time, once per micro-batch: ``4 B BLOCK_SIZE s (3a + 4 n_I)`` (``B`` the micro-batch;
+  ``DSA_BLOCK_TENSORS``). dense_warmup's frozen main model is not modelled: the run goes on in sparse, which
+  trains everything
 - dense FFN ``c (2h + 3f)`` (norm input, FFN input, gate, up, product)
 - MoE FFN ``2 c h + 8E`` (fp32 router logits and scores) ``+ r c (2h + 3 f_e) + 3 c f_s``
 - after the last layer ``c h`` (final norm input) and the chunked loss (``model/lm_loss.py``): no
@@ -106,10 +108,13 @@ from typing import List
 from mindmoe.conf.checks import resolve_layout
 from mindmoe.launch.config import PlanConfig, validate_plan_config  # noqa: F401 (plan_cli imports it from here)
 from mindmoe.launch.plan_activations import (  # noqa: F401 (the planner's names: plan_report imports some from here)
+    BLOCK_SIZE,
     LOSS_BUFFERS,
     LOSS_CHUNK_BYTES,
     activation_bytes_per_token,
     activation_memory,
+    dsa_active,
+    full_mask,
     loss_bytes,
     routed_rows_per_token,
 )
@@ -117,9 +122,8 @@ from mindmoe.launch.plan_params import RankParameters, Trained, rank_parameters
 from mindmoe.model.config import ModelConfig
 
 GIB = 2**30
-#: model/attention.py BLOCK_SIZE and BLOCKWISE_DEVICES (copied so that a plan imports no MindSpore;
-#: tests/unit/test_plan.py checks they are equal); the loss's constants are in launch/plan_activations.py.
-BLOCK_SIZE = 512
+#: model/attention.py BLOCKWISE_DEVICES (copied so that a plan imports no MindSpore; tests/unit/test_plan.py checks
+#: it and BLOCK_SIZE); BLOCK_SIZE and the loss's constants are in launch/plan_activations.py.
 BLOCKWISE_DEVICES = ("Ascend",)
 #: Bytes per element of ``train.dtype``.
 COMPUTE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

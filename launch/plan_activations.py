@@ -11,6 +11,13 @@ from mindmoe.model.config import ModelConfig
 LOSS_CHUNK_BYTES = 32 * 2**20
 #: Chunk-sized buffers the chunked loss holds at once (model/lm_loss.py: about 20 on CPU).
 LOSS_BUFFERS = 20
+#: model/attention.py BLOCK_SIZE (copied for the same reason; launch/plan.py takes it from here).
+BLOCK_SIZE = 512
+#: fp32 ``[micro_batch, BLOCK_SIZE, s]`` tensors per head that the ``indexed_attention`` kernel's backward holds at
+#: once for its last block of queries (model/kernels/cpu_dsa.py): per attention head the probabilities, their
+#: gradient and the scores' gradient; per indexer head the ReLU'd products, their weighted gradient, the ReLU's
+#: mask and the products' gradient.
+DSA_BLOCK_TENSORS = (3, 4)
 
 
 def routed_rows_per_token(cfg: ModelConfig, layout) -> float:
@@ -23,20 +30,28 @@ def routed_rows_per_token(cfg: ModelConfig, layout) -> float:
 
 
 def dsa_active(cfg: ModelConfig) -> bool:
-    """The DSA indexer runs (model/mla.py): its layers then take the whole ``[B, a, s, s]`` mask."""
+    """The DSA indexer runs (model/mla.py)."""
     return cfg.attention_type == "mla" and cfg.dsa.active
 
 
+def dsa_blockwise(cfg: ModelConfig, seq_len: int) -> bool:
+    """DSA layers run the ``indexed_attention`` kernel (on every device, past ``BLOCK_SIZE`` positions)."""
+    return dsa_active(cfg) and seq_len > BLOCK_SIZE
+
+
 def full_mask(cfg: ModelConfig, seq_len: int, setup) -> bool:
-    """The attention keeps its softmax and the model one fp32 mask: no blockwise kernel, or DSA (which selects
-    keys from the whole score matrix and is not blockwise yet)."""
-    return dsa_active(cfg) or not setup.blockwise(seq_len)
+    """The attention keeps its softmax and the model one fp32 mask: no blockwise kernel for this length."""
+    if dsa_active(cfg):
+        return not dsa_blockwise(cfg, seq_len)
+    return not setup.blockwise(seq_len)
 
 
 def scores_bytes_per_token(cfg: ModelConfig, seq_len: int, setup) -> float:
-    """What the attention keeps of its scores: the fp32 log-sum-exp per head (blockwise), else the softmax."""
-    c = setup.compute_bytes
-    return c * cfg.num_heads * seq_len if full_mask(cfg, seq_len, setup) else 4 * cfg.num_heads
+    """What the attention keeps of its scores: the softmax on the full-mask path; blockwise the fp32 log-sum-exp per
+    head (FlashAttentionScore), nothing with DSA (its kernel's backward recomputes each block's softmax)."""
+    if full_mask(cfg, seq_len, setup):
+        return setup.compute_bytes * cfg.num_heads * seq_len
+    return 0 if dsa_active(cfg) else 4 * cfg.num_heads
 
 
 def gqa_attention_bytes_per_token(cfg: ModelConfig, c: int) -> float:
@@ -64,15 +79,28 @@ def dsa_indexer_bytes_per_token(cfg: ModelConfig, seq_len: int, c: int) -> float
     Its query ``n_I d_I``, its key before the LayerNorm and after the LayerNorm and RoPE ``2 d_I``, the head
     weights ``n_I`` (``c`` bytes each), the ReLU'd query-key products of every indexer head ``4 n_I s`` (fp32;
     the head-weighted sum's backward reads them), and three fp32 rows over the ``s`` keys: the index scores,
-    the selection mask and the indexer's softmax kept by the KL loss (both training stages run it).
+    the selection mask and the indexer's softmax kept by the KL loss (both training stages run it). The
+    ``indexed_attention`` kernel keeps none of the rows or products (its backward recomputes them per block).
     """
     if not dsa_active(cfg):
         return 0
     dsa = cfg.dsa
     vectors = dsa.index_n_heads * dsa.index_head_dim + 2 * dsa.index_head_dim + dsa.index_n_heads
+    if dsa_blockwise(cfg, seq_len):
+        return c * vectors
     products = 4 * dsa.index_n_heads * seq_len
     scores, selection, kl_softmax = 4 * seq_len, 4 * seq_len, 4 * seq_len
     return c * vectors + products + scores + selection + kl_softmax
+
+
+def dsa_block_bytes(cfg: ModelConfig, batch) -> float:
+    """What the ``indexed_attention`` kernel's backward holds for one block of queries (``DSA_BLOCK_TENSORS``), once
+    per micro-batch: one layer's backward runs at a time."""
+    if not dsa_blockwise(cfg, batch.seq_len):
+        return 0
+    per_head, per_indexer_head = DSA_BLOCK_TENSORS
+    heads = per_head * cfg.num_heads + per_indexer_head * cfg.dsa.index_n_heads
+    return 4 * batch.micro_batch * BLOCK_SIZE * batch.seq_len * heads
 
 
 def attention_bytes_per_token(cfg: ModelConfig, seq_len: int, setup) -> float:
@@ -132,5 +160,5 @@ def activation_memory(cfg: ModelConfig, layout, batch, setup) -> float:
     kept = cfg.num_layers * c * cfg.hidden_size + rebuilt if layout.recompute else sum(main)
     mask = 4 * cfg.num_heads * batch.seq_len if full_mask(cfg, batch.seq_len, setup) else 0
     mtp = mtp_bytes_per_token(cfg, batch.seq_len, setup, rows)
-    # + the backward's gradients of one layer's activations, + the final norm's input
-    return tokens * (kept + mask + largest + c * cfg.hidden_size + mtp)
+    # + the backward's gradients of one layer's activations, + the final norm's input; + a DSA block's backward
+    return tokens * (kept + mask + largest + c * cfg.hidden_size + mtp) + dsa_block_bytes(cfg, batch)

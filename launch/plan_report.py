@@ -12,6 +12,8 @@ from mindmoe.launch.plan import (
     Plan,
     Setup,
     cpu_kept_layers,
+    dsa_active,
+    full_mask,
     routed_rows_per_token,
 )
 from mindmoe.model.config import ModelConfig
@@ -39,7 +41,10 @@ def optimizer_note(setup: Setup) -> str:
 
 def activation_note(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup) -> str:
     kept = "recomputed per layer" if plan.layout.recompute else "all kept"
-    attention = "blockwise attention" if setup.blockwise(batch.seq_len) else "full S x S scores"
+    if full_mask(model, batch.seq_len, setup):
+        attention = "full S x S scores"
+    else:
+        attention = "blockwise DSA (indexed_attention)" if dsa_active(model) else "blockwise attention"
     rows = routed_rows_per_token(model, plan.layout)
     mtp = f"; {model.mtp_layers} MTP depth(s) kept whole" if model.mtp_layers else ""
     return f"{kept}; {attention}; {rows:g} expert rows per token{mtp}, train.dtype={setup.compute_dtype}"

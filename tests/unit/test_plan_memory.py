@@ -245,14 +245,24 @@ def test_dsa_indexer_memory_matches_hand_arithmetic(stage, warmup):
     assert off.activations == T * (MLA_DENSE + MLA_MOE + MASK + MLA_MOE + FINAL_NORM)
 
 
-def test_dsa_indexer_rows_at_the_blockwise_length_and_lora_keeps_it_frozen():
-    # DSA takes the whole mask even where the main attention would run blockwise (Ascend past 512 positions):
-    # the stored softmax c*a*s and the [B, a, s, s] mask, plus the indexer's products and rows over s keys
-    tokens, s = 1024, 1024
-    attn = MLA_ATTN - 4 * 4 * 16 + 4 * 4 * s + 4 * (2 * 4 + 2 * 4 + 2) + 4 * 2 * s + 3 * 4 * s
-    long = hand_plan(Layout(dp=1), Setup(device="Ascend"), Batch(1024, 1, 1), **DSA).memory
+@pytest.mark.parametrize("device", ["Ascend", "CPU"])
+def test_dsa_past_the_block_size_keeps_no_row_over_the_keys_and_lora_keeps_the_indexer_frozen(device):
+    # Past 512 positions DSA layers run the indexed_attention kernel on every device: no softmax, no mask, no
+    # indexer products or rows; the indexer's vectors only. Its backward holds one block of 512 queries against
+    # all s keys once: 3 fp32 tensors per attention head (4) and 4 per indexer head (2), micro-batch 2.
+    s, micro = 1024, 2
+    tokens = s * micro
+    attn = MLA_ATTN - 4 * 4 * 16 + 4 * (2 * 4 + 2 * 4 + 2)
+    block = 4 * micro * 512 * s * (3 * 4 + 4 * 2)
+    long = hand_plan(Layout(dp=1), Setup(device=device), Batch(s, micro, micro), **DSA).memory
     moe = attn + MLA_MOE - MLA_ATTN
-    assert long.activations == tokens * (attn + MLA_DENSE - MLA_ATTN + moe + 4 * 4 * s + moe + FINAL_NORM)
+    assert long.activations == tokens * (attn + MLA_DENSE - MLA_ATTN + moe + moe + FINAL_NORM) + block
+    # at 512 positions the whole mask and every row over the keys again (no block is past BLOCK_SIZE)
+    short = hand_plan(Layout(dp=1), Setup(device=device), Batch(512, 1, 1), **DSA).memory
+    s = 512
+    attn = MLA_ATTN - 4 * 4 * 16 + 4 * 4 * s + 4 * (2 * 4 + 2 * 4 + 2) + 4 * 2 * s + 3 * 4 * s
+    moe = attn + MLA_MOE - MLA_ATTN
+    assert short.activations == s * (attn + MLA_DENSE - MLA_ATTN + moe + 4 * 4 * s + moe + FINAL_NORM)
     # LoRA: no adapter on the indexer; its matrices frozen in bf16, its LayerNorm fp32
     lora = LoraConfig(enabled=True, r=2)
     setups = [Setup(trained=lora_trained(ModelConfig(**cfg), lora, "Ascend")) for cfg in (DSA, MLA)]
