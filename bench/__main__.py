@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from mindmoe.bench import scaling
+from mindmoe.bench.profile_step import keep_profile_section
 from mindmoe.bench.report import machine_description, render_markdown
 from mindmoe.bench.specs import SIZES
 from mindmoe.conf.quiet import quiet_framework_logs
@@ -127,7 +128,8 @@ def add_mfu(gemm_row: dict, step_rows: list) -> None:
 
 def rerender(results: Path, markdown: Path) -> None:
     """BENCHMARKS.md again from the last full or quick run in ``results`` (no new measurement); a section
-    case's section from the last run that measured it (else kept from ``markdown``)."""
+    case's section from the last run that measured it (else kept from ``markdown``), and the profile section
+    (bench/profile_step.py) kept from ``markdown``."""
     rows = [json.loads(line) for line in results.read_text().splitlines() if line.strip()]
     rows = [row for row in rows if "run" in row]
     main_rows = [row for row in rows if row["case"] not in SECTION_CASES]
@@ -148,7 +150,7 @@ def rerender(results: Path, markdown: Path) -> None:
         print(f"wrote {markdown} from run {run_rows[0]['run']} of {results}", file=sys.stderr)
     scaling_rows = [row for row in rows if row["case"] == "scaling"]
     scaling_rows = [row for row in scaling_rows if row["run"] == scaling_rows[-1]["run"]] if scaling_rows else []
-    markdown.write_text(scaling.splice(text, section_text(scaling_rows, old)))
+    markdown.write_text(scaling.splice(keep_profile_section(text, old), section_text(scaling_rows, old)))
 
 
 def section_text(scaling_rows: list, old_markdown: str) -> str:
@@ -159,10 +161,12 @@ def section_text(scaling_rows: list, old_markdown: str) -> str:
 
 
 def write_markdown(path: Path, run, machine: dict) -> None:
-    """BENCHMARKS.md from this run; a run of section cases only rewrites just their sections."""
+    """BENCHMARKS.md from this run; a run of section cases only rewrites just their sections. The hand-written
+    profile section (bench/profile_step.py) is kept from the old file."""
     old = path.read_text() if path.exists() else ""
     measured_main = any(row["case"] not in SECTION_CASES for row in run.rows)
     text = render_markdown(run.rows, machine, run.run_id, run.size) if measured_main or not old else old
+    text = keep_profile_section(text, old)
     path.write_text(scaling.splice(text, section_text([r for r in run.rows if r["case"] == "scaling"], old)))
 
 
