@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from mindmoe.bench.scaling import existing_section
+
 #: Op type -> category. A type not listed counts as "other" and is named in the summary, so a new kernel
 #: shows up instead of silently joining a category.
 OP_CATEGORY = {
@@ -235,22 +237,13 @@ def markdown_tables(summary: dict) -> list:
     return lines
 
 
-def existing_section(markdown: str, heading: str = PROFILE_SECTION) -> str:
-    """The section of ``markdown`` under ``heading``, up to the next ``## `` heading ("" if none)."""
-    start = markdown.find(heading + "\n")
-    if start < 0:
-        return ""
-    end = markdown.find("\n## ", start + len(heading))
-    return markdown[start:] if end < 0 else markdown[start : end + 1]
-
-
 def keep_profile_section(markdown: str, old_markdown: str) -> str:
     """``markdown`` (BENCHMARKS.md as ``mindmoe-bench`` renders it, which has no profile section) with the
     hand-written profile section of ``old_markdown`` put back after the train_step section, or appended.
 
     The profile is measured by this script, not by a bench run, so a regeneration must not drop it."""
-    section = existing_section(old_markdown)
-    if not section or existing_section(markdown):
+    section = existing_section(old_markdown, PROFILE_SECTION)
+    if not section or existing_section(markdown, PROFILE_SECTION):
         return markdown
     section = section.rstrip("\n") + "\n"
     anchor = existing_section(markdown, "## train_step")

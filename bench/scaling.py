@@ -301,10 +301,11 @@ def splice(markdown: str, section: str) -> str:
     return markdown.replace(old, section + blank_before_next, 1)
 
 
-def existing_section(markdown: str) -> str:
-    """The Scaling section of an earlier BENCHMARKS.md ("" if it has none)."""
-    start = markdown.find(SECTION + "\n")
+def existing_section(markdown: str, heading: str = SECTION) -> str:
+    """The section of ``markdown`` under ``heading`` (the Scaling section by default), up to the next ``## ``
+    heading ("" if it has none)."""
+    start = markdown.find(heading + "\n")
     if start < 0:
         return ""
-    end = markdown.find("\n## ", start + len(SECTION))
+    end = markdown.find("\n## ", start + len(heading))
     return markdown[start:] if end < 0 else markdown[start : end + 1]
