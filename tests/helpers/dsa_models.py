@@ -5,32 +5,15 @@ import numpy as np
 from mindspore import Tensor
 
 from mindmoe.model.config import ModelConfig
+from tests.helpers.mla_models import tiny_mla_config
 
 
 def tiny_dsa_config(topk: int, **overrides) -> ModelConfig:
-    """MLA (values narrower than queries/keys: 6 vs 8 + 4), 4 experts top-2 after one dense layer, and an indexer of
-    8 heads of width 8 keeping ``topk`` keys (8 heads make exact ties of the ReLU'd sums rare)."""
-    fields = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        attention_type="mla",
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        rope_interleaved=True,
-        first_k_dense=1,
-        num_experts=4,
-        top_k=2,
-        moe_intermediate_size=16,
-        intermediate_size=32,
-        dsa=dict(index_n_heads=8, index_head_dim=8, index_topk=topk),
-    )
+    """:func:`tiny_mla_config` with interleaved RoPE, one dense layer first, and an indexer of 8 heads of width 8
+    keeping ``topk`` keys (8 heads make exact ties of the ReLU'd sums rare)."""
+    fields = dict(rope_interleaved=True, first_k_dense=1, dsa=dict(index_n_heads=8, index_head_dim=8, index_topk=topk))
     fields.update(overrides)
-    return ModelConfig(**fields)
+    return tiny_mla_config(**fields)
 
 
 def randomize(model, seed: int = 0) -> None:

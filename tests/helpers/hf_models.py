@@ -9,6 +9,23 @@ from transformers import DeepseekV3Config, Glm4MoeConfig
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 3
+#: The tiny MLA shape of the deepseek_v3, glm4_moe_lite and glm_moe_dsa configs (HF field names): queries and keys
+#: 8 + 4 wide (no-RoPE + RoPE), values 6, both latents 16 wide, 4 heads, 8 experts of width 16 top-2.
+TINY_MLA_HF = dict(
+    hidden_size=HIDDEN,
+    intermediate_size=48,
+    moe_intermediate_size=16,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_routed_experts=8,
+    kv_lora_rank=16,
+    q_lora_rank=16,
+    qk_rope_head_dim=4,
+    v_head_dim=6,
+    qk_nope_head_dim=8,
+    num_experts_per_tok=2,
+    max_position_embeddings=64,
+)
 
 
 def randomize_hf(hf, seed):
@@ -76,27 +93,15 @@ def glm4_config(**overrides):
 def deepseek_v3_config(**overrides):
     """A tiny DeepSeek-V3: MLA with values narrower than queries/keys (6 vs 8 + 4), 8 experts in 4 groups."""
     fields = dict(
+        **TINY_MLA_HF,
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        moe_intermediate_size=16,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
         n_shared_experts=1,
-        n_routed_experts=8,
         routed_scaling_factor=2.5,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        qk_nope_head_dim=8,
         n_group=4,
         topk_group=2,
-        num_experts_per_tok=2,
         first_k_dense_replace=1,
         norm_topk_prob=True,
-        max_position_embeddings=64,
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
         rope_interleave=True,
@@ -144,23 +149,11 @@ def glm4_moe_lite_config(**overrides) -> dict:
     """A tiny GLM-4.7-Flash config (values for transformers 5's ``AutoConfig.for_model``): MLA with values
     narrower than queries/keys (6 vs 8 + 4), 8 experts."""
     values = dict(
+        **TINY_MLA_HF,
         model_type="glm4_moe_lite",
         vocab_size=VOCAB,
-        hidden_size=HIDDEN,
-        intermediate_size=48,
-        moe_intermediate_size=16,
         num_hidden_layers=LAYERS,
-        num_attention_heads=4,
-        num_key_value_heads=4,
         n_shared_experts=1,
-        n_routed_experts=8,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        qk_nope_head_dim=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
         # GLM-4.7-Flash's; transformers' MLA latent norms keep eps 1e-6 whatever it is
         rms_norm_eps=1e-5,
     )
@@ -197,22 +190,10 @@ def glm_moe_dsa_config(**overrides) -> dict:
     """A tiny glm_moe_dsa: MLA with values narrower than queries/keys (6 vs 8 + 4), 8 experts, 16 indexer heads keeping
     5 of up to 20 keys; the first layer dense (first_k_dense_replace)."""
     values = dict(
+        **TINY_MLA_HF,
         model_type="glm_moe_dsa",
         vocab_size=96,
-        hidden_size=32,
-        intermediate_size=48,
-        moe_intermediate_size=16,
         num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        n_routed_experts=8,
-        kv_lora_rank=16,
-        q_lora_rank=16,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        qk_nope_head_dim=8,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
         first_k_dense_replace=1,
         index_n_heads=16,
         index_head_dim=8,

@@ -15,7 +15,7 @@ from peft import PeftModel
 from safetensors.numpy import load_file
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCausalLM
 
-from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.config import validate_model_config
 from mindmoe.model.hf import NameMap, load_hf_pretrained
 from mindmoe.model.lora import LoraConfig
 from mindmoe.model.lora_plan import lora_parameters
@@ -24,30 +24,9 @@ from mindmoe.model.peft_adapter import ADAPTER_WEIGHTS, save_adapter
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
 from tests.helpers.hf_models import deepseek_v3_config, hf_logits, randomize_hf, save_hf, token_ids
+from tests.helpers.mla_models import tiny_mla_config as mla_config
 
 MLA_PROJECTIONS = ["q_a_proj", "q_b_proj", "q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
-
-
-def mla_config(**overrides):
-    fields = dict(
-        vocab_size=64,
-        hidden_size=32,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=4,
-        attention_type="mla",
-        q_lora_rank=16,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=4,
-        v_head_dim=6,
-        num_experts=4,
-        top_k=2,
-        moe_intermediate_size=16,
-        intermediate_size=32,
-    )
-    fields.update(overrides)
-    return ModelConfig(**fields)
 
 
 @pytest.mark.parametrize("q_lora_rank", [16, None])
