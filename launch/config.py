@@ -57,8 +57,9 @@ class LaunchConfig:
     dry_run: bool = False
     #: Seconds msrun waits for all workers to join the cluster (``--cluster_time_out``).
     cluster_timeout: int = 600
-    #: Seconds after a worker stops answering before the job is stopped (``MS_NODE_TIMEOUT``).
-    node_timeout: int = 30
+    #: Seconds after a worker stops answering before the job is stopped (``MS_NODE_TIMEOUT``; on CPU also how
+    #: long a collective waits for a peer): longer than a worker can be busy (a compile, a checkpoint write).
+    node_timeout: int = 300
     #: ``HCCL_CONNECT_TIMEOUT``: seconds HCCL waits to link devices at start-up; 0 = HCCL's default.
     hccl_connect_timeout: int = 0
     #: ``HCCL_EXEC_TIMEOUT``: seconds a collective may wait for its peers; 0 = HCCL's default.

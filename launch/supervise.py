@@ -190,7 +190,7 @@ def run_msrun(command, env, launch, logs: Path, run_dir: Path) -> int:
             bind_failure_message(launch.master_addr, launch.master_port, watch.bind_failure, logs / "scheduler.log")
         )
     if watch.first_failure is not None:
-        raise WorkerFailed(failure_message(logs, run_dir, *watch.first_failure))
+        raise WorkerFailed(failure_message(logs, run_dir, *watch.first_failure, node_timeout=launch.node_timeout))
     if process.returncode == 0:
         return 0
     raise WorkerFailed(f"msrun exited with code {process.returncode}; logs: {logs}")

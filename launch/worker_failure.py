@@ -29,6 +29,9 @@ ERROR_LINE = re.compile(
 MAX_QUOTED = 600
 #: A worker's last word after the checkpoint a stop signal asked for (``train.resume.TrainingStopped``).
 STOPPED_LINE = re.compile(r"^mindmoe-train: stopped: (.+)$")
+#: The scheduler's word on a worker it stopped hearing from for ``MS_NODE_TIMEOUT`` seconds (MindSpore 2.9,
+#: ``meta_server_node.cc``); the other workers are then stopped by MindSpore itself with SIGTERM.
+TIMED_OUT_WORKER = re.compile(r"worker (\d+) is the first one timed out|The node: (\d+) is timed out")
 #: Checkpoint directories as ``train.checkpoint`` names them (``step_000300``).
 CHECKPOINT_DIR = re.compile(r"^step_\d{6,}$")
 
@@ -57,14 +60,28 @@ def first_error_line(log: Path) -> Optional[str]:
     return None
 
 
+def timed_out_rank(scheduler_log: Path) -> Optional[int]:
+    """The first worker ``scheduler.log`` says stopped answering within ``launch.node_timeout``, or None."""
+    try:
+        with open(scheduler_log, encoding="utf-8", errors="replace") as handle:
+            for line in handle:
+                found = TIMED_OUT_WORKER.search(line)
+                if found:
+                    return int(found.group(1) or found.group(2))
+    except OSError:
+        return None
+    return None
+
+
 def has_checkpoint(checkpoint_root: Path) -> bool:
     return checkpoint_root.is_dir() and any(
         CHECKPOINT_DIR.match(p.name) and p.is_dir() for p in checkpoint_root.iterdir()
     )
 
 
-def failure_message(logs: Path, run_dir: Path, pid: int, code: int) -> str:
-    """The one report of a failed job: rank and pid, exit, log, its first error line, and resuming if it helps."""
+def failure_message(logs: Path, run_dir: Path, pid: int, code: int, node_timeout: Optional[int] = None) -> str:
+    """The one report of a failed job: rank and pid, exit, log, its first error line, the worker the scheduler
+    stopped hearing from (the cause when MindSpore stopped the others), and resuming if it helps."""
     rank, path = rank_log(logs, pid)
     who = f"rank {rank} (pid {pid})" if rank is not None else f"worker pid {pid}"
     where = f"its log: {path}" if path else f"logs: {logs}"
@@ -75,6 +92,14 @@ def failure_message(logs: Path, run_dir: Path, pid: int, code: int) -> str:
     lines = [f"{who} {what}; {where}. The other workers were stopped."]
     if error:
         lines.append(f"its first error: {error}")
+    silent = timed_out_rank(logs / "scheduler.log")
+    if silent is not None:
+        seconds = f"{node_timeout} s, " if node_timeout else ""
+        lines.append(
+            f"The scheduler stopped the job: rank {silent} did not answer for launch.node_timeout ({seconds}"
+            f"MS_NODE_TIMEOUT; see {logs / f'worker_{silent}.log'}). If it was busy rather than dead (a long "
+            "compile or checkpoint on a loaded host), a larger launch.node_timeout lets the job wait for it."
+        )
     checkpoints = Path(run_dir) / "checkpoints"
     if code == CONFIG_ERROR:
         lines.append("The worker rejected its configuration: fix it and start the run again.")

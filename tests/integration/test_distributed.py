@@ -84,7 +84,7 @@ def test_dry_run_prints_the_msrun_command_and_environment_of_node_3(tmp_path, da
     lines = result.stdout.strip().splitlines()
     exports = dict(line[len("export ") :].split("=", 1) for line in lines if line.startswith("export "))
     assert exports["HCCL_EXEC_TIMEOUT"] == "1800" and exports["HCCL_SOCKET_IFNAME"] == "eth0"
-    assert exports["MS_NODE_TIMEOUT"] == "30" and "HCCL_CONNECT_TIMEOUT" not in exports
+    assert exports["MS_NODE_TIMEOUT"] == "300" and "HCCL_CONNECT_TIMEOUT" not in exports
     assert exports["MINDMOE_LOCAL_WORKERS"] == "8"  # each worker sizes its CPU kernel threads to its share
     command = shlex.split(lines[-1])
     assert command[0] == "msrun"

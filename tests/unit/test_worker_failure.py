@@ -97,3 +97,29 @@ def test_a_stop_before_any_checkpoint_says_so_and_that_late_workers_were_killed(
     message = stop_message(logs, "SIGTERM", killed=True)
     assert "the workers stopped before writing a checkpoint of this run" in message and str(logs) in message
     assert "workers still running after that were killed" in message
+
+
+# What the MindSpore 2.9 scheduler logged when rank 1 was stopped (SIGSTOP) for longer than MS_NODE_TIMEOUT=5;
+# MindSpore then ended the other worker with SIGTERM, and msrun reported that one.
+SCHEDULER_TIMED_OUT = (
+    "[ERROR] DISTRIBUTED(6617,7fada5c876c0,python):2026-12-03-18:49:22.008.778 [mindspore/ccsrc/cluster/topology/"
+    "meta_server_node.cc:548] UpdateTopoState] The node: 1 is timed out. It may exit with exception, please check "
+    "this node's log.\n"
+    "RuntimeError: The total number of timed out node is 1. Timed out node list is: [const vector]{1}, worker 1 is "
+    "the first one timed out, please check its log.\n"
+)
+
+
+def test_a_worker_the_scheduler_stopped_hearing_from_is_named_with_the_timeout_to_raise(tmp_path):
+    logs = write_logs(tmp_path, "")
+    (logs / "scheduler.log").write_text(SCHEDULER_TIMED_OUT)
+    message = failure_message(logs, tmp_path, 100, -15, node_timeout=30)
+    assert message.startswith("rank 0 (pid 100) exited with code -15")
+    assert "rank 1 did not answer for launch.node_timeout (30 s, MS_NODE_TIMEOUT" in message
+    assert str(logs / "worker_1.log") in message and "a larger launch.node_timeout" in message
+
+
+def test_no_timeout_is_reported_when_the_scheduler_saw_none(tmp_path):
+    logs = write_logs(tmp_path, IMPORT_FAILURE)
+    (logs / "scheduler.log").write_text("[WARNING] DISTRIBUTED(1,2): Topology build timed out., retry(1/1200).\n")
+    assert "node_timeout" not in failure_message(logs, tmp_path, 101, 1, node_timeout=30)
