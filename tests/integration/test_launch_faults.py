@@ -81,7 +81,7 @@ def fake_launch(tmp_path, behaviour):
     (tmp_path / "fake_msrun.py").write_text(FAKE_MSRUN)
     command = [sys.executable, str(tmp_path / "fake_msrun.py"), str(tmp_path / "fake_worker.py"), str(logs)]
     command += [behaviour, WORKER_BANNER]
-    return command, logs, SimpleNamespace(master_addr="127.0.0.1", master_port=8123)
+    return command, logs, SimpleNamespace(master_addr="127.0.0.1", master_port=8123, node_timeout=300)
 
 
 def job_pids(tmp_path):
