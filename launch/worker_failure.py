@@ -47,30 +47,33 @@ def rank_log(logs: Path, pid: int) -> Tuple[Optional[int], Optional[Path]]:
     return None, None
 
 
-def first_error_line(log: Path) -> Optional[str]:
-    """The first line of ``log`` that states an error (see :data:`ERROR_LINE`), or None."""
+def first_match(log: Path, find) -> Optional[re.Match]:
+    """``find(line)`` (a pattern's ``match`` or ``search``) of the first line of ``log`` it matches, or None
+    (also when ``log`` cannot be read)."""
     try:
         with open(log, encoding="utf-8", errors="replace") as handle:
             for line in handle:
-                line = line.rstrip("\n")
-                if ERROR_LINE.match(line):
-                    return line if len(line) <= MAX_QUOTED else line[:MAX_QUOTED] + " ..."
+                found = find(line.rstrip("\n"))
+                if found:
+                    return found
     except OSError:
         return None
     return None
+
+
+def first_error_line(log: Path) -> Optional[str]:
+    """The first line of ``log`` that states an error (see :data:`ERROR_LINE`), or None."""
+    found = first_match(log, ERROR_LINE.match)
+    if found is None:
+        return None
+    line = found.group(0)
+    return line if len(line) <= MAX_QUOTED else line[:MAX_QUOTED] + " ..."
 
 
 def timed_out_rank(scheduler_log: Path) -> Optional[int]:
     """The first worker ``scheduler.log`` says stopped answering within ``launch.node_timeout``, or None."""
-    try:
-        with open(scheduler_log, encoding="utf-8", errors="replace") as handle:
-            for line in handle:
-                found = TIMED_OUT_WORKER.search(line)
-                if found:
-                    return int(found.group(1) or found.group(2))
-    except OSError:
-        return None
-    return None
+    found = first_match(scheduler_log, TIMED_OUT_WORKER.search)
+    return None if found is None else int(found.group(1) or found.group(2))
 
 
 def has_checkpoint(checkpoint_root: Path) -> bool:
