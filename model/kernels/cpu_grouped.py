@@ -1,24 +1,27 @@
-"""CPU grouped matmul: each expert's rows times that expert's weight, in blocks of ``b`` rows.
+"""CPU grouped matmul: each expert's rows times that expert's weight, one host matrix product per expert.
 
 Shape legend (docs/architecture.md): E groups (experts), N blocks, b rows per block, X = N * b sorted
-rows, F input features, O output features, n blocks of one chunk.
+rows, F input features, O output features.
 
-The token dispatcher pads every expert's group of sorted rows to a multiple of ``b`` (the alignment
-:func:`block_rows` asks for), so each block of ``b`` rows belongs to one expert: the kernel gathers
-each block's expert weight and runs one BatchMatMul over the blocks. The cost is that of the
-X <= A + E * (b - 1) rows it receives, i.e. near the routed FLOPs, with static shapes.
+The training graph calls one host kernel per product (``ops.Custom`` of type ``pyfunc``: MindSpore runs a
+Python function on the arrays of its inputs, in the graph): for each group of rows with its weight it runs
+``rows @ weight[e]^T`` (forward), ``dout @ weight[e]`` (input gradient) and ``(scale * dout)^T @ rows``
+(weight gradient) in NumPy's BLAS, in fp32. So the cost is the routed FLOPs of the rows received, a
+half-precision weight (a frozen LoRA base) is up-cast one expert at a time, the groups of experts held
+elsewhere cost nothing, and the graph has three nodes per projection whatever the number of experts.
+The kernel it replaced gathered every block's expert weight (``O / b`` times the rows it multiplies)
+and ran BatchMatMuls in chunks of blocks: its graph had five nodes per chunk and MindSpore's compiled
+graph kept about 3 MiB of host memory per chunk, more than the experts' weights on a GLM-4.5-Air-shaped
+model, the same on every expert-parallel rank (each ran every row's blocks and masked the others').
 
-A gathered weight ``[N, O, F]`` is O / b times the rows it multiplies (128x for GLM-4.5-Air-shaped experts
-at b = 4), so the kernel never keeps one: the blocks run in chunks whose gathered weights stay under
-:data:`CHUNK_BYTES`, one after the other (MindSpore's CPU runtime would otherwise run the independent chunks
-at once and hold all their buffers: measured, 8 MiB chunks of one projection peaked as high as no chunks),
-the backward gathers again, and the weight gradient is the segment sum over each
-chunk's blocks. A half-precision weight (a frozen LoRA base) is gathered in its own dtype and each chunk
-cast to the rows' dtype, so no full-precision copy of the experts outlives its chunk either (bf16, which
-the CPU Gather lacks, is cast whole first).
+The dispatcher still pads every expert's group of sorted rows to a multiple of ``b`` (:func:`block_rows`):
+the serving graphs, whose row count is only known when they run (a ``pyfunc`` kernel needs static shapes,
+and an exported MindIR must hold MindSpore ops only), gather each block's expert weight and run one
+BatchMatMul (:meth:`BlockGroupedMatmul.whole`).
 """
 
 import mindspore as ms
+import numpy as np
 from mindspore import nn, ops
 from mindspore.ops import functional as F
 
@@ -38,27 +41,6 @@ def block_rows(num_rows: int, num_groups: int) -> int:
     return block
 
 
-#: Most bytes of gathered weights one chunk of blocks materialises (fp32).
-CHUNK_BYTES = 64 * 2**20
-
-
-def block_chunks(num_blocks: int, out_features: int, in_features: int) -> tuple:
-    """``((start, stop), ...)``: the chunks of blocks whose fp32 gathered weights fit :data:`CHUNK_BYTES`."""
-    # Called while a graph compiles: plain integer arithmetic (no max/min builtins).
-    per_chunk = CHUNK_BYTES // (out_features * in_features * 4)
-    if per_chunk < 1:
-        per_chunk = 1
-    chunks = ()
-    start = 0
-    while start < num_blocks:
-        stop = start + per_chunk
-        if stop > num_blocks:
-            stop = num_blocks
-        chunks = chunks + ((start, stop),)
-        start = stop
-    return chunks
-
-
 def block_experts(num_blocks: int, block: int, num_experts: int, group_sizes_E):
     """The expert of every block: the number of groups that end at or before the block's first row."""
     ends_1E = ops.cumsum(group_sizes_E, 0).astype(ms.float32).expand_dims(0)
@@ -67,126 +49,144 @@ def block_experts(num_blocks: int, block: int, num_experts: int, group_sizes_E):
     return ops.minimum(expert_N, num_experts - 1)
 
 
-class _ChunkedBlockMatmul(nn.Cell):
-    """``x [N, b, F]`` times the weight of each block's expert ``expert_N``, chunk by chunk; the backward
-    scales row r's share of the weight gradient by ``scale [N, b]`` (ones: the plain gradient). Primitives
-    only: functional ops do not compile in a bprop.
+def held_groups(sizes_G, num_weights: int):
+    """``[(e, start, stop), ...]``: the rows of weight e, for every weight with rows. ``sizes_G`` has one size per
+    weight or, for a process holding a share of the experts, ``num_weights + 2``: the first and last groups are
+    the rows of experts held elsewhere, and no weight is theirs."""
+    sizes = np.asarray(sizes_G, np.int64)
+    if len(sizes) not in (num_weights, num_weights + 2):
+        raise ValueError(f"grouped matmul: {len(sizes)} group sizes for {num_weights} weights")
+    first = 1 if len(sizes) == num_weights + 2 else 0
+    ends = np.cumsum(sizes)
+    groups = []
+    for e in range(num_weights):
+        stop = int(ends[first + e])
+        start = stop - int(sizes[first + e])
+        if stop > start:
+            groups.append((e, start, stop))
+    return groups
 
-    ``weight_grad=False`` (a frozen weight, e.g. a LoRA base): the backward computes the input gradient only.
-    Autodiff cannot drop the weight gradient of a custom bprop by itself here: the chunks of the backward are
-    chained one after another, so every chunk's segment sum would stay alive; a frozen LoRA base paid those
-    FLOPs and an fp32 ``[E, O, F]`` running sum per projection and layer."""
+
+def _fp32(array):
+    return array if array.dtype == np.float32 else array.astype(np.float32)
+
+
+def host_products(rows_NbX, w_EOF, sizes_G, transpose_weight: bool):
+    """Row r of group e times ``w[e]^T`` (``transpose_weight``, the forward: ``[N, b, O]``) or ``w[e]`` (the input
+    gradient: ``[N, b, F]``); the rows of no held weight give zeros. fp32 products, in the rows' dtype."""
+    rows_XI = rows_NbX.reshape(-1, rows_NbX.shape[-1])
+    width = w_EOF.shape[1] if transpose_weight else w_EOF.shape[2]
+    out_XW = np.zeros((rows_XI.shape[0], width), np.float32)
+    for e, start, stop in held_groups(sizes_G, w_EOF.shape[0]):
+        weight = _fp32(w_EOF[e])
+        out_XW[start:stop] = _fp32(rows_XI[start:stop]) @ (weight.T if transpose_weight else weight)
+    return out_XW.astype(rows_NbX.dtype, copy=False).reshape(rows_NbX.shape[:2] + (width,))
+
+
+def host_weight_grad(dout_NbO, x_NbF, sizes_G, scale_Nb, num_weights: int):
+    """``[E, O, F]`` fp32: the sum over group e's rows r of ``scale_r dout_r^T x_r``; zero for a weight with no rows."""
+    dout_XO = dout_NbO.reshape(-1, dout_NbO.shape[-1])
+    x_XF = x_NbF.reshape(-1, x_NbF.shape[-1])
+    scale_X1 = _fp32(scale_Nb.reshape(-1, 1))
+    grad_EOF = np.zeros((num_weights, dout_XO.shape[1], x_XF.shape[1]), np.float32)
+    for e, start, stop in held_groups(sizes_G, num_weights):
+        grad_EOF[e] = (_fp32(dout_XO[start:stop]) * scale_X1[start:stop]).T @ _fp32(x_XF[start:stop])
+    return grad_EOF
+
+
+# The host kernels' Python functions (``pyfunc`` kernels take the input arrays in order and return the output).
+def _forward(x_NbF, w_EOF, sizes_G):
+    return host_products(x_NbF, w_EOF, sizes_G, True)
+
+
+def _input_grad(dout_NbO, w_EOF, sizes_G):
+    return host_products(dout_NbO, w_EOF, sizes_G, False)
+
+
+def _weight_grad_all(dout_NbO, x_NbF, sizes_G, scale_Nb):
+    return host_weight_grad(dout_NbO, x_NbF, sizes_G, scale_Nb, len(sizes_G))
+
+
+def _weight_grad_share(dout_NbO, x_NbF, sizes_G, scale_Nb):
+    return host_weight_grad(dout_NbO, x_NbF, sizes_G, scale_Nb, len(sizes_G) - 2)
+
+
+def _host_kernel(function, out_shape, out_dtype):
+    return ops.Custom(function, out_shape=out_shape, out_dtype=out_dtype, func_type="pyfunc")
+
+
+class _HostGroupedMatmul(nn.Cell):
+    """``(x [N, b, F], w [E, O, F], group_sizes [G], scale [N, b]) -> [N, b, O]`` on the host kernels; the backward
+    scales row r's share of the weight gradient by ``scale_r``. ``weight_grad=False`` (a frozen weight, e.g. a LoRA
+    base): the backward computes the input gradient only."""
 
     def __init__(self, weight_grad: bool = True):
         super().__init__()
         self.weight_grad = weight_grad
-        self.gather = ops.Gather()
         self.cast = ops.Cast()
-        self.concat = ops.Concat(0)
-        self.segment_sum = ops.UnsortedSegmentSum()
-        self.bmm_nt = ops.BatchMatMul(transpose_b=True)
-        self.bmm_nn = ops.BatchMatMul()
-        self.bmm_tn = ops.BatchMatMul(transpose_a=True)
+        self.forward = _host_kernel(_forward, lambda x, w, g: x[:2] + [w[1]], lambda x, w, g: x)
+        self.input_grad = _host_kernel(_input_grad, lambda d, w, g: d[:2] + [w[2]], lambda d, w, g: d)
+        # The weight count is that of the group sizes (all experts) or two fewer (a share of them).
+        self.weight_grad_all = _host_kernel(
+            _weight_grad_all, lambda d, x, g, s: [g[0], d[2], x[2]], lambda d, x, g, s: ms.float32
+        )
+        self.weight_grad_share = _host_kernel(
+            _weight_grad_share, lambda d, x, g, s: [g[0] - 2, d[2], x[2]], lambda d, x, g, s: ms.float32
+        )
 
-    def construct(self, x_NbF, w_EOF, expert_N, scale_Nb):
-        return self.chunk_products(x_NbF, w_EOF, expert_N, True)
+    def construct(self, x_NbF, w_EOF, sizes_G, scale_Nb):
+        return self.forward(x_NbF, w_EOF, sizes_G)
 
-    def bprop(self, x_NbF, w_EOF, expert_N, scale_Nb, out, dout_NbO):
+    def bprop(self, x_NbF, w_EOF, sizes_G, scale_Nb, out, dout_NbO):
+        dx_NbF = self.input_grad(dout_NbO, w_EOF, sizes_G)
         if not self.weight_grad:
-            return (
-                self.chunk_products(dout_NbO, w_EOF, expert_N, False),
-                ops.zeros_like(w_EOF),
-                ops.zeros_like(expert_N),
-                ops.zeros_like(scale_Nb),
-            )
-        chunks = block_chunks(x_NbF.shape[0], w_EOF.shape[1], w_EOF.shape[2])
-        scaled_NbO = dout_NbO * self.cast(scale_Nb, dout_NbO.dtype).expand_dims(-1)
-        w_dtype = w_EOF.dtype
-        if w_dtype == ms.bfloat16:  # no bf16 Gather on CPU: one whole cast
-            w_EOF = self.cast(w_EOF, x_NbF.dtype)
-        dxs = ()
-        dw_EOF = None
-        for start, stop in chunks:
-            index_n = expert_N[start:stop]
-            scaled_nbO = scaled_NbO[start:stop]
-            if dw_EOF is not None:  # one chunk at a time, as in the forward
-                index_n = ops.depend(ops.depend(index_n, dw_EOF), dxs[-1])
-                scaled_nbO = ops.depend(scaled_nbO, index_n)
-            weights_nOF = self.cast(self.gather(w_EOF, index_n, 0), dout_NbO.dtype)
-            dxs = dxs + (self.bmm_nn(dout_NbO[start:stop], weights_nOF),)
-            dw_nOF = self.bmm_tn(scaled_nbO, x_NbF[start:stop])
-            part_EOF = self.segment_sum(dw_nOF, index_n, w_EOF.shape[0])
-            dw_EOF = part_EOF if dw_EOF is None else dw_EOF + part_EOF
-        dx_NbF = dxs[0] if len(dxs) == 1 else self.concat(dxs)
-        return dx_NbF, self.cast(dw_EOF, w_dtype), ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
-
-    def chunk_products(self, rows_NbX, w_EOF, expert_N, forward: bool):
-        """Each block's rows times its expert's weight, chunk by chunk: ``x w^T [N, b, O]`` (``forward``) or the
-        input gradient ``dout w [N, b, F]``. Each chunk's gather waits for the previous chunk's product: MindSpore's
-        CPU runtime runs independent nodes at once, which would hold every chunk's gathered weights together."""
-        chunks = block_chunks(rows_NbX.shape[0], w_EOF.shape[1], w_EOF.shape[2])
-        if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU: one whole cast
-            w_EOF = self.cast(w_EOF, rows_NbX.dtype)
-        bmm = self.bmm_nt if forward else self.bmm_nn
-        outs = ()
-        after = expert_N
-        for start, stop in chunks:
-            index_n = ops.depend(expert_N[start:stop], after)
-            after = bmm(rows_NbX[start:stop], self.cast(self.gather(w_EOF, index_n, 0), rows_NbX.dtype))
-            outs = outs + (after,)
-        return outs[0] if len(outs) == 1 else self.concat(outs)
+            return dx_NbF, ops.zeros_like(w_EOF), ops.zeros_like(sizes_G), ops.zeros_like(scale_Nb)
+        if sizes_G.shape[0] == w_EOF.shape[0]:
+            dw_EOF = self.weight_grad_all(dout_NbO, x_NbF, sizes_G, scale_Nb)
+        else:
+            dw_EOF = self.weight_grad_share(dout_NbO, x_NbF, sizes_G, scale_Nb)
+        return dx_NbF, self.cast(dw_EOF, w_EOF.dtype), ops.zeros_like(sizes_G), ops.zeros_like(scale_Nb)
 
 
 class BlockGroupedMatmul(nn.Cell):
     """``(x [N, b, F], weight [E, O, F], group_sizes [E] int32) -> [N, b, O]``: row r of group e times
     ``weight[e]^T``. Group sizes are multiples of b, in row order; rows past the last group are padding
-    (zeros in, zeros out since they are computed with the last expert's weight). ``weight`` may be half
-    precision: each chunk's gathered weights are cast to ``x``'s dtype.
+    (zeros in, zeros out). ``weight`` may be half precision (up-cast one expert at a time).
 
     A process holding a share of the experts may pass ``E + 2`` group sizes for its ``E`` weights: the
-    first and last groups are the rows of experts held elsewhere, and their outputs are zero (their blocks
-    are computed with a held weight and masked), so no zero-padded copy of the weights is made."""
+    first and last groups are the rows of experts held elsewhere; their outputs are zero and cost nothing."""
 
-    #: ``weight`` may be stored in half precision (cast per chunk).
+    #: ``weight`` may be stored in half precision.
     takes_half_weights = True
     #: ``group_sizes`` may have the two groups of experts held elsewhere (zero outputs).
     takes_outside_groups = True
 
     def __init__(self, weight_grad: bool = True):
         super().__init__()
-        self.matmul = _ChunkedBlockMatmul(weight_grad)
+        self.matmul = _HostGroupedMatmul(weight_grad)
+        self.bmm_nt = ops.BatchMatMul(transpose_b=True)
 
-    def expert_of_blocks(self, x_NbF, w_EOF, group_sizes_G):
-        """Each block's row of ``w_EOF`` and, when ``group_sizes_G`` has the outside groups, ``[N, 1, 1]``
-        ones for the blocks of held experts and zeros for the others (else None)."""
+    def whole(self, x_NbF, w_EOF, group_sizes_G):
+        """One gather of every block's weight and one BatchMatMul: for the serving graphs, whose block count is
+        only known when they run and which have no backward."""
         num_held = w_EOF.shape[0]
-        outside = group_sizes_G.shape[0] == num_held + 2
         group_N = block_experts(x_NbF.shape[0], x_NbF.shape[1], group_sizes_G.shape[0], group_sizes_G)
-        if not outside:
-            return ops.stop_gradient(group_N), None
-        held_N = ops.logical_and(group_N >= 1, group_N <= num_held)
-        expert_N = ops.clip_by_value(group_N - 1, 0, num_held - 1)
-        held_N11 = held_N.astype(x_NbF.dtype).reshape(-1, 1, 1)
-        return ops.stop_gradient(expert_N), ops.stop_gradient(held_N11)
-
-    def whole(self, x_NbF, w_EOF, expert_N):
-        """One gather of every block's weight: for the serving graphs, whose block count is only known when
-        they run (no static chunks) and which have no backward."""
         if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU
             w_EOF = w_EOF.astype(x_NbF.dtype)
-        return self.matmul.bmm_nt(x_NbF, ops.gather(w_EOF, expert_N, 0).astype(x_NbF.dtype))
+        if group_sizes_G.shape[0] == num_held:
+            return self.bmm_nt(x_NbF, ops.gather(w_EOF, group_N, 0).astype(x_NbF.dtype))
+        held_N11 = ops.logical_and(group_N >= 1, group_N <= num_held).astype(x_NbF.dtype).reshape(-1, 1, 1)
+        expert_N = ops.clip_by_value(group_N - 1, 0, num_held - 1)
+        return self.bmm_nt(x_NbF, ops.gather(w_EOF, expert_N, 0).astype(x_NbF.dtype)) * held_N11
 
     def _run(self, x_NbF, w_EOF, group_sizes_G, scale_Nb):
-        expert_N, held_N11 = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_G)
         if not F.isconstant(x_NbF.shape[0]):
-            y_NbO = self.whole(x_NbF, w_EOF, expert_N)
-        else:
-            if scale_Nb is None:
-                scale_Nb = ops.ones(x_NbF.shape[:2], x_NbF.dtype)
-            y_NbO = self.matmul(x_NbF, w_EOF, expert_N, scale_Nb)
-        if held_N11 is None:
-            return y_NbO
-        return y_NbO * held_N11
+            return self.whole(x_NbF, w_EOF, group_sizes_G)
+        if w_EOF.dtype == ms.bfloat16:  # NumPy has no bf16: one whole cast
+            w_EOF = w_EOF.astype(ms.float32)
+        if scale_Nb is None:
+            scale_Nb = ops.ones(x_NbF.shape[:2], ms.float32)
+        return self.matmul(x_NbF, w_EOF, group_sizes_G, scale_Nb)
 
     def construct(self, x_NbF, w_EOF, group_sizes_G):
         return self._run(x_NbF, w_EOF, group_sizes_G, None)

@@ -73,18 +73,11 @@ def run(kernel, x, weight, sizes, upstream, block, scale=None):
 
 
 @pytest.mark.parametrize(
-    "group_blocks,block,padding_blocks,chunk_blocks",
-    [([2, 0, 3, 1], 4, 2, None), ([0, 0, 5], 2, 0, None), ([1, 2, 1, 1, 3], 1, 3, None), ([2, 0, 3, 1], 4, 2, 3)],
+    "group_blocks,block,padding_blocks", [([2, 0, 3, 1], 4, 2), ([0, 0, 5], 2, 0), ([1, 2, 1, 1, 3], 1, 3)]
 )
-def test_cpu_grouped_matmul_matches_numpy_and_torch_gradients(
-    group_blocks, block, padding_blocks, chunk_blocks, monkeypatch
-):
-    """Empty groups, all rows in one group, trailing padding blocks, blocks in chunks of 3 (a chunk boundary
-    inside a group); then the row-scaled variant, whose weight gradient takes each row's share times its scale
-    and whose input gradient is unscaled."""
-    if chunk_blocks:
-        monkeypatch.setattr(cpu_grouped, "CHUNK_BYTES", chunk_blocks * OUT_FEATURES * IN_FEATURES * 4)
-        assert len(cpu_grouped.block_chunks(sum(group_blocks) + padding_blocks, OUT_FEATURES, IN_FEATURES)) == 3
+def test_cpu_grouped_matmul_matches_numpy_and_torch_gradients(group_blocks, block, padding_blocks):
+    """Empty groups, all rows in one group, trailing padding blocks; then the row-scaled variant, whose weight
+    gradient takes each row's share times its scale and whose input gradient is unscaled."""
     x, weight, sizes, upstream, scale = problem(group_blocks, block, padding_blocks)
     out, dx, dw = run(kernels.grouped_matmul("CPU"), x, weight, sizes, upstream, block)
     np.testing.assert_allclose(out, np_grouped(x, weight, sizes), rtol=1e-5, atol=1e-5)
@@ -127,13 +120,10 @@ def test_cpu_grouped_matmul_gives_zeros_for_the_groups_of_experts_held_elsewhere
     np.testing.assert_allclose(dw_s, expected_dw[1:-1], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("chunk_blocks", [None, 2])
-def test_cpu_grouped_matmul_of_a_frozen_weight_gives_the_input_gradient_only(chunk_blocks, monkeypatch):
-    """``weight_grad=False`` (a frozen LoRA base): the same values and input gradient as the plain kernel, in
-    one chunk and in several, with and without the groups of experts held elsewhere; the weight gradient it
-    returns is zero (it is never computed)."""
-    if chunk_blocks:
-        monkeypatch.setattr(cpu_grouped, "CHUNK_BYTES", chunk_blocks * OUT_FEATURES * IN_FEATURES * 4)
+def test_cpu_grouped_matmul_of_a_frozen_weight_gives_the_input_gradient_only():
+    """``weight_grad=False`` (a frozen LoRA base): the same values and input gradient as the plain kernel, with
+    and without the groups of experts held elsewhere, and of an fp16 weight; the weight gradient it returns is
+    zero (it is never computed)."""
     x, weight, sizes, upstream, scale = problem([2, 1, 0, 3, 1], 4, padding_blocks=1, seed=5)
     kernel = kernels.grouped_matmul("CPU", weight_grad=False)
     out, dx, dw = run(kernel, x, weight, sizes, upstream, 4)
@@ -151,6 +141,20 @@ def test_cpu_grouped_matmul_of_a_frozen_weight_gives_the_input_gradient_only(chu
     rounded = weight.astype(np.float16).astype(np.float32)
     np.testing.assert_allclose(half_out, np_grouped(x, rounded, sizes), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(half_dx, torch_grads(x, rounded, sizes, upstream, scale)[0], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("outside", [False, True])
+def test_cpu_grouped_matmul_of_an_unknown_row_count_gathers_each_blocks_weight(outside):
+    """The serving graphs' path (a block count known only when the graph runs, so no host kernel): every block
+    times its expert's weight in one BatchMatMul; with the groups of experts held elsewhere, those give zeros."""
+    x, weight, sizes, _, _ = problem([2, 1, 0, 3, 1], 4, padding_blocks=1, seed=6)
+    if outside:
+        weight[0] = weight[-1] = 0
+    held = weight[1:-1] if outside else weight
+    kernel = kernels.grouped_matmul("CPU")
+    out = kernel.whole(Tensor(x.reshape(-1, 4, IN_FEATURES)), Tensor(held.astype(np.float16)), Tensor(sizes))
+    rounded = weight.astype(np.float16).astype(np.float32)
+    np.testing.assert_allclose(out.asnumpy().reshape(-1, OUT_FEATURES), np_grouped(x, rounded, sizes), atol=1e-5)
 
 
 def test_cpu_block_size_keeps_padding_near_an_eighth_and_is_one_for_few_rows():
