@@ -10,7 +10,8 @@ CPU (measured on 2-core machines, tiny model, one ``mindmoe-train`` process; REA
   so nothing is changed there.
 - **Kernel threads per worker.** MindSpore sizes each process's kernel thread pool for the whole machine, so W
   workers on one node oversubscribe its cores W times. ``mindmoe-launch`` tells each worker how many share its
-  node (``MINDMOE_LOCAL_WORKERS``); with more than one, each gets ``max(1, cores // W)`` threads.
+  node (``MINDMOE_LOCAL_WORKERS``); with more than one, each gets ``max(1, cores // W)`` threads, and so does
+  NumPy's BLAS, in which the CPU grouped matmul runs (``cpu_grouped.py``; OpenBLAS also starts a thread per core).
 
 A value the user already exported wins: ``MS_DEV_HOST_BLOCKING_RUN=0`` keeps MindSpore's default dispatch.
 """
@@ -62,6 +63,9 @@ def configure_host_runtime(device_target: str = None) -> dict:
     settings = host_settings(device, os.environ, usable_cores())
     os.environ.update(settings["environ"])
     if settings["kernel_threads"] is not None:
+        from threadpoolctl import threadpool_limits
+
+        threadpool_limits(settings["kernel_threads"], user_api="blas")
         try:
             ms.device_context.cpu.op_tuning.threads_num(settings["kernel_threads"])
         except RuntimeError:  # the process set it already ("can not be set repeatedly"): its choice stays

@@ -1,7 +1,10 @@
 """The host runtime policy per device target (``model/kernels/host_runtime.py``): single-threaded dispatch on
 CPU unless the user chose otherwise, kernel threads split between the workers of a node, nothing on Ascend."""
 
+import json
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -49,3 +52,20 @@ def test_the_launcher_exports_the_variable_the_workers_read():
     from mindmoe.launch import msrun
 
     assert msrun.LOCAL_WORKERS_ENV == LOCAL_WORKERS_ENV
+
+
+def test_a_worker_sharing_its_node_limits_numpy_blas_threads_as_mindspores():
+    """The CPU grouped matmul runs in NumPy's BLAS, whose thread pool would otherwise take every core of the node."""
+    code = (
+        "import json\n"
+        "from threadpoolctl import threadpool_info\n"
+        "from mindmoe.model.kernels.host_runtime import configure_host_runtime\n"
+        "settings = configure_host_runtime('CPU')\n"
+        "blas = [pool['num_threads'] for pool in threadpool_info() if pool['user_api'] == 'blas']\n"
+        "print(json.dumps([settings['kernel_threads'], blas]))\n"
+    )
+    env = dict(os.environ, **{LOCAL_WORKERS_ENV: "64"})
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    threads, blas = json.loads(done.stdout.strip().splitlines()[-1])
+    assert threads == 1 and blas and set(blas) == {1}
