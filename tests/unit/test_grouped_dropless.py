@@ -168,7 +168,10 @@ def test_locked_moe_layer_with_grouped_dispatch_equals_the_reference_layer():
     for got, expected in zip(grouped[:4], reference[:4]):
         np.testing.assert_allclose(got.asnumpy(), expected.asnumpy(), rtol=1e-5, atol=1e-6)
     for name, expected in reference[4].items():
-        np.testing.assert_allclose(grouped[4][name], expected, rtol=1e-5, atol=1e-6, err_msg=name)
+        # A weight gradient sums a group's rows in BLAS's order, the reference in its own: fp32 rounding of sums of
+        # terms up to ~5 (about 1e-6 relative to the largest entry) in the entries that nearly cancel.
+        atol = 1e-5 * np.abs(expected).max()
+        np.testing.assert_allclose(grouped[4][name], expected, rtol=1e-5, atol=atol, err_msg=name)
 
 
 def test_expert_share_runs_only_its_groups_and_the_shares_sum_to_the_whole():
