@@ -17,8 +17,10 @@ in exact int32 arithmetic (products wrap; the comparison is signed), so the bits
 backend; ``mix32`` is the lowbias32 integer hash. The hash runs on the Z + F row and column indices only:
 per element there are two multiplications, one addition and one comparison, because MindSpore's CPU
 shift kernel and its bitwise kernels with a broadcast operand are 10-50 times slower than its
-multiplication (a full hash per element cost more than the rest of a LoRA train step). Why the masks are
-still good dropout masks:
+multiplication (a full hash per element cost more than the rest of a LoRA train step). The per-element
+work is the kernel function ``kernels.dropout_keep`` (on CPU one host kernel: MindSpore's int32 element-wise
+kernels there keep 16 bytes per element for the life of the graph). Why the masks are still good dropout
+masks:
 
 - the row and column factors are lowbias32 of distinct inputs (the 0x80000000 keeps the column inputs
   apart from the row inputs), forced odd: as good as independent and uniform over the odd int32 values;
@@ -42,6 +44,8 @@ import zlib
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, Tensor, ops
+
+from mindmoe.model import kernels
 
 #: Resolution of the dropout probability: p is rounded to a multiple of 2**-KEEP_BITS.
 KEEP_BITS = 31
@@ -82,13 +86,12 @@ def _odd_hash(count: int, key, first: int = 0):
     return ops.bitwise_or(mix32(ops.bitwise_xor(indices, key)), Tensor(1, ms.int32))
 
 
-def keep_mask(rows: int, cols: int, p: float, key, first_row: int = 0):
-    """``[rows, cols]`` bool: True where the draw of int32 scalar ``key`` keeps the element; rows
+def keep_factors(rows: int, cols: int, key, first_row: int = 0):
+    """The odd row factors ``[rows]`` and column factors ``[cols]`` of the draw of int32 scalar ``key``; rows
     ``first_row .. first_row + rows - 1`` of the draw (a share of a larger input gets that share's mask)."""
     row_Z = _odd_hash(rows, key, first_row)
     col_F = _odd_hash(cols, ops.bitwise_xor(key, Tensor(_COLUMNS, ms.int32)))
-    h_ZF = row_Z.expand_dims(-1) * col_F  # uniform odd; the only per-element work is below
-    return h_ZF * h_ZF + h_ZF >= drop_threshold(p)
+    return row_Z, col_F
 
 
 @ms.jit_class
@@ -105,6 +108,8 @@ class DropoutStream:
         self.salt = _int32(zlib.crc32(f"{seed}:{name}".encode()))
         self.rank = Parameter(Tensor(0, ms.int32), name=f"{name}.dropout_rank", requires_grad=False)
         self.draws = Parameter(Tensor(0, ms.int32), name=f"{name}.dropout_draws", requires_grad=False)
+        # The per-element work (kernels.dropout_keep): the outer product of the factors and the finaliser.
+        self.scaled_keep = kernels.dropout_keep(drop_threshold(self.p), 1.0 / (1.0 - self.p))
 
     def drop(self, x, first_row: int = 0):
         """``x`` with elements zeroed at probability ``p`` and the rest scaled by ``1 / (1 - p)``; one draw.
@@ -114,10 +119,11 @@ class DropoutStream:
         # The key reads the counter before this draw advances it (side effects run in program order).
         key = mix32(ops.bitwise_xor(mix32(ops.bitwise_xor(mix32(self.draws * 1), self.rank)), self.salt))
         cols = x.shape[-1]
-        keep = keep_mask(x.size // cols, cols, self.p, key, first_row).reshape(x.shape)
+        row_Z, col_F = keep_factors(x.size // cols, cols, key, first_row)
+        scaled_keep = self.scaled_keep(row_Z, col_F).reshape(x.shape)
         ops.assign_add(self.draws, Tensor(1, ms.int32))
         # One scaled mask: the backward then multiplies by it once.
-        return x * (keep.astype(x.dtype) * (1.0 / (1.0 - self.p)))
+        return x * scaled_keep.astype(x.dtype)
 
 
 def dropout_streams(model) -> list:

@@ -30,6 +30,8 @@ reduce_scatter ``cpu_collectives.EmulatedReduceScatter``  ``ops.ReduceScatter(op
 all_gather     ``cpu_collectives.EmulatedAllGather``      ``ops.AllGather(group=...)``
                (AllGather on the world group, else
                zero-padded buffers summed by AllReduce)
+dropout_keep   :class:`~.dropout_mask.HostScaledKeep`     :func:`~.dropout_mask.graph_scaled_keep`
+               (one host kernel)                          (MindSpore ops)
 ============== ========================================== ==============================================
 
 ``blockwise_attention`` (training attention, memory linear in the length): on CPU
@@ -55,6 +57,7 @@ from mindmoe.model.kernels import (
     cpu_dsa,
     cpu_grouped,
     cpu_rope,
+    dropout_mask,
 )
 
 CPU_KERNELS = {
@@ -70,6 +73,7 @@ CPU_KERNELS = {
     "all_to_all": cpu_collectives.EmulatedAllToAll,
     "reduce_scatter": cpu_collectives.EmulatedReduceScatter,
     "all_gather": cpu_collectives.EmulatedAllGather,
+    "dropout_keep": dropout_mask.HostScaledKeep,
 }
 
 ASCEND_KERNELS = dict(
@@ -84,6 +88,7 @@ ASCEND_KERNELS = dict(
     all_to_all=ascend_collectives.AscendAllToAll,
     reduce_scatter=ascend_collectives.AscendReduceScatter,
     all_gather=ascend_collectives.AscendAllGather,
+    dropout_keep=dropout_mask.graph_scaled_keep,
 )
 
 #: device target -> kernel name -> factory called at build time with the kernel's static arguments.
@@ -197,12 +202,20 @@ def all_gather(group: str, group_size: int, rank_in_group: int, device_target: s
     return implementation("all_gather", device_target)(group, group_size, rank_in_group)
 
 
+def dropout_keep(threshold: int, scale: float, device_target: str = None):
+    """``(row [Z] int32, col [F] int32) -> [Z, F] fp32``: ``scale`` where ``h * h + h >= threshold`` for
+    ``h = row_z * col_f`` in wrapping int32 arithmetic, else 0 (the scaled keep mask of one LoRA dropout draw,
+    :mod:`mindmoe.model.lora_dropout`). No gradient."""
+    return implementation("dropout_keep", device_target)(threshold, scale)
+
+
 __all__ = [
     "IMPLEMENTATIONS",
     "all_gather",
     "all_to_all",
     "attention_core",
     "blockwise_attention",
+    "dropout_keep",
     "grouped_alignment",
     "grouped_matmul",
     "grouped_matmul_row_scaled",

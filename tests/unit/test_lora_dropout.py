@@ -9,9 +9,16 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn
 
+from mindmoe.model import kernels
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lora import LoraConfig
-from mindmoe.model.lora_dropout import DropoutStream, dropout_draws, dropout_streams, set_dropout_state
+from mindmoe.model.lora_dropout import (
+    DropoutStream,
+    drop_threshold,
+    dropout_draws,
+    dropout_streams,
+    set_dropout_state,
+)
 from mindmoe.model.lora_layers import AdapterSpec, LoraLinear
 from mindmoe.model.lora_plan import plan_adapters
 from mindmoe.model.transformer import MoETransformer
@@ -256,3 +263,18 @@ def test_every_adapted_projection_of_a_model_has_its_own_stream_outside_the_para
     forward(ids, docs)
     forward(ids, docs)
     assert dropout_draws(model) == 2
+
+
+def test_the_cpu_host_kernel_and_the_ascend_graph_ops_give_the_documented_mask_bits():
+    """kernels.dropout_keep: CPU computes the mask on the host, Ascend with MindSpore ops (run here on CPU);
+    both against the NumPy transcription of the finaliser, on factors covering every sign combination."""
+    rng = np.random.default_rng(9)
+    row = rng.integers(-(2**31), 2**31, size=300, dtype=np.int64).astype(np.int32) | 1
+    col = rng.integers(-(2**31), 2**31, size=70, dtype=np.int64).astype(np.int32) | 1
+    threshold, scale = drop_threshold(0.3), 1 / 0.7
+    h = (row.astype(np.uint64)[:, None] & U32) * (col.astype(np.uint64)[None, :] & U32) & U32
+    expected = np.where(np_drops(h, 0.3), np.float32(0), np.float32(scale))
+    for device in ("CPU", "Ascend"):
+        mask = ms.jit(kernels.dropout_keep(threshold, scale, device_target=device))
+        np.testing.assert_array_equal(mask(Tensor(row), Tensor(col)).asnumpy(), expected, err_msg=device)
+    assert 0.25 < (expected == 0).mean() < 0.35
