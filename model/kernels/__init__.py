@@ -166,7 +166,8 @@ def grouped_matmul(device_target: str = None, weight_grad: bool = True):
     ``E + 2`` group sizes for E weights (a process holding a share of the experts): the first and last
     groups' rows give zeros, with zero gradients; otherwise the caller pads the weights with zero experts.
     ``weight_grad=False``: the weight is frozen (a LoRA base); its gradient is never used, and an
-    implementation with a hand-written backward skips computing it."""
+    implementation with a hand-written backward skips computing it. An instance serves one product of the
+    model (the CPU one keeps what its forward took for its backward)."""
     return implementation("grouped_matmul", device_target)(weight_grad)
 
 

@@ -94,23 +94,6 @@ def host_weight_grad(dout_NbO, x_NbF, sizes_G, scale_Nb, num_weights: int):
     return grad_EOF
 
 
-# The host kernels' Python functions (``pyfunc`` kernels take the input arrays in order and return the output).
-def _forward(x_NbF, w_EOF, sizes_G):
-    return host_products(x_NbF, w_EOF, sizes_G, True)
-
-
-def _input_grad(dout_NbO, w_EOF, sizes_G):
-    return host_products(dout_NbO, w_EOF, sizes_G, False)
-
-
-def _weight_grad_all(dout_NbO, x_NbF, sizes_G, scale_Nb):
-    return host_weight_grad(dout_NbO, x_NbF, sizes_G, scale_Nb, len(sizes_G))
-
-
-def _weight_grad_share(dout_NbO, x_NbF, sizes_G, scale_Nb):
-    return host_weight_grad(dout_NbO, x_NbF, sizes_G, scale_Nb, len(sizes_G) - 2)
-
-
 def _host_kernel(function, out_shape, out_dtype):
     return ops.Custom(function, out_shape=out_shape, out_dtype=out_dtype, func_type="pyfunc")
 
@@ -118,33 +101,49 @@ def _host_kernel(function, out_shape, out_dtype):
 class _HostGroupedMatmul(nn.Cell):
     """``(x [N, b, F], w [E, O, F], group_sizes [G], scale [N, b]) -> [N, b, O]`` on the host kernels; the backward
     scales row r's share of the weight gradient by ``scale_r``. ``weight_grad=False`` (a frozen weight, e.g. a LoRA
-    base): the backward computes the input gradient only."""
+    base): the backward computes the input gradient only.
+
+    MindSpore's ``pyfunc`` kernel keeps a host copy of each of its inputs for as long as the compiled graph
+    lives (refreshed at every launch; the function receives views of it). The forward keeps views of its
+    inputs and the backward kernels read ``x``, ``w`` and the group sizes from them instead of taking them
+    again: one copy of the weight and of the rows per instance, not three. So an instance serves one call
+    site (its backward runs after its forward, ordered explicitly; a recomputed forward has the same
+    inputs). The zero int8 inputs of the backward kernels (``[F]``, ``[E, F]``) only carry their output
+    shapes."""
 
     def __init__(self, weight_grad: bool = True):
         super().__init__()
         self.weight_grad = weight_grad
         self.cast = ops.Cast()
-        self.forward = _host_kernel(_forward, lambda x, w, g: x[:2] + [w[1]], lambda x, w, g: x)
-        self.input_grad = _host_kernel(_input_grad, lambda d, w, g: d[:2] + [w[2]], lambda d, w, g: d)
-        # The weight count is that of the group sizes (all experts) or two fewer (a share of them).
-        self.weight_grad_all = _host_kernel(
-            _weight_grad_all, lambda d, x, g, s: [g[0], d[2], x[2]], lambda d, x, g, s: ms.float32
-        )
-        self.weight_grad_share = _host_kernel(
-            _weight_grad_share, lambda d, x, g, s: [g[0] - 2, d[2], x[2]], lambda d, x, g, s: ms.float32
+        inputs = {}
+
+        def forward(x_NbF, w_EOF, sizes_G):
+            inputs.update(x=x_NbF, w=w_EOF, sizes=sizes_G)
+            return host_products(x_NbF, w_EOF, sizes_G, True)
+
+        def input_grad(dout_NbO, width_F):
+            return host_products(dout_NbO, inputs["w"], inputs["sizes"], False)
+
+        def weight_grad_of(dout_NbO, scale_Nb, shape_EF):
+            return host_weight_grad(dout_NbO, inputs["x"], inputs["sizes"], scale_Nb, inputs["w"].shape[0])
+
+        self.forward = _host_kernel(forward, lambda x, w, g: x[:2] + [w[1]], lambda x, w, g: x)
+        self.input_grad = _host_kernel(input_grad, lambda d, f: d[:2] + f, lambda d, f: d)
+        self.weight_grad_of = _host_kernel(
+            weight_grad_of, lambda d, s, c: [c[0], d[2], c[1]], lambda d, s, c: ms.float32
         )
 
     def construct(self, x_NbF, w_EOF, sizes_G, scale_Nb):
         return self.forward(x_NbF, w_EOF, sizes_G)
 
     def bprop(self, x_NbF, w_EOF, sizes_G, scale_Nb, out, dout_NbO):
-        dx_NbF = self.input_grad(dout_NbO, w_EOF, sizes_G)
+        # The output gradient need not depend on the forward's values (a linear loss): order them explicitly.
+        dout_NbO = ops.depend(dout_NbO, out)
+        width_F = ops.zeros((x_NbF.shape[2],), ms.int8)
+        dx_NbF = self.input_grad(dout_NbO, width_F)
         if not self.weight_grad:
             return dx_NbF, ops.zeros_like(w_EOF), ops.zeros_like(sizes_G), ops.zeros_like(scale_Nb)
-        if sizes_G.shape[0] == w_EOF.shape[0]:
-            dw_EOF = self.weight_grad_all(dout_NbO, x_NbF, sizes_G, scale_Nb)
-        else:
-            dw_EOF = self.weight_grad_share(dout_NbO, x_NbF, sizes_G, scale_Nb)
+        dw_EOF = self.weight_grad_of(dout_NbO, scale_Nb, ops.zeros((w_EOF.shape[0], w_EOF.shape[2]), ms.int8))
         return dx_NbF, self.cast(dw_EOF, w_EOF.dtype), ops.zeros_like(sizes_G), ops.zeros_like(scale_Nb)
 
 

@@ -96,29 +96,36 @@ class RoutedExperts(nn.Cell):
         self.half_weights = any(is_half(d) for d in (gate_dtype, up_dtype, down_dtype))
         self.bmm = ops.BatchMatMul(transpose_b=True)
         self.scaled_bmm = RowScaledWeightGradMatmul()
-        self.gmm = kernels.grouped_matmul()
-        self.frozen_gmm = kernels.grouped_matmul(weight_grad=False)
         # Projections whose weights never train (a LoRA base): their grouped matmul computes no weight gradient.
         self.gate_proj_frozen, self.up_proj_frozen, self.down_proj_frozen = (
             p in frozen for p in ("gate_proj", "up_proj", "down_proj")
         )
-        self.scaled_gmm = kernels.grouped_matmul_row_scaled()
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            self.add_grouped_site(proj, proj in frozen)
         self.activation = kernels.swiglu()
         self.pad_other_experts = ops.Pad(((1, 1), (0, 0), (0, 0)))
 
-    def expert_matmul(self, x, w_EOF, scale, group_sizes, frozen=False):
-        """``x @ w_e^T`` per expert: on an ``[E, C, F]`` buffer (``group_sizes`` None) or on grouped rows;
-        ``scale`` (or None) scales each row's share of the weight gradient; ``frozen``: ``w_EOF`` gets no
-        gradient (``scale`` is then irrelevant)."""
+    def add_grouped_site(self, site: str, frozen: bool):
+        """The grouped matmuls of product ``site`` (an instance of a grouped kernel may keep what its forward
+        took for its backward, so every product has its own): ``{site}_gmm`` (no weight gradient when
+        ``frozen``) and ``{site}_scaled_gmm`` (its weight gradient scaled per row)."""
+        setattr(self, f"{site}_gmm", kernels.grouped_matmul(weight_grad=not frozen))
+        setattr(self, f"{site}_scaled_gmm", None if frozen else kernels.grouped_matmul_row_scaled())
+
+    def expert_matmul(self, x, w_EOF, scale, group_sizes, site: str, frozen=False):
+        """``x @ w_e^T`` per expert: on an ``[E, C, F]`` buffer (``group_sizes`` None) or on grouped rows (the
+        kernels of product ``site``, :meth:`add_grouped_site`); ``scale`` (or None) scales each row's share of
+        the weight gradient; ``frozen``: ``w_EOF`` gets no gradient (``scale`` is then irrelevant)."""
         grouped = group_sizes is not None
-        # The CPU grouped kernel casts each chunk of gathered half weights itself: no fp32 copy of the experts.
-        if self.half_weights and not (grouped and self.gmm.takes_half_weights):
+        gmm = getattr(self, site + "_gmm")
+        # The CPU grouped kernel casts each expert's half weight itself: no fp32 copy of the experts.
+        if self.half_weights and not (grouped and gmm.takes_half_weights):
             w_EOF = w_EOF.astype(x.dtype)
         if not grouped:
             if scale is None:
                 return self.bmm(x, w_EOF)
             return self.scaled_bmm(x, w_EOF, scale)
-        if self.num_held < self.num_experts and not self.gmm.takes_outside_groups:
+        if self.num_held < self.num_experts and not gmm.takes_outside_groups:
             # Zero weights for the groups of the experts other processes hold (see held_groups); the CPU
             # kernel takes those groups as they are and masks their outputs (no padded weight copy, which
             # the backward would keep per projection and layer).
@@ -126,11 +133,9 @@ class RoutedExperts(nn.Cell):
             # call of a compiled graph on; a concat with zero tensors failed kernel selection in the fused
             # train step on CPU (an input of type None).
             w_EOF = self.pad_other_experts(w_EOF)
-        if frozen:
-            return self.frozen_gmm(x, w_EOF, group_sizes)
-        if scale is None:
-            return self.gmm(x, w_EOF, group_sizes)
-        return self.scaled_gmm(x, w_EOF, group_sizes, scale)
+        if frozen or scale is None:
+            return gmm(x, w_EOF, group_sizes)
+        return getattr(self, site + "_scaled_gmm")(x, w_EOF, group_sizes, scale)
 
     def held_groups(self, group_sizes_E):
         """Group sizes over this process's experts: with a share, the rows of the experts before and after
@@ -144,9 +149,11 @@ class RoutedExperts(nn.Cell):
         return ops.concat((before, group_sizes_E[self.first_expert : last], after), 0)
 
     def _forward(self, x, scale, group_sizes):
-        gate = self.expert_matmul(x, self.gate_proj, scale, group_sizes, self.gate_proj_frozen)
-        hidden = self.activation(gate, self.expert_matmul(x, self.up_proj, scale, group_sizes, self.up_proj_frozen))
-        return self.expert_matmul(hidden, self.down_proj, scale, group_sizes, self.down_proj_frozen)
+        gate = self.expert_matmul(x, self.gate_proj, scale, group_sizes, "gate_proj", self.gate_proj_frozen)
+        up = self.expert_matmul(x, self.up_proj, scale, group_sizes, "up_proj", self.up_proj_frozen)
+        return self.expert_matmul(
+            self.activation(gate, up), self.down_proj, scale, group_sizes, "down_proj", self.down_proj_frozen
+        )
 
     def construct(self, x_ECH):
         return self._forward(x_ECH, None, None)

@@ -66,12 +66,15 @@ class LoraRoutedExperts(RoutedExperts):
                     )
                 )
             setattr(self, f"{proj}_lora", factors)
+            if factors is not None:
+                self.add_grouped_site(f"{proj}_lora_A", False)
+                self.add_grouped_site(f"{proj}_lora_B", False)
             # Each projection's adapter drops its own input independently (PEFT: one dropout per module).
             setattr(self, f"{proj}_dropout", adapter.dropout_stream(f"{name}.{proj}") if factors else None)
 
-    def _project(self, x_ECF, w_EOF, factors, dropout, scale_EC, group_sizes=None, frozen=False):
+    def _project(self, proj, x_ECF, w_EOF, factors, dropout, scale_EC, group_sizes=None, frozen=False):
         # group_sizes: None on an [E, C, F] buffer, else grouped rows (RoutedExperts.expert_matmul).
-        y_ECO = self.expert_matmul(x_ECF, w_EOF, scale_EC, group_sizes, frozen)
+        y_ECO = self.expert_matmul(x_ECF, w_EOF, scale_EC, group_sizes, proj, frozen)
         if factors is None:
             return y_ECO
         if self.dropout > 0 and self.training:
@@ -81,19 +84,34 @@ class LoraRoutedExperts(RoutedExperts):
             x_ECF = dropout.drop(x_ECF, first_row)
         lora_A_ERF = factors[0].astype(x_ECF.dtype)
         lora_B_EOR = factors[1].astype(x_ECF.dtype)
-        low_ECR = self.expert_matmul(x_ECF, lora_A_ERF, scale_EC, group_sizes)
-        delta_ECO = self.expert_matmul(low_ECR, lora_B_EOR, scale_EC, group_sizes)
+        low_ECR = self.expert_matmul(x_ECF, lora_A_ERF, scale_EC, group_sizes, proj + "_lora_A")
+        delta_ECO = self.expert_matmul(low_ECR, lora_B_EOR, scale_EC, group_sizes, proj + "_lora_B")
         return y_ECO + delta_ECO * self.scaling
 
     def _forward(self, x_ECH, scale_EC, groups=None):
         gate_ECI = self._project(
-            x_ECH, self.gate_proj, self.gate_proj_lora, self.gate_proj_dropout, scale_EC, groups, self.gate_proj_frozen
+            "gate_proj",
+            x_ECH,
+            self.gate_proj,
+            self.gate_proj_lora,
+            self.gate_proj_dropout,
+            scale_EC,
+            groups,
+            self.gate_proj_frozen,
         )
         up_ECI = self._project(
-            x_ECH, self.up_proj, self.up_proj_lora, self.up_proj_dropout, scale_EC, groups, self.up_proj_frozen
+            "up_proj",
+            x_ECH,
+            self.up_proj,
+            self.up_proj_lora,
+            self.up_proj_dropout,
+            scale_EC,
+            groups,
+            self.up_proj_frozen,
         )
         hidden_ECI = self.activation(gate_ECI, up_ECI)
         return self._project(
+            "down_proj",
             hidden_ECI,
             self.down_proj,
             self.down_proj_lora,
