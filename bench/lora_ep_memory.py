@@ -8,12 +8,16 @@ most of the bytes; about ``--gib`` GiB of fp16 weights, with the bundled tiny to
 parallel.ep=2`` on 2 workers for ``--steps`` steps. It reports the per-step losses of both (the largest
 relative difference), whether the two PEFT adapter files are byte-identical, and each run's peak RSS
 above the framework baseline (RSS after importing MindSpore and mindmoe's trainer): the largest worker's
-for the launch. The target is worker / one process <= 0.7. Prints one JSON object as its last line.
+for the launch. The target is worker / one process <= 0.7. Both runs use ``--blas-threads`` NumPy BLAS threads
+(default 1, what a worker sharing its node runs with): the host kernels' products then round alike, and the
+comparison is of the layouts alone (with 2 threads in the one process its adapter file differed from the
+workers' in the last bits). Prints one JSON object as its last line.
 Not part of the test suite (two real runs of a model of about a GiB).
 """
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -150,7 +154,9 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="checkpoint size to generate (fp16 bytes)")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--blas-threads", type=int, default=1, help="NumPy BLAS threads of both runs")
     args = parser.parse_args()
+    os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # read by the runs' NumPy at import
     baseline = framework_baseline_rss()
     with tempfile.TemporaryDirectory(prefix="lora_ep_memory_") as tmp:
         directory = Path(tmp) / "air"
@@ -167,6 +173,7 @@ def main():
                 "checkpoint_gib": round(shape["bytes"] / GIB, 3),
                 "routed_share": round(shape["routed_bytes"] / shape["bytes"], 3),
                 "layers": shape["layers"],
+                "blas_threads": args.blas_threads,
                 "framework_rss_gib": round(baseline / GIB, 3),
                 "one_process_peak_gib": round(one["peak_rss"] / GIB, 3),
                 "worker_peak_gib": round(two["peak_rss"] / GIB, 3),
