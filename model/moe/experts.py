@@ -112,10 +112,10 @@ class RoutedExperts(nn.Cell):
         setattr(self, f"{site}_gmm", kernels.grouped_matmul(weight_grad=not frozen))
         setattr(self, f"{site}_scaled_gmm", None if frozen else kernels.grouped_matmul_row_scaled())
 
-    def expert_matmul(self, x, w_EOF, scale, group_sizes, site: str, frozen=False):
+    def expert_matmul(self, x, w_EOF, scale, group_sizes, site: str):
         """``x @ w_e^T`` per expert: on an ``[E, C, F]`` buffer (``group_sizes`` None) or on grouped rows (the
         kernels of product ``site``, :meth:`add_grouped_site`); ``scale`` (or None) scales each row's share of
-        the weight gradient; ``frozen``: ``w_EOF`` gets no gradient (``scale`` is then irrelevant)."""
+        the weight gradient (irrelevant to a frozen site's weight, which gets no gradient)."""
         grouped = group_sizes is not None
         gmm = getattr(self, site + "_gmm")
         # The CPU grouped kernel casts each expert's half weight itself: no fp32 copy of the experts.
@@ -133,9 +133,10 @@ class RoutedExperts(nn.Cell):
             # call of a compiled graph on; a concat with zero tensors failed kernel selection in the fused
             # train step on CPU (an input of type None).
             w_EOF = self.pad_other_experts(w_EOF)
-        if frozen or scale is None:
+        scaled_gmm = getattr(self, site + "_scaled_gmm")
+        if scale is None or scaled_gmm is None:  # None: a frozen site
             return gmm(x, w_EOF, group_sizes)
-        return getattr(self, site + "_scaled_gmm")(x, w_EOF, group_sizes, scale)
+        return scaled_gmm(x, w_EOF, group_sizes, scale)
 
     def held_groups(self, group_sizes_E):
         """Group sizes over this process's experts: with a share, the rows of the experts before and after
@@ -149,11 +150,9 @@ class RoutedExperts(nn.Cell):
         return ops.concat((before, group_sizes_E[self.first_expert : last], after), 0)
 
     def _forward(self, x, scale, group_sizes):
-        gate = self.expert_matmul(x, self.gate_proj, scale, group_sizes, "gate_proj", self.gate_proj_frozen)
-        up = self.expert_matmul(x, self.up_proj, scale, group_sizes, "up_proj", self.up_proj_frozen)
-        return self.expert_matmul(
-            self.activation(gate, up), self.down_proj, scale, group_sizes, "down_proj", self.down_proj_frozen
-        )
+        gate = self.expert_matmul(x, self.gate_proj, scale, group_sizes, "gate_proj")
+        up = self.expert_matmul(x, self.up_proj, scale, group_sizes, "up_proj")
+        return self.expert_matmul(self.activation(gate, up), self.down_proj, scale, group_sizes, "down_proj")
 
     def construct(self, x_ECH):
         return self._forward(x_ECH, None, None)

@@ -72,16 +72,17 @@ class LoraRoutedExperts(RoutedExperts):
             # Each projection's adapter drops its own input independently (PEFT: one dropout per module).
             setattr(self, f"{proj}_dropout", adapter.dropout_stream(f"{name}.{proj}") if factors else None)
 
-    def _project(self, proj, x_ECF, w_EOF, factors, dropout, scale_EC, group_sizes=None, frozen=False):
+    def _project(self, proj, x_ECF, scale_EC, group_sizes=None):
         # group_sizes: None on an [E, C, F] buffer, else grouped rows (RoutedExperts.expert_matmul).
-        y_ECO = self.expert_matmul(x_ECF, w_EOF, scale_EC, group_sizes, proj, frozen)
+        y_ECO = self.expert_matmul(x_ECF, getattr(self, proj), scale_EC, group_sizes, proj)
+        factors = getattr(self, proj + "_lora")
         if factors is None:
             return y_ECO
         if self.dropout > 0 and self.training:
             # A share of the experts' [E, C, F] buffer (parallel.ep, allgather) is dropped as those rows of the
             # whole buffer: the masks of one process. Grouped rows are the whole sorted buffer on every rank.
             first_row = self.first_expert * x_ECF.shape[1] if group_sizes is None else 0
-            x_ECF = dropout.drop(x_ECF, first_row)
+            x_ECF = getattr(self, proj + "_dropout").drop(x_ECF, first_row)
         lora_A_ERF = factors[0].astype(x_ECF.dtype)
         lora_B_EOR = factors[1].astype(x_ECF.dtype)
         low_ECR = self.expert_matmul(x_ECF, lora_A_ERF, scale_EC, group_sizes, proj + "_lora_A")
@@ -89,37 +90,9 @@ class LoraRoutedExperts(RoutedExperts):
         return y_ECO + delta_ECO * self.scaling
 
     def _forward(self, x_ECH, scale_EC, groups=None):
-        gate_ECI = self._project(
-            "gate_proj",
-            x_ECH,
-            self.gate_proj,
-            self.gate_proj_lora,
-            self.gate_proj_dropout,
-            scale_EC,
-            groups,
-            self.gate_proj_frozen,
-        )
-        up_ECI = self._project(
-            "up_proj",
-            x_ECH,
-            self.up_proj,
-            self.up_proj_lora,
-            self.up_proj_dropout,
-            scale_EC,
-            groups,
-            self.up_proj_frozen,
-        )
-        hidden_ECI = self.activation(gate_ECI, up_ECI)
-        return self._project(
-            "down_proj",
-            hidden_ECI,
-            self.down_proj,
-            self.down_proj_lora,
-            self.down_proj_dropout,
-            scale_EC,
-            groups,
-            self.down_proj_frozen,
-        )
+        gate_ECI = self._project("gate_proj", x_ECH, scale_EC, groups)
+        up_ECI = self._project("up_proj", x_ECH, scale_EC, groups)
+        return self._project("down_proj", self.activation(gate_ECI, up_ECI), scale_EC, groups)
 
 
 def routed_experts(
