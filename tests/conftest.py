@@ -53,3 +53,13 @@ def tf5_reference():
         if in_ci:
             pytest.fail(message + "\nCI needs it; check that the package index is reachable", pytrace=False)
         pytest.skip(message)
+
+
+@pytest.fixture(params=["host kernel", "gathered weights"])
+def static_path(request, monkeypatch):
+    """Both ways the CPU training graph runs a static-shape grouped matmul, whatever the experts' size: the
+    host kernel (chosen for large experts) and the gathered block weights in one BatchMatMul (small ones)."""
+    from mindmoe.model.kernels import cpu_grouped
+
+    monkeypatch.setattr(cpu_grouped, "GATHER_RATIO", 0 if request.param == "host kernel" else 10**6)
+    return request.param

@@ -14,10 +14,15 @@ and ran BatchMatMuls in chunks of blocks: its graph had five nodes per chunk and
 graph kept about 3 MiB of host memory per chunk, more than the experts' weights on a GLM-4.5-Air-shaped
 model, the same on every expert-parallel rank (each ran every row's blocks and masked the others').
 
-The dispatcher still pads every expert's group of sorted rows to a multiple of ``b`` (:func:`block_rows`):
-the serving graphs, whose row count is only known when they run (a ``pyfunc`` kernel needs static shapes,
-and an exported MindIR must hold MindSpore ops only), gather each block's expert weight and run one
-BatchMatMul (:meth:`BlockGroupedMatmul.whole`).
+The dispatcher still pads every expert's group of sorted rows to a multiple of ``b`` (:func:`block_rows`).
+Where the experts are small beside the rows (a gathered block weight ``[O, F]`` at most
+:data:`GATHER_RATIO` times a block's rows in and out, ``b (F + O)``, and all of them under
+:data:`GATHER_BYTES`), the training graph instead gathers each block's expert weight and runs one
+BatchMatMul, in MindSpore ops (:class:`_GatheredBlockMatmul`): a host kernel's fixed cost per expert
+(a Python call and a NumPy product of a few rows) and its copies of the inputs would then cost more than
+the products. The serving graphs, whose row count is only known when they run (a ``pyfunc`` kernel needs
+static shapes, and an exported MindIR must hold MindSpore ops only), always gather
+(:meth:`BlockGroupedMatmul.whole`).
 """
 
 import mindspore as ms
@@ -39,6 +44,21 @@ def block_rows(num_rows: int, num_groups: int) -> int:
         if size <= target:
             block = size
     return block
+
+
+#: Gather the blocks' weights when a block's weight ``O * F`` is at most this times its rows' ``b * (F + O)``.
+GATHER_RATIO = 2
+#: ... and the gathered fp32 weights of all blocks are at most this many bytes.
+GATHER_BYTES = 64 * 2**20
+
+
+def gathers_weights(num_blocks: int, block: int, out_features: int, in_features: int) -> bool:
+    """Whether a static-shape product of ``num_blocks`` blocks of ``block`` rows runs as one gathered
+    BatchMatMul (:class:`_GatheredBlockMatmul`) rather than on the host kernel. Plain integer arithmetic:
+    it runs while a graph compiles."""
+    per_block = out_features * in_features
+    small = per_block <= GATHER_RATIO * block * (in_features + out_features)
+    return small and num_blocks * per_block * 4 <= GATHER_BYTES
 
 
 def block_experts(num_blocks: int, block: int, num_experts: int, group_sizes_E):
@@ -147,6 +167,39 @@ class _HostGroupedMatmul(nn.Cell):
         return dx_NbF, self.cast(dw_EOF, w_EOF.dtype), ops.zeros_like(sizes_G), ops.zeros_like(scale_Nb)
 
 
+class _GatheredBlockMatmul(nn.Cell):
+    """``(x [N, b, F], w [E, O, F], expert_N [N], scale [N, b]) -> [N, b, O]``: each block's rows times the weight of
+    its expert ``expert_N``, gathered, in one BatchMatMul; the backward gathers again for the input gradient and
+    sums each block's ``(scale * dout)^T x`` into its expert's weight gradient. ``weight_grad=False`` (a frozen
+    weight): the input gradient only. Primitives only: functional ops do not compile in a bprop."""
+
+    def __init__(self, weight_grad: bool = True):
+        super().__init__()
+        self.weight_grad = weight_grad
+        self.gather = ops.Gather()
+        self.cast = ops.Cast()
+        self.segment_sum = ops.UnsortedSegmentSum()
+        self.bmm_nt = ops.BatchMatMul(transpose_b=True)
+        self.bmm_nn = ops.BatchMatMul()
+        self.bmm_tn = ops.BatchMatMul(transpose_a=True)
+
+    def gathered(self, w_EOF, expert_N, dtype):
+        if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU: one whole cast
+            w_EOF = self.cast(w_EOF, dtype)
+        return self.cast(self.gather(w_EOF, expert_N, 0), dtype)
+
+    def construct(self, x_NbF, w_EOF, expert_N, scale_Nb):
+        return self.bmm_nt(x_NbF, self.gathered(w_EOF, expert_N, x_NbF.dtype))
+
+    def bprop(self, x_NbF, w_EOF, expert_N, scale_Nb, out, dout_NbO):
+        dx_NbF = self.bmm_nn(dout_NbO, self.gathered(w_EOF, expert_N, dout_NbO.dtype))
+        if not self.weight_grad:
+            return dx_NbF, ops.zeros_like(w_EOF), ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
+        scaled_NbO = dout_NbO * self.cast(scale_Nb, dout_NbO.dtype).expand_dims(-1)
+        dw_EOF = self.segment_sum(self.bmm_tn(scaled_NbO, x_NbF), expert_N, w_EOF.shape[0])
+        return dx_NbF, self.cast(dw_EOF, w_EOF.dtype), ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
+
+
 class BlockGroupedMatmul(nn.Cell):
     """``(x [N, b, F], weight [E, O, F], group_sizes [E] int32) -> [N, b, O]``: row r of group e times
     ``weight[e]^T``. Group sizes are multiples of b, in row order; rows past the last group are padding
@@ -163,24 +216,38 @@ class BlockGroupedMatmul(nn.Cell):
     def __init__(self, weight_grad: bool = True):
         super().__init__()
         self.matmul = _HostGroupedMatmul(weight_grad)
+        self.gathered_matmul = _GatheredBlockMatmul(weight_grad)
         self.bmm_nt = ops.BatchMatMul(transpose_b=True)
 
     def whole(self, x_NbF, w_EOF, group_sizes_G):
         """One gather of every block's weight and one BatchMatMul: for the serving graphs, whose block count is
         only known when they run and which have no backward."""
-        num_held = w_EOF.shape[0]
-        group_N = block_experts(x_NbF.shape[0], x_NbF.shape[1], group_sizes_G.shape[0], group_sizes_G)
+        expert_N, held_N11 = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_G)
         if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU
             w_EOF = w_EOF.astype(x_NbF.dtype)
+        y_NbO = self.bmm_nt(x_NbF, ops.gather(w_EOF, expert_N, 0).astype(x_NbF.dtype))
+        return y_NbO if held_N11 is None else y_NbO * held_N11
+
+    def expert_of_blocks(self, x_NbF, w_EOF, group_sizes_G):
+        """Each block's row of ``w_EOF`` and, when ``group_sizes_G`` has the outside groups, ``[N, 1, 1]`` ones
+        for the blocks of held experts and zeros for the others (else None)."""
+        num_held = w_EOF.shape[0]
+        group_N = block_experts(x_NbF.shape[0], x_NbF.shape[1], group_sizes_G.shape[0], group_sizes_G)
         if group_sizes_G.shape[0] == num_held:
-            return self.bmm_nt(x_NbF, ops.gather(w_EOF, group_N, 0).astype(x_NbF.dtype))
+            return ops.stop_gradient(group_N), None
         held_N11 = ops.logical_and(group_N >= 1, group_N <= num_held).astype(x_NbF.dtype).reshape(-1, 1, 1)
         expert_N = ops.clip_by_value(group_N - 1, 0, num_held - 1)
-        return self.bmm_nt(x_NbF, ops.gather(w_EOF, expert_N, 0).astype(x_NbF.dtype)) * held_N11
+        return ops.stop_gradient(expert_N), ops.stop_gradient(held_N11)
 
     def _run(self, x_NbF, w_EOF, group_sizes_G, scale_Nb):
         if not F.isconstant(x_NbF.shape[0]):
             return self.whole(x_NbF, w_EOF, group_sizes_G)
+        if gathers_weights(x_NbF.shape[0], x_NbF.shape[1], w_EOF.shape[1], w_EOF.shape[2]):
+            expert_N, held_N11 = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_G)
+            if scale_Nb is None:
+                scale_Nb = ops.ones(x_NbF.shape[:2], ms.float32)
+            y_NbO = self.gathered_matmul(x_NbF, w_EOF, expert_N, scale_Nb)
+            return y_NbO if held_N11 is None else y_NbO * held_N11
         if w_EOF.dtype == ms.bfloat16:  # NumPy has no bf16: one whole cast
             w_EOF = w_EOF.astype(ms.float32)
         if scale_Nb is None:

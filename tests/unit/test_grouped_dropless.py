@@ -110,7 +110,9 @@ def assert_same(grouped, reference):
         ("random", None, True, True),  # the CPU kernel's own block size (1 for so few rows)
     ],
 )
-def test_grouped_dispatch_equals_all_experts_reference_in_values_and_gradients(case, alignment, scaled, lora):
+def test_grouped_dispatch_equals_all_experts_reference_in_values_and_gradients(
+    case, alignment, scaled, lora, static_path
+):
     """With ``scaled`` the row scale (uniform in [0.2, 1]) must reach the expert weight gradients exactly as
     the reference's; the input and combine-weight gradients are unscaled in both."""
     routing_TK = routing(case)
@@ -149,7 +151,7 @@ def layer_loss(layer, probe, doc_ids):
     return loss
 
 
-def test_locked_moe_layer_with_grouped_dispatch_equals_the_reference_layer():
+def test_locked_moe_layer_with_grouped_dispatch_equals_the_reference_layer(static_path):
     """A whole MoE layer with locking on (locks trigger on this input): output, losses, statistics and
     the gradients of input, router and experts equal those of the layer on the all-experts reference."""
     cfg = lock_layer_config("dropless", 1.0, isolation_mode="token_grad")
@@ -174,7 +176,7 @@ def test_locked_moe_layer_with_grouped_dispatch_equals_the_reference_layer():
         np.testing.assert_allclose(grouped[4][name], expected, rtol=1e-5, atol=atol, err_msg=name)
 
 
-def test_expert_share_runs_only_its_groups_and_the_shares_sum_to_the_whole():
+def test_expert_share_runs_only_its_groups_and_the_shares_sum_to_the_whole(static_path):
     """Expert parallelism with grouped dispatch: a process holding a contiguous share runs the whole
     sorted buffer with zero outputs for the other experts' rows; the shares' outputs add up exactly."""
     routing_TK = routing("random")
@@ -204,7 +206,7 @@ def test_expert_share_runs_only_its_groups_and_the_shares_sum_to_the_whole():
         assert not part.asnumpy()[~touches].any() and part.asnumpy()[touches].any()
 
 
-def test_a_share_gets_its_rows_of_the_whole_expert_gradient_at_every_call_of_the_compiled_graph():
+def test_a_share_gets_its_rows_of_the_whole_expert_gradient_at_every_call_of_the_compiled_graph(static_path):
     """The zero-weight groups of the other experts must not cut the share's weight gradient: with a padding
     op whose gradient was zero from the second call of a graph on, the experts of every expert-parallel
     rank stopped training after step 1 while the forward stayed right."""

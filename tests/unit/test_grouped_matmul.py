@@ -75,7 +75,7 @@ def run(kernel, x, weight, sizes, upstream, block, scale=None):
 @pytest.mark.parametrize(
     "group_blocks,block,padding_blocks", [([2, 0, 3, 1], 4, 2), ([0, 0, 5], 2, 0), ([1, 2, 1, 1, 3], 1, 3)]
 )
-def test_cpu_grouped_matmul_matches_numpy_and_torch_gradients(group_blocks, block, padding_blocks):
+def test_cpu_grouped_matmul_matches_numpy_and_torch_gradients(group_blocks, block, padding_blocks, static_path):
     """Empty groups, all rows in one group, trailing padding blocks; then the row-scaled variant, whose weight
     gradient takes each row's share times its scale and whose input gradient is unscaled."""
     x, weight, sizes, upstream, scale = problem(group_blocks, block, padding_blocks)
@@ -96,7 +96,7 @@ def test_cpu_grouped_matmul_matches_numpy_and_torch_gradients(group_blocks, bloc
 
 
 @pytest.mark.parametrize("group_blocks,block", [([2, 1, 0, 3, 1], 4), ([0, 2, 2, 0], 2), ([3, 0, 1, 0], 1)])
-def test_cpu_grouped_matmul_gives_zeros_for_the_groups_of_experts_held_elsewhere(group_blocks, block):
+def test_cpu_grouped_matmul_gives_zeros_for_the_groups_of_experts_held_elsewhere(group_blocks, block, static_path):
     """A share of the experts (``parallel.ep``): E weights with E + 2 groups, whose first and last are rows of
     experts held elsewhere. Their outputs and input gradients are zero, and every value and gradient equals
     the kernel's contract with zero weights for those two groups (the reference's padded weights)."""
@@ -120,7 +120,7 @@ def test_cpu_grouped_matmul_gives_zeros_for_the_groups_of_experts_held_elsewhere
     np.testing.assert_allclose(dw_s, expected_dw[1:-1], rtol=1e-5, atol=1e-5)
 
 
-def test_cpu_grouped_matmul_of_a_frozen_weight_gives_the_input_gradient_only():
+def test_cpu_grouped_matmul_of_a_frozen_weight_gives_the_input_gradient_only(static_path):
     """``weight_grad=False`` (a frozen LoRA base): the same values and input gradient as the plain kernel, with
     and without the groups of experts held elsewhere, and of an fp16 weight; the weight gradient it returns is
     zero (it is never computed)."""
@@ -155,6 +155,21 @@ def test_cpu_grouped_matmul_of_an_unknown_row_count_gathers_each_blocks_weight(o
     out = kernel.whole(Tensor(x.reshape(-1, 4, IN_FEATURES)), Tensor(held.astype(np.float16)), Tensor(sizes))
     rounded = weight.astype(np.float16).astype(np.float32)
     np.testing.assert_allclose(out.asnumpy().reshape(-1, OUT_FEATURES), np_grouped(x, rounded, sizes), atol=1e-5)
+
+
+def test_cpu_products_gather_small_experts_and_run_large_ones_on_the_host_kernel():
+    """The tiny model's experts (hidden 192, width 32) at top-8 of 2,048 tokens (its default micro-batch) gather
+    at 64 and 128 experts (b = 32, 16) and run on the host kernel at 256 (b = 8: a block's weight is 3.4x its
+    rows); GLM-4.5-Air-shaped experts (512 x 512, b = 4) and products whose gathered weights pass 64 MiB never
+    gather."""
+    rows = 2048 * 8
+    for experts, block, gathers in ((64, 32, True), (128, 16, True), (256, 8, False)):
+        assert cpu_grouped.block_rows(rows, experts) == block
+        num_blocks = rows // block + experts
+        assert cpu_grouped.gathers_weights(num_blocks, block, 32, 192) is gathers
+        assert cpu_grouped.gathers_weights(num_blocks, block, 192, 32) is gathers
+    assert not cpu_grouped.gathers_weights(6144 // 4 + 128, 4, 512, 512)
+    assert not cpu_grouped.gathers_weights(2**20, 64, 32, 192)
 
 
 def test_cpu_block_size_keeps_padding_near_an_eighth_and_is_one_for_few_rows():
