@@ -61,5 +61,7 @@ def static_path(request, monkeypatch):
     host kernel (chosen for large experts) and the gathered block weights in one BatchMatMul (small ones)."""
     from mindmoe.model.kernels import cpu_grouped
 
-    monkeypatch.setattr(cpu_grouped, "GATHER_RATIO", 0 if request.param == "host kernel" else 10**6)
+    gathered = request.param == "gathered weights"
+    monkeypatch.setattr(cpu_grouped, "GATHER_RATIO", 10**6 if gathered else 0)
+    monkeypatch.setattr(cpu_grouped, "GATHER_MIN_WIDTH", 0)
     return request.param

@@ -48,8 +48,12 @@ def block_rows(num_rows: int, num_groups: int) -> int:
 
 #: Gather the blocks' weights when a block's weight ``O * F`` is at most this times its rows' ``b * (F + O)``.
 GATHER_RATIO = 2
-#: ... and the gathered fp32 weights of all blocks are at most this many bytes.
+#: ... and the gathered fp32 weights of all blocks are at most this many bytes ...
 GATHER_BYTES = 64 * 2**20
+#: ... and the weight is at least this wide both ways: a rank-r LoRA factor's products (a few rows times r
+#: columns per expert) cost little on either path, and on the host kernel an expert-parallel share runs only
+#: its own experts' rows (the gathered path multiplies every block and masks the others').
+GATHER_MIN_WIDTH = 32
 
 
 def gathers_weights(num_blocks: int, block: int, out_features: int, in_features: int) -> bool:
@@ -58,7 +62,8 @@ def gathers_weights(num_blocks: int, block: int, out_features: int, in_features:
     it runs while a graph compiles."""
     per_block = out_features * in_features
     small = per_block <= GATHER_RATIO * block * (in_features + out_features)
-    return small and num_blocks * per_block * 4 <= GATHER_BYTES
+    wide = out_features >= GATHER_MIN_WIDTH and in_features >= GATHER_MIN_WIDTH
+    return small and wide and num_blocks * per_block * 4 <= GATHER_BYTES
 
 
 def block_experts(num_blocks: int, block: int, num_experts: int, group_sizes_E):
@@ -170,12 +175,16 @@ class _HostGroupedMatmul(nn.Cell):
 class _GatheredBlockMatmul(nn.Cell):
     """``(x [N, b, F], w [E, O, F], expert_N [N], scale [N, b]) -> [N, b, O]``: each block's rows times the weight of
     its expert ``expert_N``, gathered, in one BatchMatMul; the backward gathers again for the input gradient and
-    sums each block's ``(scale * dout)^T x`` into its expert's weight gradient. ``weight_grad=False`` (a frozen
-    weight): the input gradient only. Primitives only: functional ops do not compile in a bprop."""
+    sums each block's ``dout^T x`` (``row_scaled``: ``(scale * dout)^T x``; else ``scale`` is unused) into its
+    expert's weight gradient. ``weight_grad=False`` (a frozen weight): the input gradient only. Primitives only:
+    functional ops do not compile in a bprop. The row scale is tiled to ``dout``'s shape: a ``[N, b, 1]`` operand
+    broadcast by the multiplication would keep 16 bytes per element for the graph's life on CPU."""
 
-    def __init__(self, weight_grad: bool = True):
+    def __init__(self, weight_grad: bool = True, row_scaled: bool = False):
         super().__init__()
         self.weight_grad = weight_grad
+        self.row_scaled = row_scaled
+        self.tile = ops.Tile()
         self.gather = ops.Gather()
         self.cast = ops.Cast()
         self.segment_sum = ops.UnsortedSegmentSum()
@@ -195,7 +204,10 @@ class _GatheredBlockMatmul(nn.Cell):
         dx_NbF = self.bmm_nn(dout_NbO, self.gathered(w_EOF, expert_N, dout_NbO.dtype))
         if not self.weight_grad:
             return dx_NbF, ops.zeros_like(w_EOF), ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
-        scaled_NbO = dout_NbO * self.cast(scale_Nb, dout_NbO.dtype).expand_dims(-1)
+        scaled_NbO = dout_NbO
+        if self.row_scaled:
+            scale_Nb1 = self.cast(scale_Nb, dout_NbO.dtype).expand_dims(-1)
+            scaled_NbO = dout_NbO * self.tile(scale_Nb1, (1, 1, dout_NbO.shape[2]))
         dw_EOF = self.segment_sum(self.bmm_tn(scaled_NbO, x_NbF), expert_N, w_EOF.shape[0])
         return dx_NbF, self.cast(dw_EOF, w_EOF.dtype), ops.zeros_like(expert_N), ops.zeros_like(scale_Nb)
 
@@ -212,24 +224,26 @@ class BlockGroupedMatmul(nn.Cell):
     takes_half_weights = True
     #: ``group_sizes`` may have the two groups of experts held elsewhere (zero outputs).
     takes_outside_groups = True
+    #: The backward scales each row's share of the weight gradient (:class:`RowScaledBlockGroupedMatmul`).
+    row_scaled = False
 
     def __init__(self, weight_grad: bool = True):
         super().__init__()
         self.matmul = _HostGroupedMatmul(weight_grad)
-        self.gathered_matmul = _GatheredBlockMatmul(weight_grad)
+        self.gathered_matmul = _GatheredBlockMatmul(weight_grad, self.row_scaled)
         self.bmm_nt = ops.BatchMatMul(transpose_b=True)
 
     def whole(self, x_NbF, w_EOF, group_sizes_G):
         """One gather of every block's weight and one BatchMatMul: for the serving graphs, whose block count is
         only known when they run and which have no backward."""
-        expert_N, held_N11 = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_G)
+        expert_N, held_NbO = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_G)
         if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU
             w_EOF = w_EOF.astype(x_NbF.dtype)
         y_NbO = self.bmm_nt(x_NbF, ops.gather(w_EOF, expert_N, 0).astype(x_NbF.dtype))
-        return y_NbO if held_N11 is None else y_NbO * held_N11
+        return y_NbO if held_NbO is None else y_NbO * held_NbO
 
     def expert_of_blocks(self, x_NbF, w_EOF, group_sizes_G):
-        """Each block's row of ``w_EOF`` and, when ``group_sizes_G`` has the outside groups, ``[N, 1, 1]`` ones
+        """Each block's row of ``w_EOF`` and, when ``group_sizes_G`` has the outside groups, ``[N, b, O]`` ones
         for the blocks of held experts and zeros for the others (else None)."""
         num_held = w_EOF.shape[0]
         group_N = block_experts(x_NbF.shape[0], x_NbF.shape[1], group_sizes_G.shape[0], group_sizes_G)
@@ -237,17 +251,19 @@ class BlockGroupedMatmul(nn.Cell):
             return ops.stop_gradient(group_N), None
         held_N11 = ops.logical_and(group_N >= 1, group_N <= num_held).astype(x_NbF.dtype).reshape(-1, 1, 1)
         expert_N = ops.clip_by_value(group_N - 1, 0, num_held - 1)
-        return ops.stop_gradient(expert_N), ops.stop_gradient(held_N11)
+        # Tiled to the output's shape: a broadcast multiplication keeps 16 bytes per element on CPU.
+        held_NbO = ops.tile(held_N11, (1, x_NbF.shape[1], w_EOF.shape[1]))
+        return ops.stop_gradient(expert_N), ops.stop_gradient(held_NbO)
 
     def _run(self, x_NbF, w_EOF, group_sizes_G, scale_Nb):
         if not F.isconstant(x_NbF.shape[0]):
             return self.whole(x_NbF, w_EOF, group_sizes_G)
         if gathers_weights(x_NbF.shape[0], x_NbF.shape[1], w_EOF.shape[1], w_EOF.shape[2]):
-            expert_N, held_N11 = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_G)
+            expert_N, held_NbO = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_G)
             if scale_Nb is None:
                 scale_Nb = ops.ones(x_NbF.shape[:2], ms.float32)
             y_NbO = self.gathered_matmul(x_NbF, w_EOF, expert_N, scale_Nb)
-            return y_NbO if held_N11 is None else y_NbO * held_N11
+            return y_NbO if held_NbO is None else y_NbO * held_NbO
         if w_EOF.dtype == ms.bfloat16:  # NumPy has no bf16: one whole cast
             w_EOF = w_EOF.astype(ms.float32)
         if scale_Nb is None:
@@ -261,6 +277,8 @@ class BlockGroupedMatmul(nn.Cell):
 class RowScaledBlockGroupedMatmul(BlockGroupedMatmul):
     """:class:`BlockGroupedMatmul` whose backward scales row r's share of the weight gradient by
     ``scale [N, b]`` (gradient isolation's ``token_grad``; see ``RowScaledWeightGradMatmul``)."""
+
+    row_scaled = True
 
     def construct(self, x_NbF, w_EOF, group_sizes_G, scale_Nb):
         return self._run(x_NbF, w_EOF, group_sizes_G, scale_Nb)

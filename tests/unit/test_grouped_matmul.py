@@ -160,8 +160,8 @@ def test_cpu_grouped_matmul_of_an_unknown_row_count_gathers_each_blocks_weight(o
 def test_cpu_products_gather_small_experts_and_run_large_ones_on_the_host_kernel():
     """The tiny model's experts (hidden 192, width 32) at top-8 of 2,048 tokens (its default micro-batch) gather
     at 64 and 128 experts (b = 32, 16) and run on the host kernel at 256 (b = 8: a block's weight is 3.4x its
-    rows); GLM-4.5-Air-shaped experts (512 x 512, b = 4) and products whose gathered weights pass 64 MiB never
-    gather."""
+    rows); GLM-4.5-Air-shaped experts (512 x 512, b = 4), rank-r LoRA factors and products whose gathered
+    weights pass 64 MiB never gather."""
     rows = 2048 * 8
     for experts, block, gathers in ((64, 32, True), (128, 16, True), (256, 8, False)):
         assert cpu_grouped.block_rows(rows, experts) == block
@@ -169,6 +169,8 @@ def test_cpu_products_gather_small_experts_and_run_large_ones_on_the_host_kernel
         assert cpu_grouped.gathers_weights(num_blocks, block, 32, 192) is gathers
         assert cpu_grouped.gathers_weights(num_blocks, block, 192, 32) is gathers
     assert not cpu_grouped.gathers_weights(6144 // 4 + 128, 4, 512, 512)
+    assert not cpu_grouped.gathers_weights(6144 // 8 + 128, 8, 8, 512)  # a rank-8 LoRA factor
+    assert not cpu_grouped.gathers_weights(6144 // 8 + 128, 8, 512, 8)
     assert not cpu_grouped.gathers_weights(2**20, 64, 32, 192)
 
 
