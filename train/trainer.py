@@ -30,6 +30,7 @@ from mindmoe.train.checkpoint import (
 from mindmoe.train.checkpoint_tokenizer import run_data_config
 from mindmoe.train.distributed import init_distributed
 from mindmoe.train.dsa_stage import continue_schedule, enter_stage, stage_at, switches_after
+from mindmoe.train.graph_memory import release_compiled_graphs, validates_before_last_step
 from mindmoe.train.heatmap import render_expert_load, save_png
 from mindmoe.train.init_model import build_model, planned_model_config
 from mindmoe.train.lineage import settle_lineage
@@ -216,6 +217,8 @@ class Trainer:
         train = self.cfg.train
         # The base model's validation loss, for comparing a fine-tuned run against its starting point.
         base_val_loss = self.validate(0) if self.lora_run is not None and self.start_step == 0 else None
+        if base_val_loss is not None and not validates_before_last_step(train.eval_every, 0, train.max_steps):
+            release_compiled_graphs()  # the evaluation graph runs next after the last step
         show_progress = train.progress_bar and self.dist.is_main
         progress = tqdm(
             total=train.max_steps, initial=self.start_step, disable=not show_progress, unit="step", dynamic_ncols=True
@@ -233,6 +236,7 @@ class Trainer:
                 self._save_or_stop(step, stop)
                 progress.update(1)
         progress.close()
+        release_compiled_graphs()  # training is over: the final validation reuses its graphs' memory
         val_loss = self.validate(train.max_steps)
         return self._finish(val_loss, base_val_loss)
 
