@@ -22,6 +22,11 @@ class RowRMSNormalize(nn.Cell):
 
         dx      = r * (g - xhat * mean(g * xhat, -1))
         dweight = sum_rows(dy * xhat)
+
+    Every ``[Z, 1]`` and ``[H]`` operand is broadcast to ``[Z, H]`` explicitly before its multiplication: a
+    multiplication that broadcasts an operand keeps 16 bytes per output element for the compiled graph's life on
+    CPU (measured: 52 MiB per op on ``[6528, 512]``, under 1 MiB with the explicit broadcast), about 1 GiB over
+    the norms of the tiny model's 8k-token step. The products are the same.
     """
 
     def __init__(self, dim: int, eps: float):
@@ -35,16 +40,18 @@ class RowRMSNormalize(nn.Cell):
         return ops.rsqrt(self.row_dot(x_ZH * x_ZH, ones_H1) * self.inv_dim + self.eps)
 
     def construct(self, x_ZH, weight_H):
-        return x_ZH * self.inverse_rms(x_ZH) * weight_H
+        shape = x_ZH.shape
+        return x_ZH * ops.broadcast_to(self.inverse_rms(x_ZH), shape) * ops.broadcast_to(weight_H, shape)
 
     def bprop(self, x_ZH, weight_H, out_ZH, dout_ZH):
-        inv_rms_Z1 = self.inverse_rms(x_ZH)
-        xhat_ZH = x_ZH * inv_rms_Z1
+        shape = x_ZH.shape
+        inv_rms_ZH = ops.broadcast_to(self.inverse_rms(x_ZH), shape)
+        xhat_ZH = x_ZH * inv_rms_ZH
         dweight_H = (dout_ZH * xhat_ZH).sum(0)
-        g_ZH = dout_ZH * weight_H
+        g_ZH = dout_ZH * ops.broadcast_to(weight_H, shape)
         ones_H1 = ops.ones((x_ZH.shape[1], 1), ms.float32)
         mean_Z1 = self.row_dot(g_ZH * xhat_ZH, ones_H1) * self.inv_dim
-        return (g_ZH - xhat_ZH * mean_Z1) * inv_rms_Z1, dweight_H
+        return (g_ZH - xhat_ZH * ops.broadcast_to(mean_Z1, shape)) * inv_rms_ZH, dweight_H
 
 
 class GroupedAttentionCore(nn.Cell):
