@@ -14,6 +14,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
+from mindmoe.model import kernels
+
 #: fp32 bytes of one chunk's ``[c, V]`` logits. The loop body holds about 20 buffers of that size on CPU (its
 #: elementwise steps and their workspaces), so this bounds the loss's memory near 0.6 GiB; at V = 151,552 a chunk
 #: is 55 rows; the default run (2,048 tokens, V = 4,096) is one chunk.
@@ -50,6 +52,7 @@ class TokenNLL(nn.Cell):
         self.matmul_nt = ops.MatMul(transpose_b=True)
         self.matmul_nn = ops.MatMul()
         self.matmul_tn = ops.MatMul(transpose_a=True)
+        self.expand = kernels.expand()
 
     def logits(self, x_cH, head_VH):
         """fp32 logits ``[c, V]``; ``head_VH`` already in the compute dtype."""
@@ -60,11 +63,11 @@ class TokenNLL(nn.Cell):
         if x_TH.shape[0] <= self.rows:
             logits_TV = self.logits(x_TH, head_VH)
             max_T1 = logits_TV.max(-1, keepdims=True)
-            exp_TV = ops.exp(logits_TV - max_T1)
+            exp_TV = ops.exp(logits_TV - self.expand(max_T1, logits_TV.shape))
             sum_T1 = exp_TV.sum(-1, keepdims=True)
             label_T = ops.gather_elements(logits_TV, 1, labels_T.reshape(-1, 1)).reshape(-1)
             nll_T = (max_T1 + ops.log(sum_T1)).reshape(-1) - label_T
-            return nll_T, exp_TV / sum_T1
+            return nll_T, exp_TV / self.expand(sum_T1, exp_TV.shape)
         return self.chunked_nll(x_TH, head_VH, labels_T)
 
     def padded(self, x_TH, labels_T):
@@ -93,7 +96,8 @@ class TokenNLL(nn.Cell):
             index_c = offsets_c + chunk * self.rows
             logits_cV = self.logits(ops.gather(x_TH, index_c, 0), head_VH)
             max_c1 = logits_cV.max(-1, keepdims=True)
-            lse_c = (max_c1 + ops.log(ops.exp(logits_cV - max_c1).sum(-1, keepdims=True))).reshape(-1)
+            shifted_cV = logits_cV - self.expand(max_c1, logits_cV.shape)
+            lse_c = (max_c1 + ops.log(ops.exp(shifted_cV).sum(-1, keepdims=True))).reshape(-1)
             label_c = ops.gather_elements(logits_cV, 1, ops.gather(labels_T, index_c, 0).reshape(-1, 1)).reshape(-1)
             nll_T = ops.tensor_scatter_update(nll_T, index_c.reshape(-1, 1), lse_c - label_c)
             lse_T = ops.tensor_scatter_update(lse_T, index_c.reshape(-1, 1), lse_c)
@@ -103,7 +107,7 @@ class TokenNLL(nn.Cell):
     def chunk_dlogits(self, probs_cV, labels_c, dnll_c):
         """``(softmax - onehot(label)) * dnll`` of one chunk, fp32 ``[c, V]``."""
         onehot_cV = ops.one_hot(labels_c, probs_cV.shape[1], 1.0, 0.0)
-        return (probs_cV - onehot_cV) * dnll_c.reshape(-1, 1)
+        return (probs_cV - onehot_cV) * self.expand(dnll_c.reshape(-1, 1), probs_cV.shape)
 
     def bprop(self, x_TH, head_VH, labels_T, out, dout):
         # Early returns only: MindSpore 2.9 failed to compile this backward with a branch that joins again
@@ -170,7 +174,9 @@ class TokenNLL(nn.Cell):
 
     def chunk_dlogits_recomputed(self, x_cH, head_c, labels_T, lse_T, dnll_T, index_c):
         """One chunk's logit gradient from its recomputed logits, in the compute dtype."""
-        probs_cV = ops.exp(self.logits(x_cH, head_c) - ops.gather(lse_T, index_c, 0).reshape(-1, 1))
+        logits_cV = self.logits(x_cH, head_c)
+        lse_c1 = ops.gather(lse_T, index_c, 0).reshape(-1, 1)
+        probs_cV = ops.exp(logits_cV - self.expand(lse_c1, logits_cV.shape))
         dlogits_cV = self.chunk_dlogits(probs_cV, ops.gather(labels_T, index_c, 0), ops.gather(dnll_T, index_c, 0))
         return dlogits_cV.astype(self.compute_dtype)
 

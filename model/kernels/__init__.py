@@ -32,6 +32,9 @@ all_gather     ``cpu_collectives.EmulatedAllGather``      ``ops.AllGather(group=
                zero-padded buffers summed by AllReduce)
 dropout_keep   :class:`~.dropout_mask.HostScaledKeep`     :func:`~.dropout_mask.graph_scaled_keep`
                (one host kernel)                          (MindSpore ops)
+expand         :func:`~.cpu.expand` (``broadcast_to``:    :func:`~.ascend.expand` (the operand as it
+               an element-wise op of same-shape operands  is: the element-wise op broadcasts it)
+               keeps no per-element buffers)
 ============== ========================================== ==============================================
 
 ``blockwise_attention`` (training attention, memory linear in the length): on CPU
@@ -74,6 +77,7 @@ CPU_KERNELS = {
     "reduce_scatter": cpu_collectives.EmulatedReduceScatter,
     "all_gather": cpu_collectives.EmulatedAllGather,
     "dropout_keep": dropout_mask.HostScaledKeep,
+    "expand": lambda: cpu.expand,
 }
 
 ASCEND_KERNELS = dict(
@@ -89,6 +93,7 @@ ASCEND_KERNELS = dict(
     reduce_scatter=ascend_collectives.AscendReduceScatter,
     all_gather=ascend_collectives.AscendAllGather,
     dropout_keep=dropout_mask.graph_scaled_keep,
+    expand=lambda: ascend.expand,
 )
 
 #: device target -> kernel name -> factory called at build time with the kernel's static arguments.
@@ -210,6 +215,13 @@ def dropout_keep(threshold: int, scale: float, device_target: str = None):
     return implementation("dropout_keep", device_target)(threshold, scale)
 
 
+def expand(device_target: str = None):
+    """``(x, shape) -> x`` broadcast to ``shape``, for an operand of an element-wise op with a tensor of that
+    shape: same values either way, but MindSpore 2.9's CPU element-wise kernels keep 16 bytes per output element
+    for the graph's life when they broadcast an operand themselves."""
+    return implementation("expand", device_target)()
+
+
 __all__ = [
     "IMPLEMENTATIONS",
     "all_gather",
@@ -217,6 +229,7 @@ __all__ = [
     "attention_core",
     "blockwise_attention",
     "dropout_keep",
+    "expand",
     "grouped_alignment",
     "grouped_matmul",
     "grouped_matmul_row_scaled",

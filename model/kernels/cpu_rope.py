@@ -3,10 +3,13 @@
 ``x * cos + rotate(x) * sin`` on the rotated channels ``x_rot [..., S, R]``, with ``cos``/``sin``
 broadcasting to it (``[S, R]``, or ``[B, 1, S, R]`` when decoding). ``rotate_half`` pairs channel i
 with i + R/2 (GLM-4.5, Llama, GPT-NeoX); ``interleaved`` pairs 2i with 2i+1 (GPT-J). The tables of
-:func:`mindmoe.model.rope.rope_tables` are laid out to match (halves repeated, or each angle twice).
+:func:`mindmoe.model.rope.rope_tables` are laid out to match (halves repeated, or each angle twice). The tables
+are broadcast to ``x_rot``'s shape before the products: a multiplication that broadcasts an operand itself keeps
+16 bytes per output element for the compiled graph's life on CPU.
 """
 
 from mindspore import ops
+from mindspore.ops import functional as F
 
 
 def _rotate_half(x):
@@ -20,14 +23,26 @@ def _rotate_interleaved(x):
     return ops.stack((-odd, even), -1).reshape(x.shape)
 
 
+def _tables_like(x_rot, cos, sin):
+    """The tables in ``x_rot``'s dtype, broadcast to its shape when that is static (training; a serving graph's
+    dynamic length is left to the multiplication)."""
+    cos, sin = cos.astype(x_rot.dtype), sin.astype(x_rot.dtype)
+    shape = x_rot.shape
+    if not F.isconstant(shape[-2]) or not F.isconstant(shape[0]):
+        return cos, sin
+    return ops.broadcast_to(cos, shape), ops.broadcast_to(sin, shape)
+
+
 def rope_rotate_half(x_rot, cos, sin):
     """RoPE of every channel of ``x_rot``, halves paired (GPT-NeoX layout)."""
-    return x_rot * cos.astype(x_rot.dtype) + _rotate_half(x_rot) * sin.astype(x_rot.dtype)
+    cos, sin = _tables_like(x_rot, cos, sin)
+    return x_rot * cos + _rotate_half(x_rot) * sin
 
 
 def rope_interleaved(x_rot, cos, sin):
     """RoPE of every channel of ``x_rot``, neighbours paired (GPT-J layout)."""
-    return x_rot * cos.astype(x_rot.dtype) + _rotate_interleaved(x_rot) * sin.astype(x_rot.dtype)
+    cos, sin = _tables_like(x_rot, cos, sin)
+    return x_rot * cos + _rotate_interleaved(x_rot) * sin
 
 
 def rope(interleaved: bool):
