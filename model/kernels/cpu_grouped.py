@@ -1,15 +1,17 @@
-"""CPU grouped matmul: each expert's rows times that expert's weight, one host matrix product per expert.
+"""CPU grouped matmul: each expert's rows times that expert's weight, one host matrix product per expert
+(large experts) or one BatchMatMul of every block's gathered weight (small experts).
 
 Shape legend (docs/architecture.md): E groups (experts), N blocks, b rows per block, X = N * b sorted
 rows, F input features, O output features.
 
-The training graph calls one host kernel per product (``ops.Custom`` of type ``pyfunc``: MindSpore runs a
-Python function on the arrays of its inputs, in the graph): for each group of rows with its weight it runs
+For large experts the training graph calls one host kernel per product (``ops.Custom`` of type ``pyfunc``:
+MindSpore runs a Python function on the arrays of its inputs, in the graph): for each group of rows with its
+weight it runs
 ``rows @ weight[e]^T`` (forward), ``dout @ weight[e]`` (input gradient) and ``(scale * dout)^T @ rows``
 (weight gradient) in NumPy's BLAS, in fp32. So the cost is the routed FLOPs of the rows received, a
 half-precision weight (a frozen LoRA base) is up-cast one expert at a time, the groups of experts held
 elsewhere cost nothing, and the graph has three nodes per projection whatever the number of experts.
-The kernel it replaced gathered every block's expert weight (``O / b`` times the rows it multiplies)
+The kernel it replaced for them gathered every block's expert weight (``O / b`` times the rows it multiplies)
 and ran BatchMatMuls in chunks of blocks: its graph had five nodes per chunk and MindSpore's compiled
 graph kept about 3 MiB of host memory per chunk, more than the experts' weights on a GLM-4.5-Air-shaped
 model, the same on every expert-parallel rank (each ran every row's blocks and masked the others').
