@@ -233,15 +233,13 @@ class BlockGroupedMatmul(nn.Cell):
         super().__init__()
         self.matmul = _HostGroupedMatmul(weight_grad)
         self.gathered_matmul = _GatheredBlockMatmul(weight_grad, self.row_scaled)
-        self.bmm_nt = ops.BatchMatMul(transpose_b=True)
 
     def whole(self, x_NbF, w_EOF, group_sizes_G):
         """One gather of every block's weight and one BatchMatMul: for the serving graphs, whose block count is
         only known when they run and which have no backward."""
         expert_N, held_NbO = self.expert_of_blocks(x_NbF, w_EOF, group_sizes_G)
-        if w_EOF.dtype == ms.bfloat16:  # no bf16 Gather on CPU
-            w_EOF = w_EOF.astype(x_NbF.dtype)
-        y_NbO = self.bmm_nt(x_NbF, ops.gather(w_EOF, expert_N, 0).astype(x_NbF.dtype))
+        gathered = self.gathered_matmul
+        y_NbO = gathered.bmm_nt(x_NbF, gathered.gathered(w_EOF, expert_N, x_NbF.dtype))
         return y_NbO if held_NbO is None else y_NbO * held_NbO
 
     def expert_of_blocks(self, x_NbF, w_EOF, group_sizes_G):
