@@ -11,6 +11,8 @@ are broadcast to ``x_rot``'s shape before the products: a multiplication that br
 from mindspore import ops
 from mindspore.ops import functional as F
 
+from mindmoe.model.kernels.cpu import expand
+
 
 def _rotate_half(x):
     half = x.shape[-1] // 2
@@ -30,7 +32,7 @@ def _tables_like(x_rot, cos, sin):
     shape = x_rot.shape
     if not F.isconstant(shape[-2]) or not F.isconstant(shape[0]):
         return cos, sin
-    return ops.broadcast_to(cos, shape), ops.broadcast_to(sin, shape)
+    return expand(cos, shape), expand(sin, shape)
 
 
 def rope_rotate_half(x_rot, cos, sin):
