@@ -58,6 +58,20 @@ def context_of(setting: str) -> dict:
 
 
 def compare(kind: str, setting: str, layers: int, steps: int, size_name: str) -> dict:
+    import mindspore as ms
+
+    @contextlib.contextmanager
+    def under_option():
+        ms.set_context(**context_of(setting))
+        with jit_level_of_new_graphs(setting):
+            yield
+
+    return {"setting": setting, **alternate(kind, layers, steps, size_name, under_option)}
+
+
+def alternate(kind: str, layers: int, steps: int, size_name: str, under_option) -> dict:
+    """Two trainers of the ``train_step`` case in one process, the second built and compiled (its first step)
+    inside the context manager ``under_option()``; then their steps alternate on the same windows."""
     from mindmoe.bench import cases
     from mindmoe.bench.specs import SIZES, model_config
 
@@ -68,13 +82,12 @@ def compare(kind: str, setting: str, layers: int, steps: int, size_name: str) ->
     default_jit = ms.get_context("jit_config")
     baseline, _ = cases.build_trainer(cfg)
     base_first, _ = cases.timed(baseline.step, [windows[0]])
-    ms.set_context(**context_of(setting))
-    with jit_level_of_new_graphs(setting):
+    with under_option():
         option, _ = cases.build_trainer(cfg)
-    try:
-        option_first, _ = cases.timed(option.step, [windows[0]])
-    except RuntimeError as error:
-        return {"model": kind, "setting": setting, "error": str(error).strip().splitlines()[0][:300]}
+        try:
+            option_first, _ = cases.timed(option.step, [windows[0]])
+        except RuntimeError as error:
+            return {"model": kind, "error": str(error).strip().splitlines()[0][:300]}
     baseline.step([windows[1]])
     option.step([windows[1]])
     times = {"baseline": [], "option": []}
@@ -90,7 +103,6 @@ def compare(kind: str, setting: str, layers: int, steps: int, size_name: str) ->
     return {
         "model": kind,
         "layers": cfg.num_layers,
-        "setting": setting,
         "default_jit_config": default_jit,
         "baseline_step_s": step_s["baseline"],
         "option_step_s": step_s["option"],

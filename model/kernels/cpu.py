@@ -7,6 +7,7 @@ head (its query heads' positions of one attention block), P key positions, D hea
 
 import mindspore as ms
 from mindspore import nn, ops
+from mindspore.ops import functional as F
 
 
 class RowRMSNormalize(nn.Cell):
@@ -113,5 +114,15 @@ def swiglu(gate_ZI, up_ZI):
 def expand(x, shape):
     """``x`` broadcast to ``shape`` before an element-wise op with a tensor of that shape: MindSpore 2.9's CPU
     element-wise kernels keep 16 bytes per output element for the compiled graph's life when they broadcast an
-    operand themselves (52 MiB per multiplication on ``[6528, 512]``), none with same-shape operands."""
-    return ops.broadcast_to(x, shape)
+    operand themselves (52 MiB per multiplication on ``[6528, 512]``), none with same-shape operands.
+
+    A static ``shape`` is reached with ``Tile``: the same values and memory as ``BroadcastTo``, which on CPU copied
+    at about 1.6 GB/s (3.9 ms for ``[2048, 1] -> [2048, 512]`` against 0.5 ms tiled; 9.5 % of the benchmark's
+    dense step). A dynamic one (a serving graph's length) keeps ``BroadcastTo``, which takes it as it is."""
+    multiples = ()
+    padded = (1,) * (len(shape) - x.ndim) + x.shape
+    for i in range(len(shape)):
+        if not F.isconstant(shape[i]):
+            return ops.broadcast_to(x, shape)
+        multiples = multiples + ((shape[i] if padded[i] == 1 else 1),)
+    return ops.tile(x.reshape(padded), multiples)

@@ -1,0 +1,84 @@
+"""``python -m mindmoe.bench.kernel_ab --model dense --variant expand=broadcast_to``: what a change to a CPU kernel
+function bought, measured in one process.
+
+Two trainers of the ``train_step`` case (bench.ms_options.alternate): the first with the kernels as they are, the
+second built and compiled while one kernel function is replaced by its earlier implementation (``VARIANTS``,
+kept here for this comparison only); their steps alternate on the same windows, so both see the same load.
+``speedup`` = the earlier variant's median step over today's. The JSON line also has both compile times and
+the largest difference of their losses (the same windows and initial weights).
+"""
+
+import argparse
+import contextlib
+import json
+import sys
+
+from mindspore import ops
+
+
+def _broadcast_expand(x, shape):
+    """``kernels.cpu.expand`` before it tiled static shapes: ``BroadcastTo`` for every shape."""
+    return ops.broadcast_to(x, shape)
+
+
+#: ``--variant`` -> (module attribute paths to replace, the earlier implementation). MindSpore resolves a
+#: function's globals when it compiles the graph, so the replacement holds for graphs compiled meanwhile.
+VARIANTS = {
+    "expand=broadcast_to": (
+        ("mindmoe.model.kernels.cpu.expand", "mindmoe.model.kernels.cpu_rope.expand"),
+        _broadcast_expand,
+    ),
+}
+
+
+@contextlib.contextmanager
+def earlier_kernel(variant: str):
+    """Every attribute of ``VARIANTS[variant]`` replaced inside the block, restored after it."""
+    import importlib
+
+    paths, earlier = VARIANTS[variant]
+    saved = []
+    try:
+        for path in paths:
+            module_name, _, attribute = path.rpartition(".")
+            module = importlib.import_module(module_name)
+            saved.append((module, attribute, getattr(module, attribute)))
+            setattr(module, attribute, earlier)
+        yield
+    finally:
+        for module, attribute, value in reversed(saved):
+            setattr(module, attribute, value)
+
+
+def _renamed(row: dict) -> dict:
+    """``alternate`` calls today's trainer "baseline" and the earlier variant's "option": "today", "earlier" here."""
+    names = {"baseline": "today", "option": "earlier"}
+    renamed = {}
+    for key, value in row.items():
+        first, underscore, rest = key.partition("_")
+        renamed[names.get(first, first) + underscore + rest] = value
+    return renamed
+
+
+def main(argv=None) -> int:
+    from mindmoe.bench.ms_options import alternate
+    from mindmoe.conf.quiet import quiet_framework_logs
+
+    quiet_framework_logs()
+    parser = argparse.ArgumentParser(prog="python -m mindmoe.bench.kernel_ab", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=("dense", "moe"), required=True)
+    parser.add_argument("--variant", choices=sorted(VARIANTS), required=True)
+    parser.add_argument("--layers", type=int, default=0, help="layer count (default: the size's, 8 at full)")
+    parser.add_argument("--steps", type=int, default=4, help="timed steps of each trainer")
+    parser.add_argument("--size", choices=("full", "quick"), default="full")
+    args = parser.parse_args(argv)
+    row = alternate(args.model, args.layers, args.steps, args.size, lambda: earlier_kernel(args.variant))
+    if "error" not in row:
+        row = _renamed(row)
+        row["speedup"] = row["earlier_step_s"] / row["today_step_s"]
+    print(json.dumps({"variant": args.variant, **row}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,45 @@
+"""The CPU ``expand`` kernel function and bench/kernel_ab.py's swap of it for its earlier implementation.
+
+``expand`` tiles static shapes (``BroadcastTo`` copied at about 1.6 GB/s on CPU): the values must be NumPy's
+broadcast, in a graph (where the shape is static) and eagerly, for every way an operand broadcasts in the model
+(a row statistic ``[Z, 1]``, a weight ``[H]``, a table with leading axes to add). The A/B bench must put the earlier
+implementation in every module that calls it and put today's back afterwards, even when the block raises."""
+
+import mindspore as ms
+import numpy as np
+import pytest
+from mindspore import Tensor
+
+from mindmoe.bench import kernel_ab
+from mindmoe.model.kernels import cpu, cpu_rope
+
+
+@pytest.mark.parametrize(
+    "operand, shape",
+    [((5, 1), (5, 7)), ((7,), (5, 7)), ((3, 4), (2, 1, 3, 4)), ((1, 4), (2, 3, 4)), ((2, 3), (2, 3))],
+)
+def test_expand_is_numpys_broadcast_eagerly_and_in_a_graph(operand, shape):
+    x = np.random.default_rng(0).standard_normal(operand).astype(np.float32)
+    want = np.broadcast_to(x, shape)
+
+    def graph(x_in):
+        return cpu.expand(x_in, shape) * 1.0
+
+    np.testing.assert_array_equal(cpu.expand(Tensor(x), shape).asnumpy(), want)
+    np.testing.assert_array_equal(ms.jit(graph)(Tensor(x)).asnumpy(), want)
+
+
+def test_earlier_kernel_replaces_every_caller_and_restores_them():
+    today = (cpu.expand, cpu_rope.expand)
+    with kernel_ab.earlier_kernel("expand=broadcast_to"):
+        assert cpu.expand is cpu_rope.expand is kernel_ab._broadcast_expand
+    assert (cpu.expand, cpu_rope.expand) == today
+    with pytest.raises(RuntimeError, match="inside"):
+        with kernel_ab.earlier_kernel("expand=broadcast_to"):
+            raise RuntimeError("inside")
+    assert (cpu.expand, cpu_rope.expand) == today
+
+
+def test_a_b_row_names_today_and_the_earlier_variant():
+    row = kernel_ab._renamed({"baseline_step_s": 2.0, "option_step_s": 2.2, "model": "dense", "max_loss_difference": 0})
+    assert row == {"today_step_s": 2.0, "earlier_step_s": 2.2, "model": "dense", "max_loss_difference": 0}
