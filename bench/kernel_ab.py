@@ -21,6 +21,11 @@ def _broadcast_expand(x, shape):
     return ops.broadcast_to(x, shape)
 
 
+def _sliced_leading(x, rows: int):
+    """``model.lm_loss._leading`` before it skipped a full-range slice: always ``StridedSlice``."""
+    return x[:rows]
+
+
 #: ``--variant`` -> (module attribute paths to replace, the earlier implementation). MindSpore resolves a
 #: function's globals when it compiles the graph, so the replacement holds for graphs compiled meanwhile.
 VARIANTS = {
@@ -28,6 +33,7 @@ VARIANTS = {
         ("mindmoe.model.kernels.cpu.expand", "mindmoe.model.kernels.cpu_rope.expand"),
         _broadcast_expand,
     ),
+    "loss_slice=always": (("mindmoe.model.lm_loss._leading",), _sliced_leading),
 }
 
 

@@ -40,6 +40,15 @@ def test_earlier_kernel_replaces_every_caller_and_restores_them():
     assert (cpu.expand, cpu_rope.expand) == today
 
 
+def test_every_variant_names_attributes_that_exist():
+    import importlib
+
+    for paths, _ in kernel_ab.VARIANTS.values():
+        for path in paths:
+            module_name, _, attribute = path.rpartition(".")
+            assert callable(getattr(importlib.import_module(module_name), attribute)), path
+
+
 def test_a_b_row_names_today_and_the_earlier_variant():
     row = kernel_ab._renamed({"baseline_step_s": 2.0, "option_step_s": 2.2, "model": "dense", "max_loss_difference": 0})
     assert row == {"today_step_s": 2.0, "earlier_step_s": 2.2, "model": "dense", "max_loss_difference": 0}
