@@ -32,9 +32,10 @@ all_gather     ``cpu_collectives.EmulatedAllGather``      ``ops.AllGather(group=
                zero-padded buffers summed by AllReduce)
 dropout_keep   :class:`~.dropout_mask.HostScaledKeep`     :func:`~.dropout_mask.graph_scaled_keep`
                (one host kernel)                          (MindSpore ops)
-expand         :func:`~.cpu.expand` (``broadcast_to``:    :func:`~.ascend.expand` (the operand as it
-               an element-wise op of same-shape operands  is: the element-wise op broadcasts it)
-               keeps no per-element buffers)
+expand         :func:`~.cpu.expand` (``Tile`` for a static  :func:`~.ascend.expand` (the operand as it
+               shape, else ``broadcast_to``: an element-  is: the element-wise op broadcasts it)
+               wise op of same-shape operands keeps no
+               per-element buffers)
 ============== ========================================== ==============================================
 
 ``blockwise_attention`` (training attention, memory linear in the length): on CPU
