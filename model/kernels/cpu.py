@@ -125,4 +125,6 @@ def expand(x, shape):
         if not F.isconstant(shape[i]):
             return ops.broadcast_to(x, shape)
         multiples = multiples + ((shape[i] if padded[i] == 1 else 1),)
-    return ops.tile(x.reshape(padded), multiples)
+    if x.ndim < len(shape):
+        x = x.reshape(padded)
+    return ops.tile(x, multiples)
