@@ -10,6 +10,7 @@ the largest difference of their losses (the same windows and initial weights).
 
 import argparse
 import contextlib
+import importlib
 import json
 import sys
 
@@ -37,17 +38,20 @@ VARIANTS = {
 }
 
 
+def module_attribute(path: str) -> tuple:
+    """``(module, attribute name)`` of a dotted ``VARIANTS`` path, the module imported."""
+    module_name, _, attribute = path.rpartition(".")
+    return importlib.import_module(module_name), attribute
+
+
 @contextlib.contextmanager
 def earlier_kernel(variant: str):
     """Every attribute of ``VARIANTS[variant]`` replaced inside the block, restored after it."""
-    import importlib
-
     paths, earlier = VARIANTS[variant]
     saved = []
     try:
         for path in paths:
-            module_name, _, attribute = path.rpartition(".")
-            module = importlib.import_module(module_name)
+            module, attribute = module_attribute(path)
             saved.append((module, attribute, getattr(module, attribute)))
             setattr(module, attribute, earlier)
         yield
