@@ -163,7 +163,7 @@ def rope(interleaved: bool, device_target: str = None):
     return implementation("rope", device_target)(interleaved)
 
 
-def grouped_matmul(device_target: str = None, weight_grad: bool = True):
+def grouped_matmul(device_target: str = None, weight_grad: bool = True, frozen_weight=None):
     """``(x_sorted [N, b, F], weight [E, O, F], group_sizes [E] int32) -> [N, b, O]``: the sorted rows
     (``X = N * b``, flattened in order) fall into E contiguous groups of ``group_sizes[e]`` rows, each a
     multiple of b (the :func:`grouped_alignment`); row r of group e gives ``x_r weight[e]^T``. Rows past
@@ -172,9 +172,12 @@ def grouped_matmul(device_target: str = None, weight_grad: bool = True):
     ``E + 2`` group sizes for E weights (a process holding a share of the experts): the first and last
     groups' rows give zeros, with zero gradients; otherwise the caller pads the weights with zero experts.
     ``weight_grad=False``: the weight is frozen (a LoRA base); its gradient is never used, and an
-    implementation with a hand-written backward skips computing it. An instance serves one product of the
-    model (the CPU one keeps what its forward took for its backward)."""
-    return implementation("grouped_matmul", device_target)(weight_grad)
+    implementation with a hand-written backward skips computing it. ``frozen_weight``: with
+    ``weight_grad=False``, the Parameter that every call passes as ``weight``; an implementation that reads
+    weights on the host may read it in place instead of taking it as an input (the CPU one: no graph keeps a
+    copy of it). An instance serves one product of the model (the CPU one keeps what its forward took for its
+    backward)."""
+    return implementation("grouped_matmul", device_target)(weight_grad, frozen_weight)
 
 
 def grouped_matmul_row_scaled(device_target: str = None):

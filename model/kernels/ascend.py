@@ -58,8 +58,9 @@ class AscendGroupedMatmul(nn.Cell):
     #: One group per weight: a process holding a share pads the weights with zeros for the others' groups.
     takes_outside_groups = False
 
-    def __init__(self, weight_grad: bool = True):
+    def __init__(self, weight_grad: bool = True, frozen_weight=None):
         # MindSpore's autodiff of gmm prunes the gradient of a weight nobody asks for: nothing to switch off.
+        # The weight is a device input of gmm (no host copy to avoid): ``frozen_weight`` is not needed.
         super().__init__()
 
     def rows(self, x_NbF):

@@ -136,17 +136,30 @@ class _HostGroupedMatmul(nn.Cell):
     again: one copy of the weight and of the rows per instance, not three. So an instance serves one call
     site (its backward runs after its forward, ordered explicitly; a recomputed forward has the same
     inputs). The zero int8 inputs of the backward kernels (``[F]``, ``[E, F]``) only carry their output
-    shapes."""
+    shapes.
 
-    def __init__(self, weight_grad: bool = True):
+    ``frozen_weight`` (the Parameter of a weight that never trains, fp16 or fp32; ``weight_grad=False``):
+    the forward kernel does not take the weight but reads the Parameter's host memory in place at every
+    launch (``asnumpy`` is a view on CPU, of the buffer the compiled graphs hold), so no graph keeps a copy
+    of it. On a GLM-4.5-Air-shaped LoRA base each graph (training and evaluation) otherwise kept a host copy
+    of every routed expert. (``set_data`` after compiling gives the Parameter a new buffer, which MindSpore
+    2.9's compiled graphs do not see, this kernel would: the trainer sets frozen weights before compiling.)"""
+
+    def __init__(self, weight_grad: bool = True, frozen_weight=None):
         super().__init__()
+        if frozen_weight is not None and weight_grad:
+            raise ValueError("grouped matmul: a frozen_weight is read in place and gets no weight gradient")
         self.weight_grad = weight_grad
+        self.reads_frozen_weight = frozen_weight is not None
         self.cast = ops.Cast()
         inputs = {}
 
         def forward(x_NbF, w_EOF, sizes_G):
             inputs.update(x=x_NbF, w=w_EOF, sizes=sizes_G)
             return host_products(x_NbF, w_EOF, sizes_G, True)
+
+        def forward_frozen(x_NbF, sizes_G):
+            return forward(x_NbF, frozen_weight.asnumpy(), sizes_G)
 
         def input_grad(dout_NbO, width_F):
             return host_products(dout_NbO, inputs["w"], inputs["sizes"], False)
@@ -155,12 +168,17 @@ class _HostGroupedMatmul(nn.Cell):
             return host_weight_grad(dout_NbO, inputs["x"], inputs["sizes"], scale_Nb, inputs["w"].shape[0])
 
         self.forward = _host_kernel(forward, lambda x, w, g: x[:2] + [w[1]], lambda x, w, g: x)
+        if frozen_weight is not None:
+            width_O = frozen_weight.shape[1]
+            self.forward_frozen = _host_kernel(forward_frozen, lambda x, g: x[:2] + [width_O], lambda x, g: x)
         self.input_grad = _host_kernel(input_grad, lambda d, f: d[:2] + f, lambda d, f: d)
         self.weight_grad_of = _host_kernel(
             weight_grad_of, lambda d, s, c: [c[0], d[2], c[1]], lambda d, s, c: ms.float32
         )
 
     def construct(self, x_NbF, w_EOF, sizes_G, scale_Nb):
+        if self.reads_frozen_weight:
+            return self.forward_frozen(x_NbF, sizes_G)
         return self.forward(x_NbF, w_EOF, sizes_G)
 
     def bprop(self, x_NbF, w_EOF, sizes_G, scale_Nb, out, dout_NbO):
@@ -229,9 +247,11 @@ class BlockGroupedMatmul(nn.Cell):
     #: The backward scales each row's share of the weight gradient (:class:`RowScaledBlockGroupedMatmul`).
     row_scaled = False
 
-    def __init__(self, weight_grad: bool = True):
+    def __init__(self, weight_grad: bool = True, frozen_weight=None):
         super().__init__()
-        self.matmul = _HostGroupedMatmul(weight_grad)
+        if frozen_weight is not None and frozen_weight.dtype not in (ms.float16, ms.float32):
+            frozen_weight = None  # NumPy has no bf16: such a weight is cast in the graph and taken as an input
+        self.matmul = _HostGroupedMatmul(weight_grad, frozen_weight)
         self.gathered_matmul = _GatheredBlockMatmul(weight_grad, self.row_scaled)
 
     def whole(self, x_NbF, w_EOF, group_sizes_G):

@@ -109,7 +109,8 @@ class RoutedExperts(nn.Cell):
         """The grouped matmuls of product ``site`` (an instance of a grouped kernel may keep what its forward
         took for its backward, so every product has its own): ``{site}_gmm`` (no weight gradient when
         ``frozen``) and ``{site}_scaled_gmm`` (its weight gradient scaled per row)."""
-        setattr(self, f"{site}_gmm", kernels.grouped_matmul(weight_grad=not frozen))
+        frozen_weight = getattr(self, site) if frozen else None  # read in place by a host kernel
+        setattr(self, f"{site}_gmm", kernels.grouped_matmul(weight_grad=not frozen, frozen_weight=frozen_weight))
         setattr(self, f"{site}_scaled_gmm", None if frozen else kernels.grouped_matmul_row_scaled())
 
     def expert_matmul(self, x, w_EOF, scale, group_sizes, site: str):

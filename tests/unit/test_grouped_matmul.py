@@ -143,6 +143,40 @@ def test_cpu_grouped_matmul_of_a_frozen_weight_gives_the_input_gradient_only(sta
     np.testing.assert_allclose(half_dx, torch_grads(x, rounded, sizes, upstream, scale)[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_cpu_grouped_matmul_reads_a_frozen_weight_in_place(dtype, monkeypatch):
+    """``frozen_weight`` (a LoRA base): the host kernel reads the Parameter instead of taking it as an input, with
+    the values and input gradient of the contract, and a compiled graph sees values written into the Parameter's
+    memory (as the graph's other ops do: it holds no copy of its own). A bf16 weight (NumPy has none) keeps the
+    input path."""
+    monkeypatch.setattr(cpu_grouped, "GATHER_RATIO", 0)  # the host kernel (the gathered path takes the weight)
+    x, weight, sizes, upstream, scale = problem([2, 1, 0, 3, 1], 4, padding_blocks=1, seed=7)
+    param = ms.Parameter(Tensor(weight.astype(dtype)), name="w", requires_grad=False)
+    kernel = kernels.grouped_matmul("CPU", weight_grad=False, frozen_weight=param)
+    assert kernel.matmul.reads_frozen_weight
+    x_NbF = Tensor(x.reshape(-1, 4, IN_FEATURES))
+
+    @ms.jit
+    def step(x_in):
+        def weighted(x_val):
+            out = kernel(x_val, param, Tensor(sizes))
+            return (out * Tensor(upstream.reshape(out.shape))).sum(), out
+
+        return ms.value_and_grad(weighted, 0, has_aux=True)(x_in)
+
+    for values in (weight, weight[::-1] * 2):
+        param.asnumpy()[...] = values.astype(dtype)  # in place: the buffer the compiled graph holds
+        rounded = values.astype(dtype).astype(np.float32)
+        (_, out), dx = step(x_NbF)
+        np.testing.assert_allclose(out.asnumpy().reshape(-1, OUT_FEATURES), np_grouped(x, rounded, sizes), atol=1e-5)
+        expected_dx, _ = torch_grads(x, rounded, sizes, upstream, scale)
+        np.testing.assert_allclose(dx.asnumpy().reshape(x.shape), expected_dx, rtol=1e-5, atol=1e-5)
+    bf16 = ms.Parameter(Tensor(weight, ms.bfloat16), name="w16", requires_grad=False)
+    assert not kernels.grouped_matmul("CPU", weight_grad=False, frozen_weight=bf16).matmul.reads_frozen_weight
+    with pytest.raises(ValueError, match="frozen_weight"):
+        cpu_grouped.BlockGroupedMatmul(weight_grad=True, frozen_weight=param)
+
+
 @pytest.mark.parametrize("outside", [False, True])
 def test_cpu_grouped_matmul_of_an_unknown_row_count_gathers_each_blocks_weight(outside):
     """The serving graphs' path (a block count known only when the graph runs, so no host kernel): every block
