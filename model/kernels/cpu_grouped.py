@@ -135,8 +135,9 @@ class _HostGroupedMatmul(nn.Cell):
     inputs and the backward kernels read ``x``, ``w`` and the group sizes from them instead of taking them
     again: one copy of the weight and of the rows per instance, not three. So an instance serves one call
     site (its backward runs after its forward, ordered explicitly; a recomputed forward has the same
-    inputs). The zero int8 inputs of the backward kernels (``[F]``, ``[E, F]``) only carry their output
-    shapes.
+    inputs). Likewise the weight gradient's kernel reads the output gradient the input gradient's kernel took
+    (ordered after it). The zero int8 inputs of the backward kernels (``[F]``, ``[E, O]``) only carry their
+    output shapes.
 
     ``frozen_weight`` (the Parameter of a weight that never trains, fp16 or fp32; ``weight_grad=False``):
     the forward kernel does not take the weight but reads the Parameter's host memory in place at every
@@ -162,10 +163,11 @@ class _HostGroupedMatmul(nn.Cell):
             return forward(x_NbF, frozen_weight.asnumpy(), sizes_G)
 
         def input_grad(dout_NbO, width_F):
+            inputs.update(dout=dout_NbO)
             return host_products(dout_NbO, inputs["w"], inputs["sizes"], False)
 
-        def weight_grad_of(dout_NbO, scale_Nb, shape_EF):
-            return host_weight_grad(dout_NbO, inputs["x"], inputs["sizes"], scale_Nb, inputs["w"].shape[0])
+        def weight_grad_of(scale_Nb, shape_EO, width_F):
+            return host_weight_grad(inputs["dout"], inputs["x"], inputs["sizes"], scale_Nb, inputs["w"].shape[0])
 
         self.forward = _host_kernel(forward, lambda x, w, g: x[:2] + [w[1]], lambda x, w, g: x)
         if frozen_weight is not None:
@@ -173,7 +175,7 @@ class _HostGroupedMatmul(nn.Cell):
             self.forward_frozen = _host_kernel(forward_frozen, lambda x, g: x[:2] + [width_O], lambda x, g: x)
         self.input_grad = _host_kernel(input_grad, lambda d, f: d[:2] + f, lambda d, f: d)
         self.weight_grad_of = _host_kernel(
-            weight_grad_of, lambda d, s, c: [c[0], d[2], c[1]], lambda d, s, c: ms.float32
+            weight_grad_of, lambda s, c, f: [c[0], c[1], f[0]], lambda s, c, f: ms.float32
         )
 
     def construct(self, x_NbF, w_EOF, sizes_G, scale_Nb):
@@ -188,7 +190,9 @@ class _HostGroupedMatmul(nn.Cell):
         dx_NbF = self.input_grad(dout_NbO, width_F)
         if not self.weight_grad:
             return dx_NbF, ops.zeros_like(w_EOF), ops.zeros_like(sizes_G), ops.zeros_like(scale_Nb)
-        dw_EOF = self.weight_grad_of(dout_NbO, scale_Nb, ops.zeros((w_EOF.shape[0], w_EOF.shape[2]), ms.int8))
+        # It reads the output gradient the input gradient's kernel took (ordered after it): no second copy.
+        scale_Nb = ops.depend(scale_Nb, dx_NbF)
+        dw_EOF = self.weight_grad_of(scale_Nb, ops.zeros(w_EOF.shape[:2], ms.int8), width_F)
         return dx_NbF, self.cast(dw_EOF, w_EOF.dtype), ops.zeros_like(sizes_G), ops.zeros_like(scale_Nb)
 
 
