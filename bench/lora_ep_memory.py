@@ -11,7 +11,10 @@ above the framework baseline (RSS after importing MindSpore and mindmoe's traine
 for the launch. The target is worker / one process <= 0.7. Both runs use ``--blas-threads`` NumPy BLAS threads
 (default 1, what a worker sharing its node runs with): the host kernels' products then round alike, and the
 comparison is of the layouts alone (with 2 threads in the one process its adapter file differed from the
-workers' in the last bits). Prints one JSON object as its last line.
+workers' in the last bits). ``--dispatcher alltoall``: the workers split the tokens (each its own micro-batch
+of one conversation, ``parallel.ep_dispatcher=alltoall``) and both runs use ``lora.dropout=0`` and
+``model.aux_loss=none``: data-parallel ranks draw independent dropout masks, and the switch balancing loss is
+a function of the micro-batch's load. Prints one JSON object as its last line.
 Not part of the test suite (two real runs of a model of about a GiB).
 """
 
@@ -118,21 +121,27 @@ def adapter_bytes(run_dir: Path, steps: int) -> bytes:
     return (run_dir / "checkpoints" / f"step_{steps:06d}" / "adapter" / "adapter_model.safetensors").read_bytes()
 
 
-def measure(directory: Path, work: Path, steps: int) -> dict:
-    overrides = (
+def measure(directory: Path, work: Path, steps: int, dispatcher: str = "allgather") -> dict:
+    split = dispatcher == "alltoall"
+    # Per micro-batch terms differ when the micro-batches do: the dropout masks (drawn per data-parallel rank)
+    # and the switch balancing loss (its load fractions are a micro-batch's).
+    overrides = ("lora.dropout=0", "model.aux_loss=none") if split else ()
+    overrides += (
         "recipe=lora_business",
         f"model.pretrained={directory}",
         # Two conversations per step: the activations stay small beside the weights, whose share ep divides.
         "data.global_batch_size=2",
-        "data.micro_batch_size=2",
         f"train.max_steps={steps}",
         "train.log_every=1",
         f"train.save_every={steps}",
         f"train.eval_every={steps}",
         "train.progress_bar=false",
     )
-    one = ScalingRun("lora", "one process", overrides)
-    two = ScalingRun("lora", "ep 2", overrides + ("launch.procs_per_node=2", "parallel.ep=2"), launcher=True)
+    one = ScalingRun("lora", "one process", overrides + ("data.micro_batch_size=2",))
+    layout = ("launch.procs_per_node=2", "parallel.ep=2", f"parallel.ep_dispatcher={dispatcher}")
+    # alltoall: a conversation per worker (data parallel over the expert group), the same global batch
+    layout += (f"data.micro_batch_size={1 if split else 2}",)
+    two = ScalingRun("lora", "ep 2", overrides + layout, launcher=True)
     results = {}
     for run in (one, two):
         keep = work / run.label.replace(" ", "_")
@@ -155,6 +164,7 @@ def main():
     parser.add_argument("--gib", type=float, default=1.0, help="checkpoint size to generate (fp16 bytes)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--blas-threads", type=int, default=1, help="NumPy BLAS threads of both runs")
+    parser.add_argument("--dispatcher", choices=("allgather", "alltoall"), default="allgather", help="the workers'")
     args = parser.parse_args()
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # read by the runs' NumPy at import
     baseline = framework_baseline_rss()
@@ -162,7 +172,7 @@ def main():
         directory = Path(tmp) / "air"
         directory.mkdir()
         shape = write_air_checkpoint(directory, int(args.gib * GIB))
-        results = measure(directory, Path(tmp) / "runs", args.steps)
+        results = measure(directory, Path(tmp) / "runs", args.steps, args.dispatcher)
     one, two = results["one process"], results["ep 2"]
     growth_one, growth_two = one["peak_rss"] - baseline, two["peak_rss"] - baseline
     loss_diff = max(abs(a - b) / abs(a) for a, b in zip(one["losses"], two["losses"]))
@@ -174,6 +184,7 @@ def main():
                 "routed_share": round(shape["routed_bytes"] / shape["bytes"], 3),
                 "layers": shape["layers"],
                 "blas_threads": args.blas_threads,
+                "dispatcher": args.dispatcher,
                 "framework_rss_gib": round(baseline / GIB, 3),
                 "one_process_peak_gib": round(one["peak_rss"] / GIB, 3),
                 "worker_peak_gib": round(two["peak_rss"] / GIB, 3),
