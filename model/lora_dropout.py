@@ -109,21 +109,31 @@ class DropoutStream:
         self.rank = Parameter(Tensor(0, ms.int32), name=f"{name}.dropout_rank", requires_grad=False)
         self.draws = Parameter(Tensor(0, ms.int32), name=f"{name}.dropout_draws", requires_grad=False)
         # The per-element work (kernels.dropout_keep): the outer product of the factors and the finaliser.
-        self.scaled_keep = kernels.dropout_keep(drop_threshold(self.p), 1.0 / (1.0 - self.p))
+        self.threshold, self.scale = drop_threshold(self.p), 1.0 / (1.0 - self.p)
+        self.scaled_keep = kernels.dropout_keep(self.threshold, self.scale)
 
     def drop(self, x, first_row: int = 0):
         """``x`` with elements zeroed at probability ``p`` and the rest scaled by ``1 / (1 - p)``; one draw.
 
         ``first_row``: ``x`` holds rows ``first_row ..`` of a larger input (flattened to rows of its last axis),
         e.g. a process's share of the expert buffer under ``parallel.ep``, and is dropped as those rows of it."""
-        # The key reads the counter before this draw advances it (side effects run in program order).
-        key = mix32(ops.bitwise_xor(mix32(ops.bitwise_xor(mix32(self.draws * 1), self.rank)), self.salt))
         cols = x.shape[-1]
-        row_Z, col_F = keep_factors(x.size // cols, cols, key, first_row)
+        row_Z, col_F = self.factors(x.size // cols, cols, first_row)
         scaled_keep = self.scaled_keep(row_Z, col_F).reshape(x.shape)
-        ops.assign_add(self.draws, Tensor(1, ms.int32))
         # One scaled mask: the backward then multiplies by it once.
         return x * scaled_keep.astype(x.dtype)
+
+    def factors(self, rows: int, cols: int, first_row: int = 0):
+        """One draw's row factors ``[rows]`` and column factors ``[cols]`` (:func:`keep_factors`), for a kernel
+        that applies the mask itself (``kernels.token_experts``); advances the draw counter like :meth:`drop`."""
+        # The key reads the counter before this draw advances it (side effects run in program order).
+        key = mix32(ops.bitwise_xor(mix32(ops.bitwise_xor(mix32(self.draws * 1), self.rank)), self.salt))
+        row_Z, col_F = keep_factors(rows, cols, key, first_row)
+        # The increment waits for the factors, which read the counter: a kernel that applies the mask itself consumes
+        # them only after this returns.
+        one = ops.depend(ops.depend(Tensor(1, ms.int32), row_Z), col_F)
+        ops.assign_add(self.draws, one)
+        return row_Z, col_F
 
 
 def dropout_streams(model) -> list:

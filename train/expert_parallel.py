@@ -18,7 +18,10 @@ every MoE layer's experts:
 
 With the grouped ``dropless`` dispatcher (rows sorted by expert, a data-dependent number per expert)
 every rank runs its experts on the whole sorted buffer, the other experts' groups with zero weights, and
-the outputs are summed over the group (each row is produced by exactly one rank) instead of gathered.
+the outputs are summed over the group (each row is produced by exactly one rank) instead of gathered. Where the
+experts run from tokens to tokens (a CPU training graph, ``kernels.token_experts``) no sorted buffer exists: each
+rank's kernel runs only its experts' rows, the ``[T, H]`` outputs are summed over the group, and the gradients of
+the tokens and of the combine weights are summed back (:class:`CopyTokensToGroup`).
 
 Capacity, dropping and the aux loss therefore stay per micro-batch, exactly as in one process.
 Expert memory (weights, gradients, AdamW moments) is divided by ``ep``; attention and the router
@@ -70,6 +73,25 @@ def all_gather_supported(group: str) -> bool:
     from mindspore.communication import GlobalComm
 
     return group == GlobalComm.WORLD_COMM_GROUP or ms.get_context("device_target") != "CPU"
+
+
+class CopyTokensToGroup(nn.Cell):
+    """:class:`CopyToGroup` of the tokens ``x [T, H]`` and their combine weights ``w [T, K]`` with one all-reduce of
+    both gradients: two independent all-reduces of one backward may run in a different order on each rank (seen: with
+    two, an expert-parallel LoRA run's losses left one process's from the second step)."""
+
+    def __init__(self, group: str):
+        super().__init__()
+        self.all_reduce = ops.AllReduce(group=group)
+        self.cast = ops.Cast()
+
+    def construct(self, x_TH, weight_TK):
+        return ops.identity(x_TH), ops.identity(weight_TK)
+
+    def bprop(self, x_TH, weight_TK, out, dout):
+        hidden = x_TH.shape[1]
+        both = self.all_reduce(ops.concat((dout[0], self.cast(dout[1], dout[0].dtype)), 1))
+        return both[:, :hidden], self.cast(both[:, hidden:], weight_TK.dtype)
 
 
 class GatherFromGroup(nn.Cell):
@@ -126,7 +148,9 @@ class AllGatherDispatcher(nn.Cell):
         self.local = local
         self.first_expert = first_expert
         self.last_expert = first_expert + num_local
+        self.routes_tokens = getattr(local, "routes_tokens", False)
         self.copy_in = CopyToGroup(group)
+        self.copy_tokens_in = CopyTokensToGroup(group)
         self.gather_out = GatherFromGroup(group, rank_in_group, num_local, ep)
         self.sum_out = SumOverGroup(group)
 
@@ -135,6 +159,14 @@ class AllGatherDispatcher(nn.Cell):
         if self.local.group_sizes(state) is not None:
             return self.copy_in(x_ECH), state
         return self.copy_in(x_ECH)[self.first_expert : self.last_expert], state
+
+    def token_experts(self, x_TH, routing, experts, scale_T):
+        """The local dispatcher's tokens-to-tokens experts on this rank's experts, summed over the group; the
+        tokens and combine weights get their gradients summed over the group (each rank's covers its experts)."""
+        topk_idx_TK, weight_TK = routing
+        x_TH, weight_TK = self.copy_tokens_in(x_TH, weight_TK)
+        y_TH = self.local.token_experts(x_TH, (topk_idx_TK, weight_TK), experts, scale_T)
+        return self.sum_out(y_TH)
 
     def combine(self, y_eCH, state):
         if self.local.group_sizes(state) is not None:

@@ -96,6 +96,8 @@ class GroupedExchange(nn.Cell):
     and :meth:`receive_back` are the steps between the exchanges, so a test can run the G ranks of a group in
     one process. ``alignment`` fixes b (tests; by default :func:`model.kernels.grouped_alignment` picks it)."""
 
+    routes_tokens = False  # the rows travel: no tokens-to-tokens expert kernel
+
     def __init__(self, num_experts: int, rank_in_group: int, ep: int, group: str, exchange=None, alignment=None):
         super().__init__()
         self.alignment = alignment

@@ -28,6 +28,8 @@ from mindmoe.model import kernels
 class AllToAllDispatcher(nn.Cell):
     """A local capacity dispatcher whose expert rows travel to the ranks holding the experts and back."""
 
+    routes_tokens = False  # the rows travel: no tokens-to-tokens expert kernel
+
     def __init__(self, local, num_local: int, rank_in_group: int, ep: int, group: str):
         super().__init__()
         self.local = local

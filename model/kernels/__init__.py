@@ -23,6 +23,9 @@ rope           :func:`~.cpu_rope.rope_rotate_half`,       :class:`~.ascend.Ascen
                :func:`~.cpu_rope.rope_interleaved`        ``ops.rotary_position_embedding`` (mode 0/1)
 grouped_matmul :class:`~.cpu_grouped.BlockGroupedMatmul`  ``gmm`` (GroupedMatmul, row-grouped)
                (groups padded to blocks of b rows)        (alignment 1: no padding rows)
+token_experts  :class:`~.cpu_token_experts.HostTokenExperts` None: the grouped path (dispatcher,
+               (training: tokens in, tokens out, one     ``gmm`` per projection, combine)
+               host kernel each way)
 all_to_all     ``cpu_collectives.EmulatedAllToAll``       ``ops.AlltoAll`` (split and concat on axis 0)
                (AllGather + local selection)
 reduce_scatter ``cpu_collectives.EmulatedReduceScatter``  ``ops.ReduceScatter(op="sum", group=...)``
@@ -61,6 +64,7 @@ from mindmoe.model.kernels import (
     cpu_dsa,
     cpu_grouped,
     cpu_rope,
+    cpu_token_experts,
     dropout_mask,
 )
 
@@ -79,6 +83,7 @@ CPU_KERNELS = {
     "all_gather": cpu_collectives.EmulatedAllGather,
     "dropout_keep": dropout_mask.HostScaledKeep,
     "expand": lambda: cpu.expand,
+    "token_experts": cpu_token_experts.HostTokenExperts,
 }
 
 ASCEND_KERNELS = dict(
@@ -95,6 +100,7 @@ ASCEND_KERNELS = dict(
     all_gather=ascend_collectives.AscendAllGather,
     dropout_keep=dropout_mask.graph_scaled_keep,
     expand=lambda: ascend.expand,
+    token_experts=None,  # GroupedMatmul runs the grouped path
 )
 
 #: device target -> kernel name -> factory called at build time with the kernel's static arguments.
@@ -219,6 +225,19 @@ def dropout_keep(threshold: int, scale: float, device_target: str = None):
     return implementation("dropout_keep", device_target)(threshold, scale)
 
 
+def token_experts(specs, shapes, scaling, num_experts, first_expert, num_held, top_k, device_target: str = None):
+    """The routed experts from tokens to tokens in one kernel, or None where the grouped path (dispatcher, grouped
+    matmuls, combine) is the device's way: ``(x [T, H], topk [T, K] int32, block [1] int32, weight [T, K], scale [T],
+    then per projection gate, up, down: weight, lora_A, lora_B, row_Z, col_F) -> y [T, H]``, ``y_t = sum_k w_tk
+    expert_{i_tk}(x_t)`` over the ``num_held`` experts from ``first_expert``, with the adapters and dropout of
+    ``specs`` (:class:`~.cpu_token_experts.ProjectionSpec`). CPU: :class:`~.cpu_token_experts.HostTokenExperts` (no
+    expert row in the graph); Ascend: None. Training graphs only (static token count)."""
+    factory = implementation("token_experts", device_target)
+    if factory is None:
+        return None
+    return factory(specs, shapes, scaling, num_experts, first_expert, num_held, top_k)
+
+
 def expand(device_target: str = None):
     """``(x, shape) -> x`` broadcast to ``shape``, for an operand of an element-wise op with a tensor of that
     shape: same values either way, but MindSpore 2.9's CPU element-wise kernels keep 16 bytes per output element
@@ -243,4 +262,5 @@ __all__ = [
     "rms_norm",
     "rope",
     "swiglu",
+    "token_experts",
 ]

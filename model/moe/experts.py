@@ -15,6 +15,7 @@ from mindspore import Parameter, Tensor, nn, ops
 
 from mindmoe.model import kernels
 from mindmoe.model.deferred_init import is_deferred, rows_of
+from mindmoe.model.kernels.cpu_token_experts import ProjectionSpec
 from mindmoe.model.linear import is_half, normal_init
 
 
@@ -104,6 +105,58 @@ class RoutedExperts(nn.Cell):
             self.add_grouped_site(proj, proj in frozen)
         self.activation = kernels.swiglu()
         self.pad_other_experts = ops.Pad(((1, 1), (0, 0), (0, 0)))
+        self.token_kernel = None  # build_token_kernel
+
+    def token_specs(self):
+        """The :class:`~model.kernels.cpu_token_experts.ProjectionSpec` of each projection, or None when a frozen
+        weight cannot be read on the host (bf16: NumPy has none)."""
+        specs = []
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            weight = getattr(self, proj)
+            if getattr(self, proj + "_frozen"):
+                if weight.dtype not in (ms.float16, ms.float32):
+                    return None
+                specs.append(ProjectionSpec(frozen_weight=weight))
+            else:
+                specs.append(ProjectionSpec(trainable=True))
+        return specs
+
+    def token_shapes(self):
+        """Per projection ``(weight, lora_A, lora_B)`` shapes (None for an absent adapter)."""
+        return [(tuple(getattr(self, p).shape), None, None) for p in ("gate_proj", "up_proj", "down_proj")]
+
+    def build_token_kernel(self, top_k: int) -> bool:
+        """Create the device's tokens-to-tokens kernel (:func:`model.kernels.token_experts`) for :meth:`tokens`;
+        False where the device has none (Ascend: the grouped path) or a frozen weight is bf16 on the host."""
+        specs = self.token_specs()
+        if specs is not None:
+            scaling = getattr(self, "scaling", 1.0)
+            self.token_kernel = kernels.token_experts(
+                specs, self.token_shapes(), scaling, self.num_experts, self.first_expert, self.num_held, top_k
+            )
+        return self.token_kernel is not None
+
+    def token_slots(self, proj: str, num_rows: int):
+        """``(weight, lora_A, lora_B, row_Z, col_F)`` of ``proj`` for the token kernel: a frozen weight is read in
+        place (a placeholder here), and this class has no adapters."""
+        weight = ops.zeros((1,), ms.float32) if getattr(self, proj + "_frozen") else getattr(self, proj)
+        if weight.dtype != ms.float32:
+            weight = weight.astype(ms.float32)
+        none_f32, none_i32 = ops.zeros((1,), ms.float32), ops.zeros((1,), ms.int32)
+        return weight, none_f32, none_f32, none_i32, none_i32
+
+    def tokens(self, x_TH, topk_TK, block_1, weight_TK, scale_T, num_rows: int):
+        """``y [T, H] = sum_k weight_tk * expert_{topk_tk}(x_t)`` over this process's experts in one kernel
+        (:meth:`build_token_kernel`); ``block_1`` ([1] int32) and ``num_rows``: the block size and rows of the
+        expert-sorted buffer whose rows key the adapters' dropout masks; ``scale_T`` scales each token's share of the
+        weight gradients."""
+        g = self.token_slots("gate_proj", num_rows)
+        u = self.token_slots("up_proj", num_rows)
+        d = self.token_slots("down_proj", num_rows)
+        return self.token_kernel(
+            x_TH, topk_TK, block_1, weight_TK, scale_T,
+            g[0], g[1], g[2], g[3], g[4], u[0], u[1], u[2], u[3], u[4], d[0], d[1], d[2], d[3], d[4],
+        )  # fmt: skip
 
     def add_grouped_site(self, site: str, frozen: bool):
         """The grouped matmuls of product ``site`` (an instance of a grouped kernel may keep what its forward

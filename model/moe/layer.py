@@ -6,6 +6,7 @@ Shape legend: B batch, S sequence, T = B*S tokens, H hidden, E experts, K top-k,
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
+from mindspore.ops import functional as F
 
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lora_layers import NO_LORA, AdapterScope
@@ -63,6 +64,11 @@ class MoELayer(nn.Cell):
             held_experts=placement.held_experts(cfg.num_experts),
         )
         self.dispatcher = placement.dispatcher(cfg)
+        # CPU training with dropless dispatch: the experts run from tokens to tokens in one host kernel, so no
+        # expert row lives in the graph (kernels.token_experts; Ascend keeps the grouped path).
+        self.routes_tokens = bool(getattr(self.dispatcher, "routes_tokens", False)) and self.experts.build_token_kernel(
+            cfg.top_k
+        )
         self.has_shared = cfg.num_shared_experts > 0
         if self.has_shared:
             self.shared_experts = SwiGLU(
@@ -96,6 +102,15 @@ class MoELayer(nn.Cell):
             out_TH = out_TH + self.shared_experts(x_TH)
         return out_TH, dispatcher.kept(state)
 
+    def token_output(self, x_TH, routing, grad_scale_T):
+        """:meth:`expert_output` of the training dispatcher on the experts' tokens-to-tokens kernel."""
+        num_tokens = x_TH.shape[0]
+        scale_T = grad_scale_T if self.isolate_token_grad else ops.ones((num_tokens,), ms.float32)
+        out_TH = self.dispatcher.token_experts(x_TH, routing, self.experts, scale_T)
+        if self.has_shared:
+            out_TH = out_TH + self.shared_experts(x_TH)
+        return out_TH, ops.ones((num_tokens * self.top_k,), ms.float32)
+
     def construct(self, x_BSH, doc_ids_BS):
         batch, seq_len, hidden = x_BSH.shape
         x_TH = x_BSH.reshape(-1, hidden)
@@ -105,7 +120,12 @@ class MoELayer(nn.Cell):
         weight_TK = self.router.combine_weights(scores_TE, topk_idx_TK)
         # lambda for locked tokens, 1 otherwise: how much each token trains its experts.
         grad_scale_T = 1.0 - (1.0 - self.isolation_decay) * locked_T
-        out_TH, kept_A = self.expert_output(x_TH, (topk_idx_TK, weight_TK), self.dispatcher, grad_scale_T)
+        # Static token counts only (a host kernel's shapes are fixed when it compiles); a test may set another
+        # dispatcher after the build.
+        if self.routes_tokens and self.dispatcher.routes_tokens and F.isconstant(num_tokens):
+            out_TH, kept_A = self.token_output(x_TH, (topk_idx_TK, weight_TK), grad_scale_T)
+        else:
+            out_TH, kept_A = self.expert_output(x_TH, (topk_idx_TK, weight_TK), self.dispatcher, grad_scale_T)
 
         aux = self.router.balance_loss(scores_TE, natural_TK, batch, seq_len)
         router_z = self.router.router_z_loss(logits_TE)

@@ -89,6 +89,36 @@ class LoraRoutedExperts(RoutedExperts):
         delta_ECO = self.expert_matmul(low_ECR, lora_B_EOR, scale_EC, group_sizes, proj + "_lora_B")
         return y_ECO + delta_ECO * self.scaling
 
+    def token_specs(self):
+        specs = super().token_specs()
+        if specs is None:
+            return None
+        for proj, spec in zip(EXPERT_PROJECTIONS, specs):
+            stream = getattr(self, proj + "_dropout")
+            spec.lora = getattr(self, proj + "_lora") is not None
+            spec.dropout = (stream.threshold, stream.scale) if spec.lora and stream is not None else None
+        return specs
+
+    def token_shapes(self):
+        shapes = []
+        for proj in EXPERT_PROJECTIONS:
+            factors = getattr(self, proj + "_lora")
+            adapter = (None, None) if factors is None else (tuple(factors[0].shape), tuple(factors[1].shape))
+            shapes.append((tuple(getattr(self, proj).shape),) + adapter)
+        return shapes
+
+    def token_slots(self, proj: str, num_rows: int):
+        weight, none_f32, _, none_i32, _ = super().token_slots(proj, num_rows)
+        factors = getattr(self, proj + "_lora")
+        if factors is None:
+            return weight, none_f32, none_f32, none_i32, none_i32
+        if self.dropout > 0 and self.training:
+            # The masks of the grouped path: rows of the whole expert-sorted buffer (first row 0).
+            row_Z, col_F = getattr(self, proj + "_dropout").factors(num_rows, getattr(self, proj).shape[2])
+        else:
+            row_Z, col_F = none_i32, none_i32
+        return weight, factors[0], factors[1], row_Z, col_F
+
     def _forward(self, x_ECH, scale_EC, groups=None):
         gate_ECI = self._project("gate_proj", x_ECH, scale_EC, groups)
         up_ECI = self._project("up_proj", x_ECH, scale_EC, groups)

@@ -42,6 +42,9 @@ class CapacityDispatcher(nn.Cell):
     """Gather/scatter slots of a fixed capacity ``C = ceil(capacity_factor * T * K / E)``: the first C
     assignments of each expert (in token order) are kept, the rest dropped (:func:`capacity_slots`)."""
 
+    #: Whether the experts may run from tokens to tokens (:meth:`DroplessDispatcher.token_experts`).
+    routes_tokens = False
+
     def __init__(self, num_experts: int, capacity_factor: float):
         super().__init__()
         self.num_experts = num_experts
@@ -96,6 +99,8 @@ class DroplessDispatcher(nn.Cell):
         self.num_experts = num_experts
         self.alignment = alignment
         self.block_rule = kernels.grouped_alignment(device_target)
+        # A training dispatcher (static token count) may hand the tokens to a tokens-to-tokens expert kernel.
+        self.routes_tokens = alignment is None
 
     def block(self, num_assignments):
         if self.alignment is None:
@@ -108,6 +113,17 @@ class DroplessDispatcher(nn.Cell):
         row_A, group_sizes_E, num_rows = grouped_rows(topk_idx_TK, self.num_experts, block)
         x_XH = gather_rows(x_TH, row_A, num_rows)
         return x_XH.reshape(-1, block, x_TH.shape[1]), (row_A, group_sizes_E, weight_TK)
+
+    def token_experts(self, x_TH, routing, experts, scale_T):
+        """``[T, H]``: the experts' weighted outputs per token from their tokens-to-tokens kernel
+        (``experts.tokens``), which places each assignment in this dispatcher's sorted buffer itself (its row keys the
+        adapters' dropout masks)."""
+        topk_idx_TK, weight_TK = routing
+        num_assignments = topk_idx_TK.shape[0] * topk_idx_TK.shape[1]
+        block = self.block(num_assignments)
+        num_rows = (num_assignments + self.num_experts * (block - 1)) // block * block
+        block_1 = ops.fill(ms.int32, (1,), block)
+        return experts.tokens(x_TH, topk_idx_TK.astype(ms.int32), block_1, weight_TK, scale_T, num_rows)
 
     def combine(self, y_NbH, state):
         row_A, _, weight_TK = state
@@ -135,6 +151,8 @@ class AllExpertsDispatcher(nn.Cell):
     """The all-experts reference of dropless dispatch (tests only; no ``model.dispatch`` selects it):
     every expert runs on every token (``C = T``) and the outputs are combined with a ``[T, E]`` weight
     matrix that is zero off the chosen experts: exact and static, at E / K times the routed FLOPs."""
+
+    routes_tokens = False
 
     def __init__(self, num_experts: int):
         super().__init__()
