@@ -148,7 +148,7 @@ class AllGatherDispatcher(nn.Cell):
         self.local = local
         self.first_expert = first_expert
         self.last_expert = first_expert + num_local
-        self.routes_tokens = getattr(local, "routes_tokens", False)
+        self.routes_tokens = local.routes_tokens
         self.copy_in = CopyToGroup(group)
         self.copy_tokens_in = CopyTokensToGroup(group)
         self.gather_out = GatherFromGroup(group, rank_in_group, num_local, ep)

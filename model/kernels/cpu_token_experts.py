@@ -28,9 +28,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 
+from mindmoe.model.kernels.cpu_grouped import _fp32
 from mindmoe.model.kernels.dropout_mask import host_scaled_keep
-
-PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class ProjectionSpec:
@@ -46,38 +45,36 @@ class ProjectionSpec:
         self.dropout = dropout
 
 
-def _fp32(array):
-    return array if array.dtype == np.float32 else array.astype(np.float32)
-
-
 def _sigmoid(x):
     return 0.5 * (np.tanh(0.5 * x) + 1.0)
 
 
-def expert_groups(topk_TK, num_experts: int, first_expert: int, num_held: int):
-    """``[(e, assignments), ...]``: for each held expert ``e`` (0-based here) with assignments, their indices into the
-    flattened ``[A]`` in token order."""
+def expert_order(topk_TK, num_experts: int):
+    """``(expert_A, order, counts_E)``: each flattened assignment's expert, the assignments sorted by expert (stable:
+    token order within an expert) and each expert's count."""
     expert_A = np.asarray(topk_TK, np.int64).reshape(-1)
-    order = np.argsort(expert_A, kind="stable")
-    counts = np.bincount(expert_A, minlength=num_experts)
-    ends = np.cumsum(counts)
+    return expert_A, np.argsort(expert_A, kind="stable"), np.bincount(expert_A, minlength=num_experts)
+
+
+def expert_groups(order, counts_E, first_expert: int, num_held: int):
+    """``[(e, assignments), ...]``: for each held expert ``e`` (0-based here) with assignments, their indices into the
+    flattened ``[A]`` in token order (``order``, ``counts_E``: :func:`expert_order`)."""
+    ends = np.cumsum(counts_E)
     groups = []
     for e in range(num_held):
         g = first_expert + e
-        if counts[g]:
-            groups.append((e, order[ends[g] - counts[g] : ends[g]]))
+        if counts_E[g]:
+            groups.append((e, order[ends[g] - counts_E[g] : ends[g]]))
     return groups
 
 
-def sorted_rows(topk_TK, num_experts: int, block: int):
+def sorted_rows(expert_A, order, counts_E, block: int):
     """``[A]``: each assignment's row in the grouped path's expert-sorted buffer (``model.moe.dispatch.grouped_rows``):
-    experts in order, each group padded to a multiple of ``block`` rows, token order within a group."""
-    expert_A = np.asarray(topk_TK, np.int64).reshape(-1)
-    order = np.argsort(expert_A, kind="stable")
-    counts = np.bincount(expert_A, minlength=num_experts)
-    sizes = -(-counts // block) * block
+    experts in order, each group padded to a multiple of ``block`` rows, token order within a group
+    (``expert_A, order, counts_E``: :func:`expert_order`)."""
+    sizes = -(-counts_E // block) * block
     rank_A = np.empty_like(expert_A)
-    rank_A[order] = np.arange(expert_A.size) - (np.cumsum(counts) - counts)[expert_A[order]]
+    rank_A[order] = np.arange(expert_A.size) - (np.cumsum(counts_E) - counts_E)[expert_A[order]]
     return (np.cumsum(sizes) - sizes)[expert_A] + rank_A
 
 
@@ -93,7 +90,7 @@ class Projection:
         in_features = weight.shape[2]
         # A draw's factors cover the input's features; an evaluation graph passes none (no dropout there).
         self.drops = spec.lora and spec.dropout is not None and col_F.shape[0] == in_features and in_features > 1
-        self.row_Z, self.col_F = np.array(row_Z), np.array(col_F)  # a few KiB: the backward's masks are these
+        self.row_Z, self.col_F = row_Z, col_F
         self.scaling = np.float32(scaling)
 
     def mask(self, rows_n):
@@ -136,16 +133,18 @@ class Projection:
         return grads
 
 
-def token_experts_forward(x_TH, topk_TK, row_A, weight_TK, projections, num_experts, first_expert, num_held):
-    """``(y [T, H] fp32, saved)``: the held experts' weighted outputs per token; ``saved`` is what
-    :func:`token_experts_backward` reads (per expert with rows: its assignments, gate and up pre-activations,
-    output and adapters' low-rank products)."""
+def token_experts_forward(x_TH, topk_TK, block, weight_TK, projections, num_experts, first_expert, num_held):
+    """``(y [T, H] fp32, row_A, saved)``: the held experts' weighted outputs per token, each assignment's sorted row
+    (:func:`sorted_rows` with ``block``) and what :func:`token_experts_backward` reads (per expert with rows: its
+    assignments, gate and up pre-activations, output and adapters' low-rank products)."""
     gate, up, down = projections
     top_k = topk_TK.shape[1]
     weight_A = _fp32(weight_TK).reshape(-1)
     y_TH = np.zeros((x_TH.shape[0], down.weight.shape[1]), np.float32)
+    expert_A, order, counts_E = expert_order(topk_TK, num_experts)
+    row_A = sorted_rows(expert_A, order, counts_E, block)
     saved = []
-    for e, assignments in expert_groups(topk_TK, num_experts, first_expert, num_held):
+    for e, assignments in expert_groups(order, counts_E, first_expert, num_held):
         tokens, rows = assignments // top_k, row_A[assignments]
         x_nH = _fp32(x_TH[tokens])
         gate_nI, gate_low = gate.forward(e, x_nH, rows)
@@ -154,7 +153,7 @@ def token_experts_forward(x_TH, topk_TK, row_A, weight_TK, projections, num_expe
         # A token chooses distinct experts: its row appears once per expert, so this scatter has no collisions.
         y_TH[tokens] += weight_A[assignments, None] * out_nH
         saved.append((e, assignments, gate_nI, up_nI, out_nH, (gate_low, up_low, down_low)))
-    return y_TH, saved
+    return y_TH, row_A, saved
 
 
 def token_experts_backward(dy_TH, scale_T, x_TH, topk_TK, row_A, weight_TK, projections, saved):
@@ -223,8 +222,9 @@ class HostTokenExperts(nn.Cell):
         def forward(x, topk, block, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df):
             projs = projections((gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df))
             state.clear()
-            row_A = sorted_rows(topk, num_experts, int(block[0]))
-            y_TH, saved = token_experts_forward(x, topk, row_A, weight_TK, projs, num_experts, first_expert, num_held)
+            y_TH, row_A, saved = token_experts_forward(
+                x, topk, int(block[0]), weight_TK, projs, num_experts, first_expert, num_held
+            )
             state.update(x=x, topk=topk, row_A=row_A, weight=weight_TK, projections=projs, saved=saved)
             return y_TH.astype(x.dtype, copy=False)
 

@@ -40,6 +40,12 @@ def expert_ranks(topk_idx_TK, num_experts: int):
     return expert_A, rank_A, one_hot_AE.sum(0)
 
 
+def grouped_row_count(num_assignments: int, num_experts: int, block: int) -> int:
+    """The static rows of the expert-sorted buffer: ``floor((A + E * (b - 1)) / b) * b``, room for every expert's
+    group padded to a multiple of ``block``."""
+    return (num_assignments + num_experts * (block - 1)) // block * block
+
+
 def grouped_rows(topk_idx_TK, num_experts: int, block: int):
     """``(row_A int32, group_sizes_E int32, num_rows)``: each assignment's row in the expert-sorted buffer
     (stable: token order within an expert), each expert's group size (its assignments rounded up to a
@@ -49,7 +55,7 @@ def grouped_rows(topk_idx_TK, num_experts: int, block: int):
     group_sizes_E = (count_E + (block - 1)) // block * block
     starts_E = ops.cumsum(group_sizes_E, 0) - group_sizes_E
     row_A = ops.gather(starts_E, expert_A, 0) + rank_A
-    num_rows = (num_assignments + num_experts * (block - 1)) // block * block
+    num_rows = grouped_row_count(num_assignments, num_experts, block)
     return row_A.astype(ms.int32), group_sizes_E.astype(ms.int32), num_rows
 
 

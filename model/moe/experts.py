@@ -17,6 +17,7 @@ from mindmoe.model import kernels
 from mindmoe.model.deferred_init import is_deferred, rows_of
 from mindmoe.model.kernels.cpu_token_experts import ProjectionSpec
 from mindmoe.model.linear import is_half, normal_init
+from mindmoe.model.lora import EXPERT_PROJECTIONS
 
 
 class RowScaledWeightGradMatmul(nn.Cell):
@@ -111,7 +112,7 @@ class RoutedExperts(nn.Cell):
         """The :class:`~model.kernels.cpu_token_experts.ProjectionSpec` of each projection, or None when a frozen
         weight cannot be read on the host (bf16: NumPy has none)."""
         specs = []
-        for proj in ("gate_proj", "up_proj", "down_proj"):
+        for proj in EXPERT_PROJECTIONS:
             weight = getattr(self, proj)
             if getattr(self, proj + "_frozen"):
                 if weight.dtype not in (ms.float16, ms.float32):
@@ -123,7 +124,7 @@ class RoutedExperts(nn.Cell):
 
     def token_shapes(self):
         """Per projection ``(weight, lora_A, lora_B)`` shapes (None for an absent adapter)."""
-        return [(tuple(getattr(self, p).shape), None, None) for p in ("gate_proj", "up_proj", "down_proj")]
+        return [(tuple(getattr(self, p).shape), None, None) for p in EXPERT_PROJECTIONS]
 
     def build_token_kernel(self, top_k: int) -> bool:
         """Create the device's tokens-to-tokens kernel (:func:`model.kernels.token_experts`) for :meth:`tokens`;

@@ -66,9 +66,7 @@ class MoELayer(nn.Cell):
         self.dispatcher = placement.dispatcher(cfg)
         # CPU training with dropless dispatch: the experts run from tokens to tokens in one host kernel, so no
         # expert row lives in the graph (kernels.token_experts; Ascend keeps the grouped path).
-        self.routes_tokens = bool(getattr(self.dispatcher, "routes_tokens", False)) and self.experts.build_token_kernel(
-            cfg.top_k
-        )
+        self.routes_tokens = self.dispatcher.routes_tokens and self.experts.build_token_kernel(cfg.top_k)
         self.has_shared = cfg.num_shared_experts > 0
         if self.has_shared:
             self.shared_experts = SwiGLU(

@@ -34,6 +34,7 @@ from mindmoe.model.moe.dispatch import (
     expert_capacity,
     gather_rows,
     gather_to_slots,
+    grouped_row_count,
     grouped_rows,
 )
 
@@ -121,7 +122,7 @@ class DroplessDispatcher(nn.Cell):
         topk_idx_TK, weight_TK = routing
         num_assignments = topk_idx_TK.shape[0] * topk_idx_TK.shape[1]
         block = self.block(num_assignments)
-        num_rows = (num_assignments + self.num_experts * (block - 1)) // block * block
+        num_rows = grouped_row_count(num_assignments, self.num_experts, block)
         block_1 = ops.fill(ms.int32, (1,), block)
         return experts.tokens(x_TH, topk_idx_TK.astype(ms.int32), block_1, weight_TK, scale_T, num_rows)
 
@@ -133,7 +134,7 @@ class DroplessDispatcher(nn.Cell):
         row_A, _, weight_TK = state
         num_tokens, top_k = weight_TK.shape
         block = self.block(num_tokens * top_k)
-        num_rows = (num_tokens * top_k + self.num_experts * (block - 1)) // block * block
+        num_rows = grouped_row_count(num_tokens * top_k, self.num_experts, block)
         scale_A = ops.broadcast_to(scale_T.expand_dims(-1), (num_tokens, top_k)).reshape(-1)
         # Rows are unique per assignment; padding rows keep 1 (they are zero and carry no gradient).
         scale_X = 1.0 + ops.scatter_nd(row_A.expand_dims(-1), scale_A - 1.0, (num_rows,))

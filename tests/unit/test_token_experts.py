@@ -9,7 +9,7 @@ import torch
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindmoe.model import kernels
-from mindmoe.model.kernels.cpu_token_experts import ProjectionSpec, sorted_rows
+from mindmoe.model.kernels.cpu_token_experts import ProjectionSpec, expert_order, sorted_rows
 from mindmoe.model.kernels.dropout_mask import host_scaled_keep
 from mindmoe.model.lora_dropout import drop_threshold
 from mindmoe.model.moe.dispatch import grouped_rows
@@ -139,7 +139,7 @@ def test_sorted_rows_are_the_grouped_paths_rows():
     topk = np.stack([rng.choice(E, K, replace=False) for _ in range(40)]).astype(np.int32)
     for block in (1, 4):
         expected, _, _ = grouped_rows(Tensor(topk), E, block)
-        np.testing.assert_array_equal(sorted_rows(topk, E, block), expected.asnumpy())
+        np.testing.assert_array_equal(sorted_rows(*expert_order(topk, E), block), expected.asnumpy())
 
 
 def test_token_experts_is_none_on_ascend():
