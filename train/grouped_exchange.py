@@ -3,7 +3,10 @@
 ep times the routed rows of one micro-batch instead of every expert on every token.
 
 Selected by :class:`train.expert_parallel.ExpertParallelDispatch` for ``model.dispatch=dropless``; capacity
-dispatch keeps the fixed ``[e, C, H]`` exchange of :mod:`train.token_exchange`.
+dispatch keeps the fixed ``[e, C, H]`` exchange of :mod:`train.token_exchange`. Where the experts run from tokens
+to tokens (``kernels.token_experts``: a CPU training graph) the layer calls :meth:`GroupedExchange.token_experts`
+instead, and the group's tokens travel rather than the rows (:mod:`train.token_gather`); the row exchange below is
+the path of the devices with a grouped matmul (Ascend).
 
 Shape legend: T tokens of this rank's micro-batch, K experts per token, A = T * K assignments, E experts,
 G = ep ranks of the group, e = E / G local experts, b rows per block of the grouped matmul, X rows of one
@@ -38,6 +41,8 @@ from mindspore import Tensor, nn, ops
 
 from mindmoe.model import kernels
 from mindmoe.model.moe.dispatch import combine_rows, gather_rows, grouped_rows
+from mindmoe.model.moe.token_dispatcher import DroplessDispatcher
+from mindmoe.train.token_gather import GroupTokenExperts
 
 
 def slot_rows(num_tokens: int, top_k: int, num_local: int, block: int) -> int:
@@ -96,11 +101,12 @@ class GroupedExchange(nn.Cell):
     and :meth:`receive_back` are the steps between the exchanges, so a test can run the G ranks of a group in
     one process. ``alignment`` fixes b (tests; by default :func:`model.kernels.grouped_alignment` picks it)."""
 
-    routes_tokens = False  # the rows travel: no tokens-to-tokens expert kernel
-
     def __init__(self, num_experts: int, rank_in_group: int, ep: int, group: str, exchange=None, alignment=None):
         super().__init__()
         self.alignment = alignment
+        # Where the experts run from tokens to tokens (a CPU training graph) the tokens travel instead of the rows
+        # (:meth:`token_experts`); a fixed alignment (tests of the row exchange) keeps the rows.
+        self.routes_tokens = alignment is None
         make = kernels.all_to_all if exchange is None else exchange
         self.to_experts = make(group, ep, rank_in_group)
         self.scale_to_experts = make(group, ep, rank_in_group)
@@ -116,6 +122,9 @@ class GroupedExchange(nn.Cell):
         unused_expert = first - 1 if self.unused_first else first + self.num_local
         held = list(range(first, first + self.num_local))
         self.sizes_index = Tensor(np.array([unused_expert] + held, np.int32).reshape(-1, 1))
+        self.group_tokens = (
+            GroupTokenExperts(DroplessDispatcher(num_experts), group, ep, rank_in_group) if self.routes_tokens else None
+        )
 
     def block(self, num_assignments: int) -> int:
         if self.alignment is None:
@@ -184,6 +193,11 @@ class GroupedExchange(nn.Cell):
         num_rows = dest_R.shape[0]
         scale_R = 1.0 + ops.scatter_nd(dest_R.expand_dims(-1), scale_GX.reshape(-1) - 1.0, (num_rows + 1,))
         return scale_R[:num_rows].reshape(-1, block)
+
+    def token_experts(self, x_TH, routing, experts, scale_T):
+        """``[T, H]``: this rank's tokens' weighted expert outputs, the group's experts run from tokens to tokens on
+        the group's gathered tokens (:class:`~mindmoe.train.token_gather.GroupTokenExperts`)."""
+        return self.group_tokens(x_TH, routing, experts, scale_T)
 
     def dispatch(self, x_TH, routing):
         x_GXH, sizes_Ge, slot_A = self.send(x_TH, routing)
