@@ -43,6 +43,15 @@ def by_step(run_dir, key):
     return {row["step"]: row[key] for row in metrics_rows(run_dir) if key in row}
 
 
+def assert_same_by_step(single_dir, ep_dir, keys, steps):
+    """Every step's ``keys`` logged by both runs, equal to 1e-5 relative."""
+    for key in keys:
+        expected, actual = by_step(single_dir, key), by_step(ep_dir, key)
+        assert sorted(actual) == sorted(expected) == list(range(1, steps + 1)), key
+        for step, value in expected.items():
+            assert abs(actual[step] - value) <= 1e-5 * abs(value), f"{key} step {step}: {actual[step]} vs {value}"
+
+
 @pytest.mark.msrun
 def test_lora_with_expert_parallel_workers_reproduces_one_process_and_its_adapter(tmp_path, data_cache, processes):
     single_dir, ep_dir = tmp_path / "single", tmp_path / "ep2"
@@ -62,12 +71,7 @@ def test_lora_with_expert_parallel_workers_reproduces_one_process_and_its_adapte
     code, stdout, stderr = finish(launcher)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "data parallel 1, accumulation 2" in stdout
-
-    for key in ("loss", "grad_norm"):
-        expected, actual = by_step(single_dir, key), by_step(ep_dir, key)
-        assert sorted(actual) == sorted(expected) == list(range(1, STEPS + 1)), key
-        for step, value in expected.items():
-            assert abs(actual[step] - value) <= 1e-5 * abs(value), f"{key} step {step}: {actual[step]} vs {value}"
+    assert_same_by_step(single_dir, ep_dir, ("loss", "grad_norm"), STEPS)
 
     expected, actual = load_file(str(single_dir / ADAPTER)), load_file(str(ep_dir / ADAPTER))
     assert sorted(actual) == sorted(expected)
@@ -96,40 +100,31 @@ def recipe_command(module, run_dir, data_cache, *extra):
     return [sys.executable, "-m", module, f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}", *RECIPE, *extra]
 
 
+def recipe_runs(tmp_path, data_cache, processes, common=(), layout=()) -> tuple:
+    """``recipe=lora_business`` (``RECIPE`` and ``common``) on 2 launched workers with ``parallel.ep=2`` and
+    ``layout``, and in one process meanwhile; ``(one process's run dir, the workers', the launcher's stdout,
+    both PEFT adapter files)``."""
+    single_dir, ep_dir = tmp_path / "single", tmp_path / "ep2"
+    workers = ("launch.procs_per_node=2", "parallel.ep=2", *layout, f"launch.master_port={free_port()}")
+    launcher = start(processes, recipe_command("mindmoe.launch.cli", ep_dir, data_cache, *common, *workers))
+    one = recipe_command("mindmoe.train.cli", single_dir, data_cache, *common)
+    subprocess.run(one, cwd=REPO, check=True, capture_output=True, timeout=900)
+    code, stdout, stderr = finish(launcher)
+    assert code == 0, stdout[-3000:] + stderr[-3000:]
+    adapter = Path("checkpoints") / f"step_{RECIPE_STEPS:06d}" / "adapter" / "adapter_model.safetensors"
+    files = load_file(str(single_dir / adapter)), load_file(str(ep_dir / adapter))
+    assert sorted(files[1]) == sorted(files[0])
+    return single_dir, ep_dir, stdout, files
+
+
 @pytest.mark.msrun
 def test_the_lora_business_recipe_on_two_expert_parallel_workers_reproduces_one_process(
     tmp_path, data_cache, processes
 ):
     """The README's fine-tune as a user runs it with ``parallel.ep=2``: the imported base's dropless experts
     split over 2 workers, adapter dropout masks and all, give one process's losses and PEFT adapter file."""
-    single_dir, ep_dir = tmp_path / "single", tmp_path / "ep2"
-    launcher = start(
-        processes,
-        recipe_command(
-            "mindmoe.launch.cli",
-            ep_dir,
-            data_cache,
-            "launch.procs_per_node=2",
-            "parallel.ep=2",
-            f"launch.master_port={free_port()}",
-        ),
-    )
-    subprocess.run(
-        recipe_command("mindmoe.train.cli", single_dir, data_cache),
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
-    code, stdout, stderr = finish(launcher)
-    assert code == 0, stdout[-3000:] + stderr[-3000:]
-    expected, actual = by_step(single_dir, "loss"), by_step(ep_dir, "loss")
-    assert sorted(actual) == sorted(expected) == list(range(1, RECIPE_STEPS + 1))
-    for step, value in expected.items():
-        assert abs(actual[step] - value) <= 1e-5 * abs(value), f"loss step {step}: {actual[step]} vs {value}"
-    adapter = Path("checkpoints") / f"step_{RECIPE_STEPS:06d}" / "adapter" / "adapter_model.safetensors"
-    expected_files, actual_files = load_file(str(single_dir / adapter)), load_file(str(ep_dir / adapter))
-    assert sorted(actual_files) == sorted(expected_files)
+    single_dir, ep_dir, _, (expected_files, actual_files) = recipe_runs(tmp_path, data_cache, processes)
+    assert_same_by_step(single_dir, ep_dir, ("loss",), RECIPE_STEPS)
     for name, tensor in expected_files.items():
         np.testing.assert_allclose(actual_files[name], tensor, rtol=1e-5, atol=1e-7, err_msg=name)
 
@@ -142,38 +137,11 @@ def test_lora_on_token_routed_workers_reproduces_one_process_accumulating_their_
     gather each other's tokens, run their own experts' assignments from tokens to tokens and sum the outputs back
     (train.token_gather); one process accumulates the same 2 micro-batches. Without adapter dropout: data-parallel
     ranks draw their own masks."""
-    single_dir, ep_dir = tmp_path / "single", tmp_path / "ep2_alltoall"
-    launcher = start(
-        processes,
-        recipe_command(
-            "mindmoe.launch.cli",
-            ep_dir,
-            data_cache,
-            "lora.dropout=0",
-            "launch.procs_per_node=2",
-            "parallel.ep=2",
-            "parallel.ep_dispatcher=alltoall",
-            f"launch.master_port={free_port()}",
-        ),
+    single_dir, ep_dir, stdout, (expected_files, actual_files) = recipe_runs(
+        tmp_path, data_cache, processes, ("lora.dropout=0",), ("parallel.ep_dispatcher=alltoall",)
     )
-    subprocess.run(
-        recipe_command("mindmoe.train.cli", single_dir, data_cache, "lora.dropout=0"),
-        cwd=REPO,
-        check=True,
-        capture_output=True,
-        timeout=900,
-    )
-    code, stdout, stderr = finish(launcher)
-    assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "data parallel 2, accumulation 1" in stdout
-    for key in ("loss", "grad_norm"):
-        expected, actual = by_step(single_dir, key), by_step(ep_dir, key)
-        assert sorted(actual) == sorted(expected) == list(range(1, RECIPE_STEPS + 1)), key
-        for step, value in expected.items():
-            assert abs(actual[step] - value) <= 1e-5 * abs(value), f"{key} step {step}: {actual[step]} vs {value}"
-    adapter = Path("checkpoints") / f"step_{RECIPE_STEPS:06d}" / "adapter" / "adapter_model.safetensors"
-    expected_files, actual_files = load_file(str(single_dir / adapter)), load_file(str(ep_dir / adapter))
-    assert sorted(actual_files) == sorted(expected_files)
+    assert_same_by_step(single_dir, ep_dir, ("loss", "grad_norm"), RECIPE_STEPS)
     # The group's expert outputs reach a token summed in another order than one process's kernel sums them, so the
     # gradients differ in their last bits; AdamW normalises each element's gradient, so an element whose gradient
     # is about zero may move by up to lr per step on that noise. Every element stays within 1% of lr x steps and
