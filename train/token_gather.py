@@ -29,36 +29,21 @@ from mindspore import nn, ops
 from mindmoe.model import kernels
 
 
-class GatherGroupTokens(nn.Cell):
-    """``x [T, F] -> [G * T, F]``, every rank's rows in rank order; backward: this rank's rows of the gradient summed
-    over the group (each rank's experts contributed to every gathered row)."""
+class Adjoint(nn.Cell):
+    """``forward(x)`` with ``backward(dout)`` as its gradient: the all-gather and the reduce-scatter over a group are
+    each other's adjoints (the gathered rows feed every rank's experts, so their gradients are summed back to the
+    rank that sent them; a rank's summed rows came from every rank, so its gradient goes to all of them)."""
 
-    def __init__(self, group: str, group_size: int, rank_in_group: int):
+    def __init__(self, forward, backward):
         super().__init__()
-        self.gather = kernels.all_gather(group, group_size, rank_in_group)
-        self.scatter = kernels.reduce_scatter(group, group_size, rank_in_group)
+        self.forward = forward
+        self.backward = backward
 
     def construct(self, x):
-        return self.gather(x)
+        return self.forward(x)
 
     def bprop(self, x, out, dout):
-        return (self.scatter(dout),)
-
-
-class ScatterGroupTokens(nn.Cell):
-    """``y [G * T, H] -> [T, H]``: the sum over the group, this rank's rows; backward: the output gradient of every
-    rank, gathered in rank order (each rank's rows feed every rank's experts)."""
-
-    def __init__(self, group: str, group_size: int, rank_in_group: int):
-        super().__init__()
-        self.gather = kernels.all_gather(group, group_size, rank_in_group)
-        self.scatter = kernels.reduce_scatter(group, group_size, rank_in_group)
-
-    def construct(self, y):
-        return self.scatter(y)
-
-    def bprop(self, y, out, dout):
-        return (self.gather(dout),)
+        return (self.backward(dout),)
 
 
 class GroupTokenExperts(nn.Cell):
@@ -68,8 +53,11 @@ class GroupTokenExperts(nn.Cell):
     def __init__(self, local, group: str, group_size: int, rank_in_group: int):
         super().__init__()
         self.local = local
-        self.gather_tokens = GatherGroupTokens(group, group_size, rank_in_group)
-        self.scatter_tokens = ScatterGroupTokens(group, group_size, rank_in_group)
+        # [T, F] -> [G * T, F] in rank order, and [G * T, H] -> this rank's [T, H] of the sum over the group.
+        gather = kernels.all_gather(group, group_size, rank_in_group)
+        scatter = kernels.reduce_scatter(group, group_size, rank_in_group)
+        self.gather_tokens = Adjoint(gather, scatter)
+        self.scatter_tokens = Adjoint(scatter, gather)
 
     def construct(self, x_TH, routing, experts, scale_T):
         topk_idx_TK, weight_TK = routing
