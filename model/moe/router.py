@@ -33,31 +33,35 @@ def router_scores(logits_TE, score_func: str):
     return ops.softmax(logits_TE, -1)
 
 
-# Scalings by 2**k that bring any positive finite fp32 into [1, 2) in exact steps (subnormals need 149).
-_DOWN_STEPS = (64, 32, 16, 8, 4, 2, 1)
-_UP_STEPS = (64, 64, 32, 16, 8, 4, 2, 1)
+# 2**-(e // 2) and 2**-(e - e // 2) for the exponents e in [-149, 127] of positive finite fp32 (index e + 149):
+# their product scales |x| into [1, 2) and neither factor leaves the normal fp32 range.
+_EXPONENTS = np.arange(-149, 128)
+_SCALE_A = Tensor(np.ldexp(np.float32(1), -(_EXPONENTS // 2)).astype(np.float32))
+_SCALE_B = Tensor(np.ldexp(np.float32(1), -(_EXPONENTS - _EXPONENTS // 2)).astype(np.float32))
 
 
 def ordered_int(x):
     """An int32 per element that orders like the finite fp32 ``x`` and is equal exactly where ``x`` is
     (-0 and +0 alike): the sign times the IEEE-754 bit pattern of ``|x|``.
 
-    MindSpore 2.9 graphs have no bitcast, so the pattern is computed: ``|x|`` is scaled into [1, 2) by
-    powers of two picked by comparisons, all exact, giving exponent and mantissa bits.
+    MindSpore 2.9 graphs have no bitcast, so the pattern is computed: ``floor(log2 |x|)`` estimates the exponent,
+    a product by two tabulated powers of two (exact) scales ``|x|`` near [1, 2), and one comparison each way
+    corrects the estimate where ``log2`` rounded across a power of two; the exponent and the scaled value's
+    fraction are the bits.
     """
     x = x.astype(ms.float32)
     magnitude = ops.abs(x)
     nonzero = magnitude > 0
     y = ops.select(nonzero, magnitude, ops.ones_like(magnitude))
-    exponent = ops.zeros_like(magnitude, dtype=ms.int32)
-    for k in _DOWN_STEPS:
-        big = y >= 2.0**k
-        y = ops.select(big, y * 2.0**-k, y)
-        exponent = exponent + big.astype(ms.int32) * k
-    for k in _UP_STEPS:
-        small = y < 2.0 ** (1 - k)
-        y = ops.select(small, y * 2.0**k, y)
-        exponent = exponent - small.astype(ms.int32) * k
+    exponent = ops.clamp(ops.floor(ops.log2(y)), -149.0, 127.0).astype(ms.int32)
+    index = exponent + 149
+    y = y * ops.gather(_SCALE_A, index, 0) * ops.gather(_SCALE_B, index, 0)
+    big = y >= 2.0
+    y = ops.select(big, y * 0.5, y)
+    exponent = exponent + big.astype(ms.int32)
+    small = y < 1.0
+    y = ops.select(small, y * 2.0, y)
+    exponent = exponent - small.astype(ms.int32)
     normal_bits = (exponent + 127) * (1 << 23) + ((y - 1.0) * 2.0**23).astype(ms.int32)
     subnormal_bits = (magnitude * 2.0**100 * 2.0**49).astype(ms.int32)
     bits = ops.select(exponent >= -126, normal_bits, subnormal_bits)

@@ -69,6 +69,28 @@ def test_ordered_int_is_the_sign_magnitude_bit_pattern_and_orders_like_the_float
     assert ours[0, 0] == ours[0, 1] == 0  # -0 and +0 are one value
 
 
+def every_exponent():
+    """Each power of two of fp32 (subnormal to largest), its neighbours either side and a random value in each
+    binade, both signs: where a ``log2`` estimate of the exponent can round across a binade's edge."""
+    powers = np.ldexp(np.float32(1), np.arange(-149, 128)).astype(np.float32)
+    inside = powers * np.random.default_rng(1).uniform(1.0, 2.0, powers.size).astype(np.float32)
+    values = np.concatenate(
+        [powers, np.nextafter(powers, np.float32(0)), np.nextafter(powers, np.float32(np.inf)), inside]
+    )
+    values = values[np.isfinite(values)]
+    return np.concatenate([values, -values]).reshape(1, -1)
+
+
+@pytest.mark.parametrize("mode", ["jit", "eager"])
+def test_ordered_int_is_exact_at_every_binade_edge(mode):
+    x = every_exponent()
+    ours = run(mode, ordered_int, x)
+    expected = np_ordered_int(x)
+    normal = np.abs(x) >= np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(ours[normal], expected[normal])
+    assert np.all((ours[~normal] == expected[~normal]) | (ours[~normal] == 0))
+
+
 def test_selection_keys_are_unique_so_any_sort_gives_the_stable_order():
     scores = tied_scores(5, 32, 8)
     keys = run("jit", selection_keys, scores)
