@@ -1,14 +1,18 @@
 """LoRA of a GLM-4.5-Air-shaped checkpoint on one process and on 2 expert-parallel workers:
-``python bench/lora_ep_memory.py [--gib 1.0] [--steps 3]``.
+``python bench/lora_ep_memory.py [--gib 1.0] [--layers N] [--steps 3]``.
 
 Writes a random HF ``glm4_moe`` directory shaped like a shrunken GLM-4.5-Air (128 routed experts, top-8,
 sigmoid router with its correction bias, one shared expert, one dense layer first, routed experts holding
-most of the bytes; about ``--gib`` GiB of fp16 weights, with the bundled tiny tokenizer), then runs
-``mindmoe-train recipe=lora_business model.pretrained=<it>`` in one process and ``mindmoe-launch ...
-parallel.ep=2`` on 2 workers for ``--steps`` steps. It reports the per-step losses of both (the largest
-relative difference), whether the two PEFT adapter files are byte-identical, and each run's peak RSS
-above the framework baseline (RSS after importing MindSpore and mindmoe's trainer): the largest worker's
-for the launch. The target is worker / one process <= 0.7. Both runs use ``--blas-threads`` NumPy BLAS threads
+most of the bytes; about ``--gib`` GiB of fp16 weights, with the bundled tiny tokenizer): layers are added
+until it is that large, or with ``--layers`` the layer count is fixed and the experts are widened instead.
+Then it runs ``mindmoe-train recipe=lora_business model.pretrained=<it> model.dispatch=dropless`` (HF's model
+drops no token) in one process and ``mindmoe-launch ... parallel.ep=2`` on 2 workers for ``--steps`` steps. It
+reports the per-step losses of both (the largest relative difference), whether the two PEFT adapter files are
+byte-identical, and each run's peak RSS above the framework baseline (RSS after importing MindSpore and
+mindmoe's trainer): the largest worker's for the launch. The target is worker / one process <= 0.7: each
+process also holds what ep does not divide (the optimizer's library, compiled graphs, attention, router and
+shared expert of its micro-batch), so it is met where the experts outweigh that, as in published checkpoints.
+Both runs use ``--blas-threads`` NumPy BLAS threads
 (default 1, what a worker sharing its node runs with): the host kernels' products then round alike, and the
 comparison is of the layouts alone (with 2 threads in the one process its adapter file differed from the
 workers' in the last bits). ``--dispatcher alltoall``: the workers split the tokens (each its own micro-batch
@@ -64,12 +68,20 @@ AIR_CONFIG = dict(
 )
 
 
-def write_air_checkpoint(directory: Path, target_bytes: int) -> dict:
-    """A random fp16 GLM-4.5-Air-shaped checkpoint of about ``target_bytes`` (layers added until it is);
-    returns its total and routed-expert bytes and layer count."""
-    config = dict(AIR_CONFIG, num_hidden_layers=2)
-    while sum(2 * int(np.prod(s)) for _, s in hf_tensor_shapes(config)) < target_bytes:
-        config["num_hidden_layers"] += 1
+def write_air_checkpoint(directory: Path, target_bytes: int, layers: int = 0) -> dict:
+    """A random fp16 GLM-4.5-Air-shaped checkpoint of about ``target_bytes``: layers added until it is, or with
+    ``layers`` given, that many layers whose routed experts are widened (``moe_intermediate_size`` in steps of 64)
+    until it is. Returns its total and routed-expert bytes, layer count and expert width."""
+    config = dict(AIR_CONFIG, num_hidden_layers=layers or 2)
+
+    def size():
+        return sum(2 * int(np.prod(s)) for _, s in hf_tensor_shapes(config))
+
+    while size() < target_bytes:
+        if layers:
+            config["moe_intermediate_size"] += 64
+        else:
+            config["num_hidden_layers"] += 1
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     shutil.copy(TINY_TOKENIZER, directory / "tokenizer.model")
     rng = np.random.default_rng(0)
@@ -99,7 +111,12 @@ def write_air_checkpoint(directory: Path, target_bytes: int) -> dict:
     (directory / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map})
     )
-    return {"bytes": total, "routed_bytes": routed, "layers": config["num_hidden_layers"]}
+    return {
+        "bytes": total,
+        "routed_bytes": routed,
+        "layers": config["num_hidden_layers"],
+        "moe_intermediate_size": config["moe_intermediate_size"],
+    }
 
 
 def framework_baseline_rss() -> int:
@@ -129,6 +146,9 @@ def measure(directory: Path, work: Path, steps: int, dispatcher: str = "allgathe
     overrides += (
         "recipe=lora_business",
         f"model.pretrained={directory}",
+        # HF's glm4_moe drops no token (GLM-4.5-Air's own config: model/glm45_air.yaml): expert parallelism
+        # then exchanges tokens (parallel.ep_dispatcher=alltoall) rather than capacity rows.
+        "model.dispatch=dropless",
         # Two conversations per step: the activations stay small beside the weights, whose share ep divides.
         "data.global_batch_size=2",
         f"train.max_steps={steps}",
@@ -162,6 +182,9 @@ def run_one_kept(run: ScalingRun, run_dir: Path) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gib", type=float, default=1.0, help="checkpoint size to generate (fp16 bytes)")
+    parser.add_argument(
+        "--layers", type=int, default=0, help="fix the layer count (>= 2) and widen the experts to reach --gib instead"
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--blas-threads", type=int, default=1, help="NumPy BLAS threads of both runs")
     parser.add_argument("--dispatcher", choices=("allgather", "alltoall"), default="allgather", help="the workers'")
@@ -171,7 +194,7 @@ def main():
     with tempfile.TemporaryDirectory(prefix="lora_ep_memory_") as tmp:
         directory = Path(tmp) / "air"
         directory.mkdir()
-        shape = write_air_checkpoint(directory, int(args.gib * GIB))
+        shape = write_air_checkpoint(directory, int(args.gib * GIB), args.layers)
         results = measure(directory, Path(tmp) / "runs", args.steps, args.dispatcher)
     one, two = results["one process"], results["ep 2"]
     growth_one, growth_two = one["peak_rss"] - baseline, two["peak_rss"] - baseline
@@ -183,6 +206,7 @@ def main():
                 "checkpoint_gib": round(shape["bytes"] / GIB, 3),
                 "routed_share": round(shape["routed_bytes"] / shape["bytes"], 3),
                 "layers": shape["layers"],
+                "moe_intermediate_size": shape["moe_intermediate_size"],
                 "blas_threads": args.blas_threads,
                 "dispatcher": args.dispatcher,
                 "framework_rss_gib": round(baseline / GIB, 3),
