@@ -1,24 +1,23 @@
 """LoRA of a GLM-4.5-Air-shaped checkpoint on one process and on 2 expert-parallel workers:
 ``python bench/lora_ep_memory.py [--gib 1.0] [--layers N] [--steps 3]``.
 
-Writes a random HF ``glm4_moe`` directory shaped like a shrunken GLM-4.5-Air (128 routed experts, top-8,
-sigmoid router with its correction bias, one shared expert, one dense layer first, routed experts holding
-most of the bytes; about ``--gib`` GiB of fp16 weights, with the bundled tiny tokenizer): layers are added
-until it is that large, or with ``--layers`` the layer count is fixed and the experts are widened instead.
-Then it runs ``mindmoe-train recipe=lora_business model.pretrained=<it> model.dispatch=dropless`` (HF's model
-drops no token) in one process and ``mindmoe-launch ... parallel.ep=2`` on 2 workers for ``--steps`` steps. It
-reports the per-step losses of both (the largest relative difference), whether the two PEFT adapter files are
-byte-identical, and each run's peak RSS above the framework baseline (RSS after importing MindSpore and
-mindmoe's trainer): the largest worker's for the launch. The target is worker / one process <= 0.7: each
-process also holds what ep does not divide (the optimizer's library, compiled graphs, attention, router and
-shared expert of its micro-batch), so it is met where the experts outweigh that, as in published checkpoints.
-Both runs use ``--blas-threads`` NumPy BLAS threads
-(default 1, what a worker sharing its node runs with): the host kernels' products then round alike, and the
-comparison is of the layouts alone (with 2 threads in the one process its adapter file differed from the
-workers' in the last bits). ``--dispatcher alltoall``: the workers split the tokens (each its own micro-batch
-of one conversation, ``parallel.ep_dispatcher=alltoall``) and both runs use ``lora.dropout=0`` and
-``model.aux_loss=none``: data-parallel ranks draw independent dropout masks, and the switch balancing loss is
-a function of the micro-batch's load. Prints one JSON object as its last line.
+Writes a random HF ``glm4_moe`` directory shaped like a shrunken GLM-4.5-Air (128 routed experts, top-8, sigmoid
+router with its correction bias, one shared expert, one dense layer first, routed experts holding most of the
+bytes; about ``--gib`` GiB of fp16 weights, with the bundled tiny tokenizer): layers are added until it is that
+large, or with ``--layers`` the layer count is fixed and the experts are widened instead. Then it runs
+``mindmoe-train recipe=lora_business model.pretrained=<it> model.dispatch=dropless`` (the HF import's own choice,
+stated) in one process and ``mindmoe-launch ... parallel.ep=2`` on 2 workers for ``--steps`` steps. It reports the
+per-step losses of both (the largest relative difference), whether the two PEFT adapter files are byte-identical,
+and each run's peak RSS above the framework baseline (RSS after importing MindSpore and mindmoe's trainer): the
+largest worker's for the launch. The target is worker / one process <= 0.7: each process also holds what ep does
+not divide (the optimizer's library, compiled graphs, attention, router and shared expert of its micro-batch), so
+it is met where the experts outweigh that, as in published checkpoints. Both runs use ``--blas-threads`` NumPy BLAS
+threads (default 1, what a worker sharing its node runs with): the host kernels' products then round alike, and the
+comparison is of the layouts alone (with 2 threads in the one process its adapter file differed from the workers'
+in the last bits). ``--dispatcher alltoall``: the workers split the tokens (each its own micro-batch of one
+conversation, ``parallel.ep_dispatcher=alltoall``) and both runs use ``lora.dropout=0`` and
+``model.aux_loss=none``: data-parallel ranks draw independent dropout masks, and the switch balancing loss is a
+function of the micro-batch's load. Prints one JSON object as its last line.
 Not part of the test suite (two real runs of a model of about a GiB).
 """
 
@@ -146,8 +145,8 @@ def measure(directory: Path, work: Path, steps: int, dispatcher: str = "allgathe
     overrides += (
         "recipe=lora_business",
         f"model.pretrained={directory}",
-        # HF's glm4_moe drops no token (GLM-4.5-Air's own config: model/glm45_air.yaml): expert parallelism
-        # then exchanges tokens (parallel.ep_dispatcher=alltoall) rather than capacity rows.
+        # What the HF import chooses anyway (model/hf/config_map.py: HF's glm4_moe drops no token), stated so
+        # the figures say which dispatch they are of: with alltoall the workers then exchange tokens.
         "model.dispatch=dropless",
         # Two conversations per step: the activations stay small beside the weights, whose share ep divides.
         "data.global_batch_size=2",
