@@ -50,3 +50,19 @@ def test_every_variant_names_attributes_that_exist():
 def test_a_b_row_names_today_and_the_earlier_variant():
     row = kernel_ab._renamed({"baseline_step_s": 2.0, "option_step_s": 2.2, "model": "dense", "max_loss_difference": 0})
     assert row == {"today_step_s": 2.0, "earlier_step_s": 2.2, "model": "dense", "max_loss_difference": 0}
+
+
+def test_the_earlier_ordered_int_gives_todays_keys():
+    """The A/B of the router's ordering keys compares two ways to the same keys: the bit pattern NumPy reads."""
+    from mindmoe.model.moe.router import ordered_int
+
+    powers = np.ldexp(np.float32(1), np.arange(-126, 128)).astype(np.float32)
+    inside = powers * np.random.default_rng(2).uniform(1.0, 2.0, powers.size).astype(np.float32)
+    x = np.concatenate([powers, inside, np.nextafter(powers, np.float32(0)), [0.0, -0.0]]).astype(np.float32)
+    x = np.concatenate([x, -x])[None, :]
+    bits = x.view(np.int32)
+    want = np.where(bits < 0, -(bits & np.int32(0x7FFFFFFF)), bits).astype(np.int32)
+    normal = (np.abs(x) >= np.finfo(np.float32).tiny) | (x == 0)
+    for encode in (kernel_ab._stepped_ordered_int, ordered_int):
+        got = ms.jit(encode)(Tensor(x)).asnumpy()
+        np.testing.assert_array_equal(got[normal], want[normal])
