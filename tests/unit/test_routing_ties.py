@@ -8,13 +8,7 @@ import pytest
 from mindspore import Tensor
 
 from mindmoe.model.moe.router import ordered_int, select_experts, selection_keys
-
-
-def np_ordered_int(x):
-    """Sign times the IEEE-754 bit pattern of |x| (int32), from the bits themselves."""
-    bits = np.asarray(x, np.float32).view(np.int32)
-    magnitude = bits & np.int32(0x7FFFFFFF)
-    return np.where(bits < 0, -magnitude, magnitude).astype(np.int32)
+from tests.helpers.float_bits import every_exponent, np_ordered_int
 
 
 def np_select(choice, top_k, n_group=1, topk_group=1):
@@ -67,18 +61,6 @@ def test_ordered_int_is_the_sign_magnitude_bit_pattern_and_orders_like_the_float
     order = np.argsort(x.ravel(), kind="stable")
     assert np.all(np.diff(ours.ravel()[order].astype(np.int64)) >= 0)
     assert ours[0, 0] == ours[0, 1] == 0  # -0 and +0 are one value
-
-
-def every_exponent():
-    """Each power of two of fp32 (subnormal to largest), its neighbours either side and a random value in each
-    binade, both signs: where a ``log2`` estimate of the exponent can round across a binade's edge."""
-    powers = np.ldexp(np.float32(1), np.arange(-149, 128)).astype(np.float32)
-    inside = powers * np.random.default_rng(1).uniform(1.0, 2.0, powers.size).astype(np.float32)
-    values = np.concatenate(
-        [powers, np.nextafter(powers, np.float32(0)), np.nextafter(powers, np.float32(np.inf)), inside]
-    )
-    values = values[np.isfinite(values)]
-    return np.concatenate([values, -values]).reshape(1, -1)
 
 
 @pytest.mark.parametrize("mode", ["jit", "eager"])
