@@ -188,6 +188,9 @@ def main():
     parser.add_argument("--blas-threads", type=int, default=1, help="NumPy BLAS threads of both runs")
     parser.add_argument("--dispatcher", choices=("allgather", "alltoall"), default="allgather", help="the workers'")
     args = parser.parse_args()
+    if args.layers == 1 or args.layers < 0:
+        # The first layer is dense: with fewer than 2 there is no expert to widen.
+        parser.error(f"--layers {args.layers}: give at least 2 (the first layer is dense), or 0 to add layers")
     os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # read by the runs' NumPy at import
     baseline = framework_baseline_rss()
     with tempfile.TemporaryDirectory(prefix="lora_ep_memory_") as tmp:
