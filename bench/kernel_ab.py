@@ -17,6 +17,8 @@ import sys
 import mindspore as ms
 from mindspore import ops
 
+from mindmoe.bench.earlier_loss import EarlierTokenNLL
+
 
 def _broadcast_expand(x, shape):
     """``kernels.cpu.expand`` before it tiled static shapes: ``BroadcastTo`` for every shape."""
@@ -60,6 +62,7 @@ VARIANTS = {
     ),
     "loss_slice=always": (("mindmoe.model.lm_loss._leading",), _sliced_leading),
     "ordered_int=steps": (("mindmoe.model.moe.router.ordered_int",), _stepped_ordered_int),
+    "loss=recompute": (("mindmoe.train.head_loss.TokenNLL",), EarlierTokenNLL),
 }
 
 

@@ -58,8 +58,8 @@ query heads, ``s`` = seq_len, ``r`` routed rows per token (below):
 - MoE FFN ``2 c h + 8E`` (fp32 router logits and scores) ``+ r c (2h + 3 f_e) + 3 c f_s``
 - after the last layer ``c h`` (final norm input) and the chunked loss (``model/lm_loss.py``): no
   ``[T, V]`` fp32 tensor beyond one chunk of ``LOSS_CHUNK_BYTES``; the loss holds about
-  ``LOSS_BUFFERS`` chunk-sized buffers while it runs, and keeps the log-sum-exp ``4`` per token
-  (or the probabilities ``4V`` when all tokens fit in one chunk)
+  ``LOSS_BUFFERS`` chunk-sized buffers while it runs, and keeps the gradients it computes in the forward for
+  the backward: the rows' ``4h`` per token, and the head's ``4 V h`` when the head trains
 - MTP depths (``model.mtp_layers`` = U, model/mtp.py), kept whole also with ``train.recompute`` (it rebuilds
   the main layers only): each depth its MoE layer (above; its input is eh_proj's output) ``+ c (h + 2h + h +
   h)`` (the embedding enorm reads, the ``[2h]`` concatenation eh_proj reads, the block output that
@@ -267,7 +267,8 @@ def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig
     memory.update = 4 * (owned if setup.zero else params.trained) * int(setup.clip)
     memory.update += 4 * params.trained * int(micro_batches > 1)
     memory.activations = activation_memory(cfg, layout, batch, setup)
-    memory.loss = loss_bytes(cfg, batch.tokens)
+    head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+    memory.loss = loss_bytes(cfg, batch.tokens, not setup.trained.lora or head in setup.trained.saved)
     if replicas > 1 or layout.expert_replicas > 1:
         memory.comm += 4 * params.trained
     if layout.ep > 1:

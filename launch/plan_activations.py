@@ -136,11 +136,12 @@ def mtp_bytes_per_token(cfg: ModelConfig, seq_len: int, setup, rows: float) -> f
     return cfg.mtp_layers * depth + c * hidden
 
 
-def loss_bytes(cfg: ModelConfig, tokens: int) -> float:
+def loss_bytes(cfg: ModelConfig, tokens: int, head_trained: bool) -> float:
     """The chunked losses (the main one and one per MTP depth, one after another): one set of chunk buffers
-    plus what each keeps for the backward."""
+    plus what each keeps for the backward, the gradients it computed in the forward: its rows' ``4 h`` per token
+    and, when the head trains, the head's ``4 V h``."""
     rows = max(1, LOSS_CHUNK_BYTES // (4 * cfg.vocab_size))
-    kept = 4 * cfg.vocab_size * tokens if tokens <= rows else 4 * tokens
+    kept = 4 * cfg.hidden_size * tokens + 4 * cfg.vocab_size * cfg.hidden_size * int(head_trained)
     return LOSS_BUFFERS * 4 * cfg.vocab_size * min(tokens, rows) + (1 + cfg.mtp_layers) * kept
 
 

@@ -1,13 +1,18 @@
-"""LM head and next-token cross-entropy over chunks of tokens, so no ``[T, V]`` fp32 tensor outlives its chunk.
+"""LM head and next-token cross-entropy over chunks of tokens, with the gradients computed in the forward, so no
+``[T, V]`` fp32 tensor outlives its chunk and no logit is computed twice.
 
 Shape legend (docs/architecture.md): T tokens, H hidden size, V vocabulary, plus c for the rows of one chunk.
 
 The plain loss (logits ``x W^T``, log-softmax, gather) keeps ``[T, V]`` fp32 logits, log-probabilities and their
-gradient alive at once: 2.3 GiB each for 4k tokens at V = 151,552. :class:`TokenNLL` computes per-token
-negative log-likelihoods chunk by chunk and keeps only the per-token log-sum-exp; its backward recomputes a
-chunk's logits and applies ``dlogits = (softmax - onehot) * dnll`` (the cross-entropy gradient), so its memory is one
-chunk's ``[c, V]`` buffers (a graph loop reuses them) plus the ``[V, H]`` weight gradient. When the whole
-``[T, V]`` fits in one chunk the probabilities are kept for backward instead (one MatMul less).
+gradient alive at once: 2.3 GiB each for 4k tokens at V = 151,552. :class:`TokenNLL` takes each token's loss
+weight with its inputs (the loss mask, MTP's weights: known before the backward) and returns the weighted sum.
+Chunk by chunk it computes the logits, the per-token negative log-likelihoods and, while the chunk's softmax is
+at hand, the weighted logit gradient ``(softmax - onehot(label)) * w`` and what it gives: the rows' gradient
+``[c, H]`` and the head's ``[V, H]`` summed over the chunks (the fused linear cross-entropy of Liger-Kernel,
+Hsu et al. 2024). The backward only scales them by the incoming scalar. Its memory is one chunk's ``[c, V]``
+buffers (a graph loop reuses them) plus the two gradients, which the backward would hold anyway; recomputing
+each chunk's logits in the backward instead cost one ``[T, H] x [H, V]`` MatMul per step (83 ms, 3.6 % of the
+benchmark's dense step; BENCHMARKS.md).
 """
 
 import mindspore as ms
@@ -34,157 +39,114 @@ def chunk_rows(vocab_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
 
 
 class TokenNLL(nn.Cell):
-    """``(nll [T] fp32, saved)``, ``nll_t = logsumexp_v(x_t W^T) - (x_t W^T)[label_t]``; hand-written backward.
+    """``(loss, nll [T], dx [T, H], dhead)``: ``loss = sum_t w_t nll_t`` with ``nll_t = logsumexp_v(x_t W^T) -
+    (x_t W^T)[label_t]``; hand-written backward.
 
     Inputs: the final normed hidden rows ``x [T, H]``, the head ``W [V, H]`` (a graph input, not a parameter of
-    this cell, so a tied embedding gets the head's gradient added to its own), ``labels [T]`` int32. ``saved`` is
-    for the backward only: the probabilities ``[T, V]`` when ``T <= rows`` (one chunk), else the log-sum-exp
-    ``[T]``. Weight the tokens outside (``(nll * mask).sum()``): a token of zero weight gets zero gradient.
+    this cell, so a tied embedding gets the head's gradient added to its own), ``labels [T]`` int32 and the
+    tokens' loss weights ``w [T]`` fp32 (a token of zero weight gets zero gradient). Only ``loss`` carries a
+    gradient: ``nll`` is for statistics (evaluation, logs), and ``dx``/``dhead`` are the gradients of ``loss``
+    computed in the forward, outputs only so the backward can scale them (fp32; ``dhead`` a scalar 0 when the head
+    is frozen or no gradient is taken).
 
     ``rows``: tokens per chunk (static; the last chunk may be smaller). ``head_trainable=False`` (a frozen head,
-    as in LoRA without the head in ``modules_to_save``) skips the weight-gradient MatMuls. ``compute_dtype`` is
-    the dtype of the logits MatMul (the model's compute dtype under mixed precision, as the model's own head
-    runs it); logits, softmax and reductions are fp32 whatever it is.
+    as in LoRA without the head in ``modules_to_save``) skips the head-gradient MatMuls; ``grads=False``
+    (evaluation) skips every gradient MatMul, and the cell then cannot be differentiated. ``compute_dtype`` is
+    the dtype of the MatMuls (the model's compute dtype under mixed precision, as the model's own head runs it);
+    logits, softmax, reductions and the accumulated gradients are fp32 whatever it is.
     """
 
-    def __init__(self, rows: int, head_trainable: bool = True, compute_dtype=ms.float32):
+    def __init__(self, rows: int, head_trainable: bool = True, compute_dtype=ms.float32, grads: bool = True):
         super().__init__()
         if rows < 1:
             raise ValueError(f"TokenNLL: rows={rows} must be >= 1")
         self.rows = rows
         self.offsets_c = Tensor(np.arange(rows, dtype=np.int32))  # a chunk's rows, shifted per chunk
-        self.head_trainable = head_trainable
+        self.grads = grads
+        self.head_trainable = head_trainable and grads
         self.compute_dtype = compute_dtype
         self.matmul_nt = ops.MatMul(transpose_b=True)
         self.matmul_nn = ops.MatMul()
         self.matmul_tn = ops.MatMul(transpose_a=True)
         self.expand = kernels.expand()
 
-    def logits(self, x_cH, head_VH):
-        """fp32 logits ``[c, V]``; ``head_VH`` already in the compute dtype."""
-        return self.matmul_nt(x_cH.astype(self.compute_dtype), head_VH).astype(ms.float32)
-
-    def construct(self, x_TH, head_VH, labels_T):
+    def construct(self, x_TH, head_VH, labels_T, weight_T):
         head_VH = head_VH.astype(self.compute_dtype)
+        weight_T = weight_T.astype(ms.float32)
         if x_TH.shape[0] <= self.rows:
-            logits_TV = self.logits(x_TH, head_VH)
-            max_T1 = logits_TV.max(-1, keepdims=True)
-            exp_TV = ops.exp(logits_TV - self.expand(max_T1, logits_TV.shape))
-            sum_T1 = exp_TV.sum(-1, keepdims=True)
-            label_T = ops.gather_elements(logits_TV, 1, labels_T.reshape(-1, 1)).reshape(-1)
-            nll_T = (max_T1 + ops.log(sum_T1)).reshape(-1) - label_T
-            return nll_T, exp_TV / self.expand(sum_T1, exp_TV.shape)
-        return self.chunked_nll(x_TH, head_VH, labels_T)
+            nll_T, dx_TH, dhead_VH = self.chunk(x_TH, head_VH, labels_T, weight_T)
+        else:
+            nll_T, dx_TH, dhead_VH = self.chunked(x_TH, head_VH, labels_T, weight_T)
+        return (nll_T * weight_T).sum(), nll_T, dx_TH, dhead_VH
 
-    def padded(self, x_TH, labels_T):
-        """``(chunks, x [n*rows, H], labels [n*rows])``: the tokens padded with zero rows to whole chunks."""
+    def chunk(self, x_cH, head_VH, labels_c, weight_c):
+        """``(nll [c], dx [c, H] or 0, dhead [V, H] or 0)`` of one chunk; gradients of ``sum_c w_c nll_c``."""
+        logits_cV = self.matmul_nt(x_cH.astype(self.compute_dtype), head_VH).astype(ms.float32)
+        max_c1 = logits_cV.max(-1, keepdims=True)
+        exp_cV = ops.exp(logits_cV - self.expand(max_c1, logits_cV.shape))
+        sum_c1 = exp_cV.sum(-1, keepdims=True)
+        label_c = ops.gather_elements(logits_cV, 1, labels_c.reshape(-1, 1)).reshape(-1)
+        nll_c = (max_c1 + ops.log(sum_c1)).reshape(-1) - label_c
+        zero = ops.zeros((), ms.float32)
+        if not self.grads:
+            return nll_c, zero, zero
+        # (softmax - onehot) * w: the exponentials scaled by w / their row sum, then w taken off at each label
+        # (a scatter of c values instead of a [c, V] one-hot and its subtraction: 9 against 19-24 ms at [1024, 8192]).
+        factor_c1 = weight_c.reshape(-1, 1) / sum_c1
+        probs_cV = exp_cV * self.expand(factor_c1, exp_cV.shape)
+        at_label_c2 = ops.stack((ops.arange(0, labels_c.shape[0], dtype=ms.int32), labels_c), 1)
+        dlogits_cV = ops.tensor_scatter_add(probs_cV, at_label_c2, -weight_c).astype(self.compute_dtype)
+        dx_cH = self.matmul_nn(dlogits_cV, head_VH).astype(ms.float32)
+        if not self.head_trainable:
+            return nll_c, dx_cH, zero
+        return nll_c, dx_cH, self.matmul_tn(dlogits_cV, x_cH.astype(self.compute_dtype)).astype(ms.float32)
+
+    def padded(self, x_TH, labels_T, weight_T):
+        """``(chunks, x, labels, w)`` padded with zero rows (zero weight) to ``chunks * rows`` tokens."""
         tokens = x_TH.shape[0]
         chunks = (tokens + self.rows - 1) // self.rows
         pad = chunks * self.rows - tokens
         if pad == 0:
-            return chunks, x_TH, labels_T
+            return chunks, x_TH, labels_T, weight_T
         x_TH = ops.concat((x_TH, ops.zeros((pad, x_TH.shape[1]), x_TH.dtype)))
-        return chunks, x_TH, ops.concat((labels_T, ops.zeros((pad,), labels_T.dtype)))
+        labels_T = ops.concat((labels_T, ops.zeros((pad,), labels_T.dtype)))
+        return chunks, x_TH, labels_T, ops.concat((weight_T, ops.zeros((pad,), ms.float32)))
 
-    def chunked_nll(self, x_TH, head_VH, labels_T):
-        """``(nll [T], logsumexp [T])`` over the chunks in a graph loop.
+    def chunked(self, x_TH, head_VH, labels_T, weight_T):
+        """:meth:`chunk` over the chunks in a graph loop, ``dx`` scattered to its rows and ``dhead`` summed.
 
         A loop, not unrolled chunks: on CPU MindSpore 2.9 kept the ``[c, V]`` intermediates of every unrolled
         chunk that fed two ops, so peak memory grew with T as without chunks; a loop body's buffers are reused.
         """
         tokens = x_TH.shape[0]
-        chunks, x_TH, labels_T = self.padded(x_TH, labels_T)
+        chunks, x_TH, labels_T, weight_T = self.padded(x_TH, labels_T, weight_T)
         nll_T = ops.zeros((chunks * self.rows,), ms.float32)
-        lse_T = ops.zeros((chunks * self.rows,), ms.float32)
+        dx_TH = ops.zeros(x_TH.shape, ms.float32) if self.grads else ops.zeros((), ms.float32)
+        dhead_VH = ops.zeros(head_VH.shape, ms.float32) if self.head_trainable else ops.zeros((), ms.float32)
         offsets_c = self.offsets_c
         chunk = Tensor(0, ms.int32)
         while chunk < chunks:
             index_c = offsets_c + chunk * self.rows
-            logits_cV = self.logits(ops.gather(x_TH, index_c, 0), head_VH)
-            max_c1 = logits_cV.max(-1, keepdims=True)
-            shifted_cV = logits_cV - self.expand(max_c1, logits_cV.shape)
-            lse_c = (max_c1 + ops.log(ops.exp(shifted_cV).sum(-1, keepdims=True))).reshape(-1)
-            label_c = ops.gather_elements(logits_cV, 1, ops.gather(labels_T, index_c, 0).reshape(-1, 1)).reshape(-1)
-            nll_T = ops.tensor_scatter_update(nll_T, index_c.reshape(-1, 1), lse_c - label_c)
-            lse_T = ops.tensor_scatter_update(lse_T, index_c.reshape(-1, 1), lse_c)
+            nll_c, dx_cH, dhead_c = self.chunk(
+                ops.gather(x_TH, index_c, 0),
+                head_VH,
+                ops.gather(labels_T, index_c, 0),
+                ops.gather(weight_T, index_c, 0),
+            )
+            nll_T = ops.tensor_scatter_update(nll_T, index_c.reshape(-1, 1), nll_c)
+            if self.grads:
+                dx_TH = ops.tensor_scatter_update(dx_TH, index_c.reshape(-1, 1), dx_cH)
+            if self.head_trainable:
+                dhead_VH = dhead_VH + dhead_c
             chunk = chunk + 1
-        return _leading(nll_T, tokens), _leading(lse_T, tokens)
+        if self.grads:
+            dx_TH = _leading(dx_TH, tokens)
+        return _leading(nll_T, tokens), dx_TH, dhead_VH
 
-    def chunk_dlogits(self, probs_cV, labels_c, dnll_c):
-        """``(softmax - onehot(label)) * dnll`` of one chunk, fp32 ``[c, V]``."""
-        onehot_cV = ops.one_hot(labels_c, probs_cV.shape[1], 1.0, 0.0)
-        return (probs_cV - onehot_cV) * self.expand(dnll_c.reshape(-1, 1), probs_cV.shape)
-
-    def bprop(self, x_TH, head_VH, labels_T, out, dout):
-        # Early returns only: MindSpore 2.9 failed to compile this backward with a branch that joins again
-        # when the head is a Parameter ("parameters number of the function is 4, but ... 3").
-        if x_TH.shape[0] <= self.rows:
-            dlogits_TV = self.chunk_dlogits(out[1], labels_T, dout[0])
-            return self.chunk_grads(x_TH, head_VH, labels_T, dlogits_TV)
-        if self.head_trainable:
-            return self.chunked_grads(x_TH, head_VH, labels_T, out[1], dout[0])
-        return self.chunked_input_grads(x_TH, head_VH, labels_T, out[1], dout[0])
-
-    def chunk_grads(self, x_TH, head_VH, labels_T, dlogits_TV):
-        """All gradients from the whole ``[T, V]`` logit gradient (one chunk)."""
-        head_c = head_VH.astype(self.compute_dtype)
-        dlogits_c = dlogits_TV.astype(self.compute_dtype)
-        dx_TH = self.matmul_nn(dlogits_c, head_c).astype(x_TH.dtype)
-        if not self.head_trainable:
-            return dx_TH, ops.zeros_like(head_VH), ops.zeros_like(labels_T)
-        dhead_VH = self.matmul_tn(dlogits_c, x_TH.astype(self.compute_dtype)).astype(head_VH.dtype)
-        return dx_TH, dhead_VH, ops.zeros_like(labels_T)
-
-    def chunked_grads(self, x_TH, head_VH, labels_T, lse_T, dnll_T):
-        """``dx`` chunk by chunk and ``dW`` summed over chunks, in a graph loop (see :meth:`chunked_nll`)."""
-        tokens = x_TH.shape[0]
-        head_c = head_VH.astype(self.compute_dtype)
-        chunks, x_TH, labels_T, lse_T, dnll_T = self.padded_grad_inputs(x_TH, labels_T, lse_T, dnll_T)
-        dx_TH = ops.zeros(x_TH.shape, x_TH.dtype)
-        dhead_VH = ops.zeros(head_VH.shape, ms.float32)
-        offsets_c = self.offsets_c
-        chunk = Tensor(0, ms.int32)
-        while chunk < chunks:
-            index_c = offsets_c + chunk * self.rows
-            x_cH = ops.gather(x_TH, index_c, 0)
-            dlogits_cV = self.chunk_dlogits_recomputed(x_cH, head_c, labels_T, lse_T, dnll_T, index_c)
-            dx_TH = ops.tensor_scatter_update(dx_TH, index_c.reshape(-1, 1), self.input_grad(dlogits_cV, head_c, x_TH))
-            dhead_VH = dhead_VH + self.matmul_tn(dlogits_cV, x_cH.astype(self.compute_dtype)).astype(ms.float32)
-            chunk = chunk + 1
-        return _leading(dx_TH, tokens), dhead_VH.astype(head_VH.dtype), ops.zeros_like(_leading(labels_T, tokens))
-
-    def chunked_input_grads(self, x_TH, head_VH, labels_T, lse_T, dnll_T):
-        """``dx`` chunk by chunk of a frozen head (no weight-gradient MatMul)."""
-        tokens = x_TH.shape[0]
-        head_c = head_VH.astype(self.compute_dtype)
-        chunks, x_TH, labels_T, lse_T, dnll_T = self.padded_grad_inputs(x_TH, labels_T, lse_T, dnll_T)
-        dx_TH = ops.zeros(x_TH.shape, x_TH.dtype)
-        offsets_c = self.offsets_c
-        chunk = Tensor(0, ms.int32)
-        while chunk < chunks:
-            index_c = offsets_c + chunk * self.rows
-            x_cH = ops.gather(x_TH, index_c, 0)
-            dlogits_cV = self.chunk_dlogits_recomputed(x_cH, head_c, labels_T, lse_T, dnll_T, index_c)
-            dx_TH = ops.tensor_scatter_update(dx_TH, index_c.reshape(-1, 1), self.input_grad(dlogits_cV, head_c, x_TH))
-            chunk = chunk + 1
-        return _leading(dx_TH, tokens), ops.zeros_like(head_VH), ops.zeros_like(_leading(labels_T, tokens))
-
-    def padded_grad_inputs(self, x_TH, labels_T, lse_T, dnll_T):
-        """:meth:`padded` plus the log-sum-exp and the incoming gradient, zero on the padding rows."""
-        chunks, x_TH, labels_T = self.padded(x_TH, labels_T)
-        pad = x_TH.shape[0] - lse_T.shape[0]
-        if pad == 0:
-            return chunks, x_TH, labels_T, lse_T, dnll_T
-        zeros = ops.zeros((pad,), ms.float32)
-        return chunks, x_TH, labels_T, ops.concat((lse_T, zeros)), ops.concat((dnll_T, zeros))
-
-    def chunk_dlogits_recomputed(self, x_cH, head_c, labels_T, lse_T, dnll_T, index_c):
-        """One chunk's logit gradient from its recomputed logits, in the compute dtype."""
-        logits_cV = self.logits(x_cH, head_c)
-        lse_c1 = ops.gather(lse_T, index_c, 0).reshape(-1, 1)
-        probs_cV = ops.exp(logits_cV - self.expand(lse_c1, logits_cV.shape))
-        dlogits_cV = self.chunk_dlogits(probs_cV, ops.gather(labels_T, index_c, 0), ops.gather(dnll_T, index_c, 0))
-        return dlogits_cV.astype(self.compute_dtype)
-
-    def input_grad(self, dlogits_cV, head_c, x_TH):
-        return self.matmul_nn(dlogits_cV, head_c).astype(x_TH.dtype)
+    def bprop(self, x_TH, head_VH, labels_T, weight_T, out, dout):
+        if not self.grads:
+            raise ValueError("TokenNLL(grads=False) computes no gradient: build it with grads=True to train")
+        scale = dout[0].astype(ms.float32)
+        dx_TH = (out[2] * scale).astype(x_TH.dtype)
+        dhead_VH = (out[3] * scale).astype(head_VH.dtype) if self.head_trainable else ops.zeros_like(head_VH)
+        return dx_TH, dhead_VH, ops.zeros_like(labels_T), ops.zeros_like(weight_T)

@@ -127,7 +127,7 @@ def nll_function(model):
 
     @ms.jit
     def nll_sums(input_ids, doc_ids, labels, loss_mask, beyond_mask):
-        nll_T = head_nll(model, token_nll, input_ids, doc_ids, labels)[0]
+        nll_T = head_nll(model, token_nll, input_ids, doc_ids, labels, loss_mask)[1]
         nll_all, count_all = masked_sum(nll_T, loss_mask)
         nll_beyond, count_beyond = masked_sum(nll_T, loss_mask * beyond_mask)
         return nll_all, count_all, nll_beyond, count_beyond

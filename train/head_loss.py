@@ -1,5 +1,6 @@
 """The LM loss of the step and of evaluation: the model's final hidden rows through the chunked head
-(:class:`model.lm_loss.TokenNLL`), weighted by a loss mask.
+(:class:`model.lm_loss.TokenNLL`), weighted by a loss mask (the tokens' weights go into the head, which computes the
+weighted sum's gradients as it goes).
 
 Shape legend (docs/architecture.md): B batch, S sequence, T tokens (B * S), H hidden size.
 """
@@ -13,27 +14,32 @@ from mindmoe.model.lm_loss import TokenNLL, chunk_rows
 def head_loss(model, trainable_params=None) -> TokenNLL:
     """The chunked head-and-cross-entropy cell for ``model`` (built outside the compiled graph).
 
-    The head's weight gradient is computed only when the head is among ``trainable_params`` (None: no
-    gradient is taken). The logits MatMul runs in the compute dtype mixed precision gave the model
-    (``train.precision``), as the model's own head does.
+    The head's weight gradient is computed only when the head is among ``trainable_params``; with None no
+    gradient is taken (evaluation: the cell then computes only the losses). The MatMuls run in the compute dtype
+    mixed precision gave the model (``train.precision``), as the model's own head does.
     """
     head_name = model.head_weight().name
     trainable = trainable_params is not None and any(p.name == head_name for p in trainable_params)
     strategy = getattr(model, "amp_strategy", None)
     compute_dtype = ms.float32 if strategy is None else strategy.get_amp_dtype()
-    return TokenNLL(chunk_rows(model.config.vocab_size), trainable, compute_dtype)
+    return TokenNLL(chunk_rows(model.config.vocab_size), trainable, compute_dtype, grads=trainable_params is not None)
 
 
-def head_nll(model, token_nll, input_ids_BS, doc_ids_BS, labels_BS):
-    """``(nll [T] fp32, aux_loss, z_loss, routing_stats, layer_stats)``: the model's outputs with the per-token
-    cross-entropy of its head in place of the logits (``token_nll`` from :func:`head_loss`)."""
+def head_nll(model, token_nll, input_ids_BS, doc_ids_BS, labels_BS, weight_BS):
+    """``(nll_sum, nll [T] fp32, aux_loss, z_loss, routing_stats, layer_stats)``: the model's outputs with the
+    cross-entropy of its head in place of the logits (``token_nll`` from :func:`head_loss`): ``nll_sum = sum_t
+    weight_t nll_t`` (``weight_BS``: the loss mask), the per-token ``nll`` (no gradient; statistics only)."""
     hidden_TH, *others = model(input_ids_BS, doc_ids_BS, True)
-    nll_T, _ = token_nll(hidden_TH, model.head_weight(), labels_BS.reshape(-1))
-    return (nll_T, *others)
+    losses = token_nll(hidden_TH, model.head_weight(), labels_BS.reshape(-1), _weights(weight_BS))
+    return (losses[0], losses[1], *others)
 
 
-def head_nll_with_mtp(model, token_nll, input_ids_BS, doc_ids_BS, future_ids_VBS, mtp_weights_UBS):
-    """:func:`head_nll`'s outputs (labels: ``future_ids[0]``) with the multi-token-prediction sum
+def _weights(weight_BS):
+    return weight_BS.reshape(-1).astype(ms.float32)
+
+
+def head_nll_with_mtp(model, token_nll, input_ids_BS, doc_ids_BS, future_ids_VBS, weight_BS, mtp_weights_UBS):
+    """:func:`head_nll`'s outputs (labels: ``future_ids[0]``, weights ``weight_BS``) with the multi-token-prediction sum
     ``sum_k sum_i nll_k,i * mtp_weights[k, i]`` (model/mtp.py) after the layer statistics (and before the DSA
     indexer loss, which the model returns last).
 
@@ -45,12 +51,12 @@ def head_nll_with_mtp(model, token_nll, input_ids_BS, doc_ids_BS, future_ids_VBS
     head_VH = model.head_weight()
     outputs = model(input_ids_BS, doc_ids_BS, True, future_ids_VBS[:depths])
     hidden_TH, aux, z, routing, layers, mtp_UTH = outputs[:6]
-    nll_T, _ = token_nll(hidden_TH, head_VH, future_ids_VBS[0].reshape(-1))
+    losses = token_nll(hidden_TH, head_VH, future_ids_VBS[0].reshape(-1), _weights(weight_BS))
     mtp_sum = ops.zeros((), ms.float32)
     for depth in range(depths):
-        depth_nll_T, _ = token_nll(mtp_UTH[depth], head_VH, future_ids_VBS[depth + 1].reshape(-1))
-        mtp_sum = mtp_sum + (depth_nll_T * mtp_weights_UBS[depth].reshape(-1)).sum()
-    return (nll_T, aux, z, routing, layers, mtp_sum) + outputs[6:]
+        depth_labels_T = future_ids_VBS[depth + 1].reshape(-1)
+        mtp_sum = mtp_sum + token_nll(mtp_UTH[depth], head_VH, depth_labels_T, _weights(mtp_weights_UBS[depth]))[0]
+    return (losses[0], losses[1], aux, z, routing, layers, mtp_sum) + outputs[6:]
 
 
 def masked_sum(nll_T, mask_BS):

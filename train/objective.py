@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import mindspore as ms
 from mindspore import ops
 
-from mindmoe.train.head_loss import head_nll, head_nll_with_mtp, masked_sum
+from mindmoe.train.head_loss import head_nll, head_nll_with_mtp
 
 
 @dataclass(frozen=True)
@@ -40,16 +40,15 @@ def step_objective(model, token_nll, objective: Objective, window, mtp_inputs):
     zero = ops.zeros((), ms.float32)
     if objective.mtp_depths:
         future_ids, mtp_weights = mtp_inputs
-        outputs = head_nll_with_mtp(model, token_nll, input_ids, doc_ids, future_ids, mtp_weights)
-        mtp_loss = outputs[5] * (objective.mtp_loss_coeff / objective.mtp_depths)
-        rest = outputs[6:]
+        outputs = head_nll_with_mtp(model, token_nll, input_ids, doc_ids, future_ids, loss_mask, mtp_weights)
+        mtp_loss = outputs[6] * (objective.mtp_loss_coeff / objective.mtp_depths)
+        rest = outputs[7:]
     else:
-        outputs = head_nll(model, token_nll, input_ids, doc_ids, labels)
+        outputs = head_nll(model, token_nll, input_ids, doc_ids, labels, loss_mask)
         mtp_loss = zero
-        rest = outputs[5:]
-    nll_T, aux_loss, z_loss, routing_stats, layer_stats = outputs[:5]
+        rest = outputs[6:]
+    nll_sum, _, aux_loss, z_loss, routing_stats, layer_stats = outputs[:6]
     indexer_loss = rest[0] if objective.dsa else zero
-    nll_sum, _ = masked_sum(nll_T, loss_mask)
     lm_loss = nll_sum * token_weight
     loss = lm_loss + aux_loss + z_loss + mtp_loss + indexer_loss * objective.indexer_loss_coeff
     return loss, (loss, lm_loss, aux_loss, z_loss, routing_stats, layer_stats, mtp_loss, indexer_loss)

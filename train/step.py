@@ -204,7 +204,7 @@ def _compile_evaluate(model, token_nll):
 
     @ms.jit
     def evaluate(input_ids, doc_ids, labels, loss_mask):
-        nll_T = head_nll(model, token_nll, input_ids, doc_ids, labels)[0]
+        nll_T = head_nll(model, token_nll, input_ids, doc_ids, labels, loss_mask)[1]
         return masked_sum(nll_T, loss_mask)
 
     return evaluate

@@ -10,6 +10,7 @@ import pytest
 import torch
 from mindspore import Tensor, ops
 
+from mindmoe.bench.earlier_loss import EarlierTokenNLL
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lm_loss import TokenNLL, chunk_rows
 from mindmoe.model.transformer import MoETransformer
@@ -44,23 +45,33 @@ def torch_reference(x_TH, head_VH, labels_T, weight_T):
     return loss.item(), x.grad.numpy(), head.grad.numpy()
 
 
+def torch_token_nll(x_TH, head_VH, labels_T):
+    """Per-token ``-log_softmax(x W^T)[t, label_t]``, float64."""
+    log_probs = torch.log_softmax(
+        torch.tensor(x_TH, dtype=torch.float64) @ torch.tensor(head_VH, dtype=torch.float64).T, -1
+    )
+    return -log_probs.gather(1, torch.tensor(labels_T, dtype=torch.long)[:, None])[:, 0].numpy()
+
+
 def chunked_loss_and_grads(cell, x_TH, head_VH, labels_T, weight_T):
     def weighted_nll(x, head, labels, weight):
-        return (cell(x, head, labels)[0] * weight).sum()
+        return cell(x, head, labels, weight)[0]
 
     grad_fn = ms.jit(ms.value_and_grad(weighted_nll, (0, 1)))
     loss, (dx, dhead) = grad_fn(Tensor(x_TH), Tensor(head_VH), Tensor(labels_T), Tensor(weight_T))
     return float(loss.asnumpy()), dx.asnumpy(), dhead.asnumpy()
 
 
+@pytest.mark.parametrize("cell_class", [TokenNLL, EarlierTokenNLL], ids=["today", "recomputing (bench A/B)"])
 @pytest.mark.parametrize(
     "rows, head_trainable",
     [(64, True), (4, True), (4, False), (1, True)],
     ids=["one chunk", "chunks of 4 (last 3)", "frozen head", "one token per chunk"],
 )
-def test_chunked_nll_and_gradients_match_torch_log_softmax(rows, head_trainable):
+def test_chunked_nll_and_gradients_match_torch_log_softmax(rows, head_trainable, cell_class):
+    """Today's cell and the earlier one bench/kernel_ab.py's ``loss=recompute`` compares it with."""
     inputs = rows_and_head()
-    loss, dx, dhead = chunked_loss_and_grads(TokenNLL(rows, head_trainable), *inputs)
+    loss, dx, dhead = chunked_loss_and_grads(cell_class(rows, head_trainable), *inputs)
     expected_loss, expected_dx, expected_dhead = torch_reference(*inputs)
     assert loss == pytest.approx(expected_loss, rel=1e-6)
     np.testing.assert_allclose(dx, expected_dx, rtol=1e-5, atol=1e-6)
@@ -69,6 +80,37 @@ def test_chunked_nll_and_gradients_match_torch_log_softmax(rows, head_trainable)
         np.testing.assert_allclose(dhead, expected_dhead, rtol=1e-5, atol=1e-6)
     else:
         assert np.all(dhead == 0.0)
+
+
+@pytest.mark.parametrize("rows", [64, 4], ids=["one chunk", "chunks of 4"])
+def test_gradients_scale_with_the_incoming_gradient_and_nll_is_per_token(rows):
+    """The backward scales the gradients the forward computed by the loss's incoming gradient (here 2.5 and the
+    mean over 7 tokens), and the per-token ``nll`` output is every token's, zero-weight tokens included."""
+    x_TH, head_VH, labels_T, weight_T = rows_and_head(seed=2)
+    cell = TokenNLL(rows)
+
+    def objective(x, head, labels, weight):
+        loss, nll_T, _, _ = cell(x, head, labels, weight)
+        return loss * 2.5 / 7.0, nll_T
+
+    grad_fn = ms.jit(ms.value_and_grad(objective, (0, 1), has_aux=True))
+    (loss, nll_T), (dx, dhead) = grad_fn(Tensor(x_TH), Tensor(head_VH), Tensor(labels_T), Tensor(weight_T))
+    expected_loss, expected_dx, expected_dhead = torch_reference(x_TH, head_VH, labels_T, weight_T)
+    assert float(loss.asnumpy()) == pytest.approx(expected_loss * 2.5 / 7.0, rel=1e-6)
+    np.testing.assert_allclose(nll_T.asnumpy(), torch_token_nll(x_TH, head_VH, labels_T), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(dx.asnumpy(), expected_dx * 2.5 / 7.0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dhead.asnumpy(), expected_dhead * 2.5 / 7.0, rtol=1e-5, atol=1e-6)
+
+
+def test_an_evaluation_cell_computes_the_losses_only_and_refuses_a_gradient():
+    x_TH, head_VH, labels_T, weight_T = rows_and_head(seed=3)
+    cell = TokenNLL(4, grads=False)
+    loss, nll_T, dx, dhead = cell(Tensor(x_TH), Tensor(head_VH), Tensor(labels_T), Tensor(weight_T))
+    assert float(loss.asnumpy()) == pytest.approx(torch_reference(x_TH, head_VH, labels_T, weight_T)[0], rel=1e-6)
+    np.testing.assert_allclose(nll_T.asnumpy(), torch_token_nll(x_TH, head_VH, labels_T), rtol=1e-6, atol=1e-6)
+    assert dx.shape == () and dhead.shape == ()  # no gradient MatMul ran
+    with pytest.raises(ValueError, match="grads=True"):
+        chunked_loss_and_grads(cell, x_TH, head_VH, labels_T, weight_T)
 
 
 def test_fp16_compute_rounds_only_the_logits_matmul():
@@ -111,6 +153,7 @@ def test_head_loss_follows_the_head_trainability_and_the_compute_dtype():
     model.embed_tokens.weight.requires_grad = False  # a LoRA run with the head frozen
     assert not head_loss(model, model.trainable_params()).head_trainable
     assert not head_loss(model).head_trainable and head_loss(model).compute_dtype == ms.float32
+    assert head_loss(model, model.trainable_params()).grads and not head_loss(model).grads  # evaluation: losses only
     apply_precision(model, TrainConfig(dtype="fp16"))
     assert head_loss(model).compute_dtype == ms.float16
 

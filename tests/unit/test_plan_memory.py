@@ -48,7 +48,8 @@ DENSE = ATTN + 4 * (2 * 8 + 3 * 16)  # 720
 MOE_K2 = ATTN + 4 * 2 * 8 + 8 * 4 + 2 * 4 * (2 * 8 + 3 * 4) + 3 * 4 * 4  # 832: r = top_k = 2
 MASK = 4 * 4 * 16  # fp32 [B, a, s, s] once
 FINAL_NORM = 4 * 8
-LOSS = 20 * 4 * 100 * T + 4 * 100 * T  # one chunk holds all T: its buffers + the kept probabilities
+KEPT = 4 * 8 * T + 4 * 100 * 8  # the gradients the loss computes in its forward: rows [T, h], head [V, h]
+LOSS = 20 * 4 * 100 * T + KEPT  # one chunk holds all T: its buffers + the kept gradients
 
 
 def hand_plan(layout, setup=None, batch=HAND_BATCH, **model):
@@ -99,7 +100,7 @@ def test_chunked_loss_keeps_no_full_logits():
     memory = hand_plan(Layout(dp=1), batch=Batch(4096, 1, 1), vocab_size=151_552).memory
     rows = 32 * 2**20 // (4 * 151_552)
     assert rows == 55
-    assert memory.loss == 20 * 4 * 151_552 * rows + 4 * 4096
+    assert memory.loss == 20 * 4 * 151_552 * rows + 4 * 8 * 4096 + 4 * 151_552 * 8
     assert memory.loss < 4 * 151_552 * 4096 / 3
 
 
@@ -121,6 +122,7 @@ def test_lora_memory_frozen_base_in_base_dtype_and_only_adapters_trained(device,
     assert memory.grads == 4 * adapters and memory.optimizer == 8 * adapters
     assert memory.accumulation == 0  # one micro-batch per step
     assert memory.update == 4 * adapters  # the clipped copy
+    assert memory.loss == 20 * 4 * 100 * T + 4 * 8 * T  # a frozen head: the loss keeps the rows' gradient only
     unclipped = hand_plan(Layout(dp=1, ep=2), Setup(device=device, trained=trained, clip=False), Batch(16, 2, 2))
     assert unclipped.memory.update == 0
 
@@ -290,7 +292,7 @@ def test_mtp_depth_memory_matches_hand_arithmetic():
     assert memory.weights == 4 * (held + 2 * BUFFER)
     assert memory.grads == 4 * held and memory.optimizer == 8 * held
     assert memory.activations == T * (DENSE + MOE_K2 + MASK + MOE_K2 + FINAL_NORM + MTP_DEPTH + MTP_ONCE)
-    assert memory.loss == LOSS + 4 * 100 * T  # one set of chunk buffers; the depth keeps its own probabilities
+    assert memory.loss == LOSS + KEPT  # one set of chunk buffers; the depth keeps its own gradients
     assert memory.comm == 4 * held + 2 * 2 * T * 8 * 4
     # train.recompute rebuilds the main layers only: the depth stays whole
     recompute = hand_plan(Layout(dp=1, recompute=True), mtp_layers=1).memory
@@ -300,7 +302,7 @@ def test_mtp_depth_memory_matches_hand_arithmetic():
     assert recompute.graphs == 0.12 * 2**30 + (2 + 1) * 0.125 * 2**30
     two = hand_plan(Layout(dp=1), mtp_layers=2).memory
     assert two.activations == T * (DENSE + MOE_K2 + MASK + MOE_K2 + FINAL_NORM + 2 * MTP_DEPTH + MTP_ONCE)
-    assert two.loss == LOSS + 2 * 4 * 100 * T
+    assert two.loss == LOSS + 2 * KEPT
 
 
 def test_mtp_layers_are_reported_as_planned():
