@@ -59,7 +59,8 @@ query heads, ``s`` = seq_len, ``r`` routed rows per token (below):
 - after the last layer ``c h`` (final norm input) and the chunked loss (``model/lm_loss.py``): no
   ``[T, V]`` fp32 tensor beyond one chunk of ``LOSS_CHUNK_BYTES``; the loss holds about
   ``LOSS_BUFFERS`` chunk-sized buffers while it runs, and keeps the gradients it computes in the forward for
-  the backward: the rows' ``4h`` per token, and the head's ``4 V h`` when the head trains
+  the backward: the rows' ``4h`` per token, and the head's ``4 V h`` when the head trains (over several chunks
+  twice more: its running sum in the chunk loop)
 - MTP depths (``model.mtp_layers`` = U, model/mtp.py), kept whole also with ``train.recompute`` (it rebuilds
   the main layers only): each depth its MoE layer (above; its input is eh_proj's output) ``+ c (h + 2h + h +
   h)`` (the embedding enorm reads, the ``[2h]`` concatenation eh_proj reads, the block output that

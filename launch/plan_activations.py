@@ -9,8 +9,9 @@ from mindmoe.model.config import ModelConfig
 
 #: model/lm_loss.py CHUNK_BYTES (copied so that a plan imports no MindSpore; tests/unit/test_plan.py checks it).
 LOSS_CHUNK_BYTES = 32 * 2**20
-#: Chunk-sized buffers the chunked loss holds at once (model/lm_loss.py: about 20 on CPU).
-LOSS_BUFFERS = 20
+#: Chunk-sized buffers the chunked loss holds at once (model/lm_loss.py): 4.3-6.5 measured on CPU by
+#: ``python bench/loss_memory.py`` (2,048-8,192 tokens, V = 4,096-8,192, 1-4 chunks), rounded up.
+LOSS_BUFFERS = 7
 #: model/attention.py BLOCK_SIZE (copied for the same reason; launch/plan.py takes it from here).
 BLOCK_SIZE = 512
 #: fp32 ``[micro_batch, BLOCK_SIZE, s]`` tensors per head that the ``indexed_attention`` kernel's backward holds at
@@ -139,10 +140,14 @@ def mtp_bytes_per_token(cfg: ModelConfig, seq_len: int, setup, rows: float) -> f
 def loss_bytes(cfg: ModelConfig, tokens: int, head_trained: bool) -> float:
     """The chunked losses (the main one and one per MTP depth, one after another): one set of chunk buffers
     plus what each keeps for the backward, the gradients it computed in the forward: its rows' ``4 h`` per token
-    and, when the head trains, the head's ``4 V h``."""
+    and, when the head trains, the head's ``4 V h``; over several chunks also the head gradient's running sum
+    (``2 x 4 V h``: at V = 151,552 the loss of 1,024 tokens grew by 5 head-sized tensors, bench/loss_memory.py)."""
     rows = max(1, LOSS_CHUNK_BYTES // (4 * cfg.vocab_size))
-    kept = 4 * cfg.hidden_size * tokens + 4 * cfg.vocab_size * cfg.hidden_size * int(head_trained)
-    return LOSS_BUFFERS * 4 * cfg.vocab_size * min(tokens, rows) + (1 + cfg.mtp_layers) * kept
+    head = 4 * cfg.vocab_size * cfg.hidden_size * int(head_trained)
+    kept = 4 * cfg.hidden_size * tokens + head
+    # Over several chunks the head's gradient is a loop-carried sum: the running sum and the next one.
+    accumulator = 2 * head if tokens > rows else 0
+    return LOSS_BUFFERS * 4 * cfg.vocab_size * min(tokens, rows) + (1 + cfg.mtp_layers) * kept + accumulator
 
 
 def activation_memory(cfg: ModelConfig, layout, batch, setup) -> float:

@@ -21,9 +21,9 @@ from mindspore import Tensor, nn, ops
 
 from mindmoe.model import kernels
 
-#: fp32 bytes of one chunk's ``[c, V]`` logits. The loop body holds about 20 buffers of that size on CPU (its
-#: elementwise steps and their workspaces), so this bounds the loss's memory near 0.6 GiB; at V = 151,552 a chunk
-#: is 55 rows; the default run (2,048 tokens, V = 4,096) is one chunk.
+#: fp32 bytes of one chunk's ``[c, V]`` logits. The loss holds 4-7 buffers of that size at once on CPU (its
+#: elementwise steps and their workspaces; ``python bench/loss_memory.py``), so this bounds them near 0.2 GiB; at
+#: V = 151,552 a chunk is 55 rows; the default run (2,048 tokens, V = 4,096) is one chunk.
 CHUNK_BYTES = 32 * 1024 * 1024
 
 
