@@ -34,6 +34,9 @@ def test_fused_adamw_matches_torch_adamw_with_decay_groups(warmup_ratio):
 
     params = [Parameter(Tensor(value.copy()), name=name) for name, value in initial.items()]
     optimizer = build_optimizer(params, cfg)
+    # The undecayed group passes the number 0, so its update has no decay multiply (train/fused_adamw.py).
+    undecayed = [isinstance(decay, float) and decay == 0.0 for decay in optimizer.static_weight_decay]
+    assert undecayed == [len(shapes[p.name]) == 1 for p in optimizer.parameters]
 
     @ms.jit
     def update(gradients):
