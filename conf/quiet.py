@@ -3,7 +3,8 @@
 A default run of MindSpore 2.9 + mindformers 1.9 prints warnings about the frameworks themselves:
 
 - MindSpore's graph compiler (C++ submodule ``ANALYZER``): ``auto_monad ... Some side effect nodes were
-  eliminated by mistake`` for every compiled step;
+  eliminated by mistake`` for a compiled graph that leaves an output of a cell unused (the default run's step
+  did until its loss changed; other graphs may);
 - MindSpore's Python logger: ``Module 'mindspore.common.api' is deprecated`` (MindSpore's own import);
 - mindformers' logger: ``Import PyNative...ForCausalLM failed: No module named 'hyper_parallel'``
   (model classes mindmoe never uses).

@@ -12,8 +12,9 @@ from tests.helpers.processes import kill_tree
 from tests.helpers.runs import REPO
 from tests.helpers.tiny_run import TINY_RUN
 
+# (MindSpore's graph compiler warned "Some side effect nodes were eliminated by mistake" for every step while the
+# step left a cell's output unused; the default run no longer prints it, so it cannot prove the filter here.)
 FRAMEWORK_NOISE = (
-    "Some side effect nodes were eliminated by mistake",  # MindSpore's graph compiler (auto_monad)
     "Module 'mindspore.common.api' is deprecated",  # MindSpore's import
     "No module named 'hyper_parallel'",  # mindformers' import of model classes mindmoe does not use
 )
