@@ -269,7 +269,7 @@ def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig
     memory.update += 4 * params.trained * int(micro_batches > 1)
     memory.activations = activation_memory(cfg, layout, batch, setup)
     head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
-    memory.loss = loss_bytes(cfg, batch.tokens, not setup.trained.lora or head in setup.trained.saved)
+    memory.loss = loss_bytes(cfg, batch.tokens, setup.trained.trains_in_full(head))
     if replicas > 1 or layout.expert_replicas > 1:
         memory.comm += 4 * params.trained
     if layout.ep > 1:

@@ -41,6 +41,10 @@ class Trained:
     def lora(self) -> bool:
         return self.adapted is not None
 
+    def trains_in_full(self, name: str) -> bool:
+        """Whether parameter ``name`` is trained whole (full training, or a LoRA ``modules_to_save`` tensor)."""
+        return not self.lora or name in self.saved
+
 
 def lora_trained(model: ModelConfig, lora, device_target: str) -> Trained:
     """The :class:`Trained` of a ``lora.*`` section, with the trainer's own target matching and checks
@@ -55,8 +59,7 @@ def lora_trained(model: ModelConfig, lora, device_target: str) -> Trained:
 def is_half_base(name: str, shape, trained: Trained) -> bool:
     """A frozen weight matrix stored in ``lora.base_dtype``."""
     return (
-        trained.lora
-        and name not in trained.saved
+        not trained.trains_in_full(name)
         and len(shape) >= 2
         and parameter_category(name) in HALF_CATEGORIES
         and not name.endswith("e_score_correction_bias")
@@ -83,7 +86,7 @@ def rank_parameters(model: ModelConfig, trained: Trained, ep: int) -> RankParame
         held.weight_bytes += numel * (base_bytes if is_half_base(name, shape, trained) else 4)
         if name.endswith("e_score_correction_bias"):
             continue
-        if not trained.lora or name in trained.saved:
+        if trained.trains_in_full(name):
             held.trained += numel
             held.trained_experts += numel if share < 1 else 0
         elif name in trained.adapted:
