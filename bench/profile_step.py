@@ -68,6 +68,8 @@ MATMUL_TYPES = ("MatMul", "BatchMatMul", "MatMulExt", "BatchMatMulExt")
 #: Timings of the 2048² MatMul peak, before and after the profiled steps: the best one is the least disturbed
 #: by other users of the machine (their load only ever lowers a measured rate).
 PEAK_TRIALS = 10
+#: Rows of the summary's MatMul-by-shape table (the most time first).
+MATMUL_SHAPE_ROWS = 16
 #: The hand-written section of BENCHMARKS.md that :func:`keep_profile_section` carries over a regeneration.
 PROFILE_SECTION = "## Profile of one training step"
 _SHAPE = re.compile(r"^input_\d+:\[([0-9, ]*)\]$")
@@ -161,6 +163,7 @@ def summarize(executions: list, windows: list, peak_gflops: float, head_dim: int
     steps = len(windows)
     by_category = dict.fromkeys(CATEGORIES, 0.0)
     by_type, other, step_kernel_ms, spans = {}, {}, [0.0] * steps, [[None, None] for _ in windows]
+    by_shape = {}  # (op type, input shapes) of the MatMuls -> [executions, ms, FLOPs]
     flops = alternative = ambiguous = 0
     for start, ms, _name, op_type, shapes in executions:
         step = next((i for i, (lo, hi) in enumerate(windows) if lo <= start <= hi), None)
@@ -176,6 +179,10 @@ def summarize(executions: list, windows: list, peak_gflops: float, head_dim: int
             flops += count
             alternative += count if alt is None else alt
             ambiguous += alt is not None
+            entry = by_shape.setdefault((op_type, shapes), [0, 0.0, 0])
+            entry[0] += 1
+            entry[1] += ms
+            entry[2] += count
         step_kernel_ms[step] += ms
         end = start + ms * 1e6
         spans[step][0] = start if spans[step][0] is None else spans[step][0]
@@ -209,6 +216,19 @@ def summarize(executions: list, windows: list, peak_gflops: float, head_dim: int
             for t, ms in sorted(by_type.items(), key=lambda item: -item[1])[:10]
         ],
         "other_op_types": {t: ms / steps for t, ms in sorted(other.items(), key=lambda item: -item[1])},
+        # The MatMuls by input shapes, slowest first: which products run below the step's MatMul rate.
+        "matmul_shapes": [
+            {
+                "op_type": t,
+                "shapes": [list(shape) for shape in shapes[:2]],  # the two operands (then transpose flags)
+                "per_step": count / steps,
+                "ms_per_step": ms / steps,
+                "gflops": flop / ms / 1e6 if ms else 0.0,
+            }
+            for (t, shapes), (count, ms, flop) in sorted(by_shape.items(), key=lambda item: -item[1][1])[
+                :MATMUL_SHAPE_ROWS
+            ]
+        ],
     }
 
 
@@ -234,6 +254,12 @@ def markdown_tables(summary: dict) -> list:
     lines += ["", "| op type | category | ms per step | share of step |", "|---|---|---|---|"]
     for row in summary["top_op_types"]:
         lines.append(f"| {row['op_type']} | {row['category']} | {row['ms_per_step']:.0f} | {row['share']:.3f} |")
+    lines += ["", "| MatMul | input shapes | per step | ms per step | GFLOP/s |", "|---|---|---|---|---|"]
+    for row in summary.get("matmul_shapes", []):
+        shapes = " x ".join(str(tuple(shape)) for shape in row["shapes"])
+        lines.append(
+            f"| {row['op_type']} | `{shapes}` | {row['per_step']:g} | {row['ms_per_step']:.1f} | {row['gflops']:.0f} |"
+        )
     return lines
 
 

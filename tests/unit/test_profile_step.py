@@ -103,6 +103,28 @@ def test_summary_of_a_hand_made_trace():
     assert summary["matmul_gflops"] == pytest.approx(500.0)  # 2e9 FLOP in 4 ms
     assert summary["matmul_of_peak"] == pytest.approx(0.5)
     assert summary["top_op_types"][0]["op_type"] == "MatMul"
+    (row,) = summary["matmul_shapes"]
+    assert row["shapes"] == [[1000, 1000], [1000, 1000]] and row["per_step"] == 1
+    assert row["ms_per_step"] == pytest.approx(4.0) and row["gflops"] == pytest.approx(500.0)
+
+
+def test_matmuls_by_shape_slowest_first_with_their_own_rate():
+    """A weight gradient that runs below the rate of the forward product shows up as its own row."""
+    ms = 1_000_000  # ns
+    forward = ((2048, 512), (512, 512))  # NT or NN: 2 * 2048 * 512 * 512 FLOPs
+    weight_grad = ((2048, 512), (2048, 512))  # TN: the same FLOPs
+    executions = [
+        (1 * ms, 1.5, "Default/MatMul-op1", "MatMul", forward),
+        (3 * ms, 1.5, "Default/MatMul-op2", "MatMul", forward),
+        (5 * ms, 4.0, "Gradients/MatMul-op3", "MatMul", weight_grad),
+    ]
+    summary = summarize(executions, [(0, 10 * ms)], peak_gflops=1000.0)
+    rows = summary["matmul_shapes"]
+    assert [row["shapes"] for row in rows] == [[[2048, 512], [2048, 512]], [[2048, 512], [512, 512]]]
+    assert [row["per_step"] for row in rows] == [1, 2]
+    flop = 2 * 2048 * 512 * 512
+    assert rows[0]["gflops"] == pytest.approx(flop / 4e-3 / 1e9)
+    assert rows[1]["gflops"] == pytest.approx(2 * flop / 3e-3 / 1e9)
 
 
 def test_a_regenerated_benchmarks_file_keeps_the_profile_section_after_train_step():
