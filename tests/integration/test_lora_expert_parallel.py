@@ -143,8 +143,9 @@ def test_lora_on_token_routed_workers_reproduces_one_process_accumulating_their_
     )
     assert "data parallel 2, accumulation 1" in stdout
     assert_same_by_step(single_dir, ep_dir, ("loss", "grad_norm"), RECIPE_STEPS)
-    # The group's expert outputs reach a token summed in another order than one process's kernel sums them, so the
-    # gradients differ in their last bits.
+    # The gradients differ in their last bits: the workers run one kernel thread each (one process two), multiply
+    # their experts' rows of both ranks' tokens in one product, and add the gradient norm's expert part per rank
+    # (README, "LoRA fine-tuning").
     assert_adapters_close(single_dir, expected_files, actual_files)
 
 
