@@ -216,11 +216,12 @@ def summarize(executions: list, windows: list, peak_gflops: float, head_dim: int
             for t, ms in sorted(by_type.items(), key=lambda item: -item[1])[:10]
         ],
         "other_op_types": {t: ms / steps for t, ms in sorted(other.items(), key=lambda item: -item[1])},
-        # The MatMuls by input shapes, slowest first: which products run below the step's MatMul rate.
+        # The MatMuls by input shapes, the most time first, each with its own rate (FLOPs by the first reading of
+        # matmul_flops): which products run below the step's MatMul rate.
         "matmul_shapes": [
             {
                 "op_type": t,
-                "shapes": [list(shape) for shape in shapes[:2]],  # the two operands (then transpose flags)
+                "shapes": [list(shape) for shape in shapes[:2]],  # the two operands; the profiler lists more inputs
                 "per_step": count / steps,
                 "ms_per_step": ms / steps,
                 "gflops": flop / ms / 1e6 if ms else 0.0,
@@ -255,7 +256,7 @@ def markdown_tables(summary: dict) -> list:
     for row in summary["top_op_types"]:
         lines.append(f"| {row['op_type']} | {row['category']} | {row['ms_per_step']:.0f} | {row['share']:.3f} |")
     lines += ["", "| MatMul | input shapes | per step | ms per step | GFLOP/s |", "|---|---|---|---|---|"]
-    for row in summary.get("matmul_shapes", []):
+    for row in summary["matmul_shapes"]:
         shapes = " x ".join(str(tuple(shape)) for shape in row["shapes"])
         lines.append(
             f"| {row['op_type']} | `{shapes}` | {row['per_step']:g} | {row['ms_per_step']:.1f} | {row['gflops']:.0f} |"

@@ -108,7 +108,7 @@ def test_summary_of_a_hand_made_trace():
     assert row["ms_per_step"] == pytest.approx(4.0) and row["gflops"] == pytest.approx(500.0)
 
 
-def test_matmuls_by_shape_slowest_first_with_their_own_rate():
+def test_matmuls_by_shape_most_time_first_with_their_own_rate():
     """A weight gradient that runs below the rate of the forward product shows up as its own row."""
     ms = 1_000_000  # ns
     forward = ((2048, 512), (512, 512))  # NT or NN: 2 * 2048 * 512 * 512 FLOPs
