@@ -23,7 +23,8 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from mindmoe.conf.checks import Layout, resolve_layout
-from mindmoe.train.grad_norm import global_squared_norm
+from mindmoe.model import kernels
+from mindmoe.train.grad_norm import layout_free_norm
 
 log = logging.getLogger("mindmoe.train")
 
@@ -164,24 +165,19 @@ class Distributed:
 
         return synchronise
 
-    def squared_grad_norm(self, params):
-        """``grads -> |g|^2`` of the whole model's (synchronised) gradient, the same on every rank.
-
-        Each rank holds only its experts' gradients, so their share is summed over the expert group.
-        """
+    def squared_grad_norm(self, params, expert_names=frozenset()):
+        """``grads -> |g|^2`` of the whole model's (synchronised) gradient, the same on every rank and bit for bit
+        the one process's (:func:`train.grad_norm.layout_free_norm`): ``expert_names``, the routed expert tensors
+        (:func:`train.grad_norm.expert_parameter_names`), contribute per expert row; with ``parallel.ep > 1`` each
+        rank holds its experts' rows only, gathered over the expert group."""
         params = list(params)
-        expert_idx = [i for i, p in enumerate(params) if p.name in self.expert_rows]
-        dense_idx = [i for i, p in enumerate(params) if p.name not in self.expert_rows]
-        if not expert_idx:
-            return global_squared_norm
-        group_all_reduce = ops.AllReduce(group=self.ep_group)
-
-        def squared_norm(grads):
-            dense = global_squared_norm(tuple(grads[i] for i in dense_idx))
-            experts = global_squared_norm(tuple(grads[i] for i in expert_idx))
-            return dense + group_all_reduce(experts)
-
-        return squared_norm
+        if self.ep == 1:
+            return layout_free_norm(params, expert_names)
+        unsharded = sorted(p.name for p in params if p.name in expert_names and p.name not in self.expert_rows)
+        if unsharded:
+            raise RuntimeError(f"parallel.ep={self.ep}: expert tensors {unsharded[:3]} are not sharded")
+        gather = kernels.all_gather(self.ep_group, self.ep, self.rank_in_group)
+        return layout_free_norm(params, set(self.expert_rows), gather, self.ep)
 
     @property
     def replica_copies(self) -> int:

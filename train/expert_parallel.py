@@ -219,7 +219,8 @@ def expert_shards(model, num_experts: int, ep: int) -> dict:
     :class:`ExpertParallelDispatch`), and of their LoRA adapters ``A [e, r, in]``, ``B [e, out, r]``;
     raises if its experts are whole, i.e. it was built without one."""
     sharded = {}
-    for layer in model.layers:
+    # The multi-token-prediction depths' MoE layers are built with the same dispatcher: their experts are shards too.
+    for layer in (*model.layers, *(getattr(model, "mtp_layers", None) or ())):
         if not layer.is_moe:
             continue
         experts = layer.mlp.experts

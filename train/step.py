@@ -34,7 +34,7 @@ from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
 
 from mindmoe.data.packing import PackedWindows, label_mask
 from mindmoe.model.mtp import mtp_loss_mask, shifted_tokens
-from mindmoe.train.grad_norm import global_squared_norm, sum_of_squares  # noqa: F401 (imported from here)
+from mindmoe.train.grad_norm import expert_parameter_names, layout_free_norm
 from mindmoe.train.head_loss import head_loss, head_nll, masked_sum
 from mindmoe.train.loss_scaling import loss_scaling
 from mindmoe.train.objective import Objective, step_objective
@@ -117,9 +117,10 @@ def _grad_buffers(params, accum_steps: int):
     )
 
 
-def _reductions(dist, optimizer):
+def _reductions(dist, optimizer, expert_names):
     """``(synchronise, squared_norm)``: the mean of gradients (ZeRO-1: this rank's ranges of it, train/zero.py)
-    and loss over data-parallel ranks, and the global squared gradient norm; one process reduces nothing."""
+    and loss over data-parallel ranks, and the global squared gradient norm (``expert_names``: the routed expert
+    tensors, :func:`train.grad_norm.layout_free_norm`); one process reduces nothing."""
     if hasattr(optimizer, "load_ranges"):
         from mindmoe.train.zero import zero_reductions
 
@@ -129,8 +130,8 @@ def _reductions(dist, optimizer):
         def synchronise(grads, loss):
             return grads, loss
 
-        return synchronise, global_squared_norm
-    return dist.grad_reducer(optimizer.parameters), dist.squared_grad_norm(optimizer.parameters)
+        return synchronise, layout_free_norm(optimizer.parameters, expert_names)
+    return dist.grad_reducer(optimizer.parameters), dist.squared_grad_norm(optimizer.parameters, expert_names)
 
 
 def _clip_and_apply(optimizer, clip: float, synchronise, squared_norm, adjust_scale, update_scales):
@@ -239,7 +240,13 @@ class CompiledStep:
 
         grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
         self.grad_buffers = _grad_buffers(params, accum_steps)
-        self._step_parts = (grad_fn, unscale, float(grad_clip), _reductions(dist, optimizer), adjust_scale)
+        self._step_parts = (
+            grad_fn,
+            unscale,
+            float(grad_clip),
+            _reductions(dist, optimizer, expert_parameter_names(model)),
+            adjust_scale,
+        )
         self.router_updates = router_updates
         self._evaluate = _compile_evaluate(model, head_loss(model))
 

@@ -53,6 +53,7 @@ class GroupTokenExperts(nn.Cell):
     def __init__(self, local, group: str, group_size: int, rank_in_group: int):
         super().__init__()
         self.local = local
+        self.group_size = group_size
         # [T, F] -> [G * T, F] in rank order, and [G * T, H] -> this rank's [T, H] of the sum over the group.
         gather = kernels.all_gather(group, group_size, rank_in_group)
         scatter = kernels.reduce_scatter(group, group_size, rank_in_group)
@@ -78,5 +79,5 @@ class GroupTokenExperts(nn.Cell):
         weight_all = gathered[:, hidden : hidden + top_k].astype(weight_TK.dtype)
         topk_all = ops.stop_gradient(ops.round(gathered[:, hidden + top_k : hidden + 2 * top_k])).astype(ms.int32)
         scale_all = ops.stop_gradient(gathered[:, hidden + 2 * top_k])
-        y_all = self.local.token_experts(x_all, (topk_all, weight_all), experts, scale_all)
+        y_all = self.local.token_experts(x_all, (topk_all, weight_all), experts, scale_all, self.group_size)
         return self.scatter_tokens(y_all)

@@ -68,6 +68,25 @@ def expert_groups(order, counts_E, first_expert: int, num_held: int):
     return groups
 
 
+def source_segments(groups, top_k: int, num_tokens: int, sources: int):
+    """``groups`` (:func:`expert_groups`) with each expert's assignments split by the token's source: the input's
+    tokens are ``sources`` equal blocks, one per rank that sent them (1: one micro-batch). An expert's rows of each
+    source are then multiplied apart, as a process running that source's micro-batch alone multiplies them, and its
+    weight gradient adds the sources' products in order, as accumulating their micro-batches does: the same float32
+    operations whatever the expert group."""
+    if sources == 1:
+        return groups
+    if num_tokens % sources:
+        raise ValueError(f"{num_tokens} tokens do not split into {sources} equal source blocks")
+    bounds = np.arange(1, sources) * (num_tokens // sources)
+    split = []
+    for e, assignments in groups:
+        # Token order within an expert: each source's assignments are one contiguous run.
+        cuts = np.searchsorted(assignments // top_k, bounds)
+        split += [(e, part) for part in np.split(assignments, cuts) if part.size]
+    return split
+
+
 def sorted_rows(expert_A, order, counts_E, block: int):
     """``[A]``: each assignment's row in the grouped path's expert-sorted buffer (``model.moe.dispatch.grouped_rows``):
     experts in order, each group padded to a multiple of ``block`` rows, token order within a group
@@ -133,10 +152,13 @@ class Projection:
         return grads
 
 
-def token_experts_forward(x_TH, topk_TK, block, weight_TK, projections, num_experts, first_expert, num_held):
+def token_experts_forward(
+    x_TH, topk_TK, block, weight_TK, projections, num_experts, first_expert, num_held, sources: int = 1
+):
     """``(y [T, H] fp32, row_A, saved)``: the held experts' weighted outputs per token, each assignment's sorted row
-    (:func:`sorted_rows` with ``block``) and what :func:`token_experts_backward` reads (per expert with rows: its
-    assignments, gate and up pre-activations, output and adapters' low-rank products)."""
+    (:func:`sorted_rows` with ``block``) and what :func:`token_experts_backward` reads (per expert and token source
+    with rows, :func:`source_segments`: its assignments, gate and up pre-activations, output and adapters' low-rank
+    products)."""
     gate, up, down = projections
     top_k = topk_TK.shape[1]
     weight_A = _fp32(weight_TK).reshape(-1)
@@ -144,7 +166,8 @@ def token_experts_forward(x_TH, topk_TK, block, weight_TK, projections, num_expe
     expert_A, order, counts_E = expert_order(topk_TK, num_experts)
     row_A = sorted_rows(expert_A, order, counts_E, block)
     saved = []
-    for e, assignments in expert_groups(order, counts_E, first_expert, num_held):
+    groups = expert_groups(order, counts_E, first_expert, num_held)
+    for e, assignments in source_segments(groups, top_k, x_TH.shape[0], sources):
         tokens, rows = assignments // top_k, row_A[assignments]
         x_nH = _fp32(x_TH[tokens])
         gate_nI, gate_low = gate.forward(e, x_nH, rows)
@@ -189,9 +212,10 @@ _DUMMY = (1,)
 
 
 class HostTokenExperts(nn.Cell):
-    """``(x [T, H], topk [T, K] int32, block [1] int32, weight [T, K], scale [T], then per projection (gate, up,
-    down): weight, lora_A, lora_B, row_Z, col_F) -> y [T, H]``; ``block``: the grouped path's rows per block, which
-    with the routing fixes each assignment's sorted row (:func:`sorted_rows`, the key of its dropout masks); on the host
+    """``(x [T, H], topk [T, K] int32, block [1] or [2] int32, weight [T, K], scale [T], then per projection (gate,
+    up, down): weight, lora_A, lora_B, row_Z, col_F) -> y [T, H]``; ``block``: the grouped path's rows per block, which
+    with the routing fixes each assignment's sorted row (:func:`sorted_rows`, the key of its dropout masks), then the
+    number of ranks whose tokens ``x`` concatenates (:func:`source_segments`; 1 if absent); on the host
     (module docstring). A projection's slot it does not use holds a ``[1]`` placeholder: the base weight of a frozen
     one (read in place from its Parameter: no graph keeps a copy), the adapters of one without, the dropout factors
     when there is no draw.
@@ -222,8 +246,9 @@ class HostTokenExperts(nn.Cell):
         def forward(x, topk, block, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df):
             projs = projections((gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df))
             state.clear()
+            sources = int(block[1]) if block.shape[0] > 1 else 1
             y_TH, row_A, saved = token_experts_forward(
-                x, topk, int(block[0]), weight_TK, projs, num_experts, first_expert, num_held
+                x, topk, int(block[0]), weight_TK, projs, num_experts, first_expert, num_held, sources
             )
             state.update(x=x, topk=topk, row_A=row_A, weight=weight_TK, projections=projs, saved=saved)
             return y_TH.astype(x.dtype, copy=False)

@@ -146,16 +146,17 @@ class RoutedExperts(nn.Cell):
         none_f32, none_i32 = ops.zeros((1,), ms.float32), ops.zeros((1,), ms.int32)
         return weight, none_f32, none_f32, none_i32, none_i32
 
-    def tokens(self, x_TH, topk_TK, block_1, weight_TK, scale_T, num_rows: int):
+    def tokens(self, x_TH, topk_TK, block_2, weight_TK, scale_T, num_rows: int):
         """``y [T, H] = sum_k weight_tk * expert_{topk_tk}(x_t)`` over this process's experts in one kernel
-        (:meth:`build_token_kernel`); ``block_1`` ([1] int32) and ``num_rows``: the block size and rows of the
-        expert-sorted buffer whose rows key the adapters' dropout masks; ``scale_T`` scales each token's share of the
+        (:meth:`build_token_kernel`); ``block_2`` ([2] int32: the block size and the number of ranks whose tokens
+        ``x_TH`` concatenates) and ``num_rows``: the block size and rows of the expert-sorted buffer whose rows key the
+        adapters' dropout masks; ``scale_T`` scales each token's share of the
         weight gradients."""
         g = self.token_slots("gate_proj", num_rows)
         u = self.token_slots("up_proj", num_rows)
         d = self.token_slots("down_proj", num_rows)
         return self.token_kernel(
-            x_TH, topk_TK, block_1, weight_TK, scale_T,
+            x_TH, topk_TK, block_2, weight_TK, scale_T,
             g[0], g[1], g[2], g[3], g[4], u[0], u[1], u[2], u[3], u[4], d[0], d[1], d[2], d[3], d[4],
         )  # fmt: skip
 

@@ -115,16 +115,17 @@ class DroplessDispatcher(nn.Cell):
         x_XH = gather_rows(x_TH, row_A, num_rows)
         return x_XH.reshape(-1, block, x_TH.shape[1]), (row_A, group_sizes_E, weight_TK)
 
-    def token_experts(self, x_TH, routing, experts, scale_T):
+    def token_experts(self, x_TH, routing, experts, scale_T, sources: int = 1):
         """``[T, H]``: the experts' weighted outputs per token from their tokens-to-tokens kernel
         (``experts.tokens``), which places each assignment in this dispatcher's sorted buffer itself (its row keys the
-        adapters' dropout masks)."""
+        adapters' dropout masks); ``sources``: the ranks whose equal blocks of tokens ``x_TH`` concatenates (the kernel
+        multiplies each block's rows apart)."""
         topk_idx_TK, weight_TK = routing
         num_assignments = topk_idx_TK.shape[0] * topk_idx_TK.shape[1]
         block = self.block(num_assignments)
         num_rows = grouped_row_count(num_assignments, self.num_experts, block)
-        block_1 = ops.fill(ms.int32, (1,), block)
-        return experts.tokens(x_TH, topk_idx_TK.astype(ms.int32), block_1, weight_TK, scale_T, num_rows)
+        block_2 = ops.concat((ops.fill(ms.int32, (1,), block), ops.fill(ms.int32, (1,), sources)))
+        return experts.tokens(x_TH, topk_idx_TK.astype(ms.int32), block_2, weight_TK, scale_T, num_rows)
 
     def combine(self, y_NbH, state):
         row_A, _, weight_TK = state

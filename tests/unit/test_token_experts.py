@@ -145,3 +145,53 @@ def test_sorted_rows_are_the_grouped_paths_rows():
 def test_token_experts_is_none_on_ascend():
     """Ascend keeps the grouped path (GroupedMatmul): there is no tokens-to-tokens kernel there."""
     assert kernels.token_experts([], [], 1.0, E, 0, E, K, device_target="Ascend") is None
+
+
+def test_each_source_ranks_tokens_are_multiplied_apart_as_their_own_micro_batch_would_be():
+    """An expert group's gathered tokens (``sources`` equal blocks, one per rank): every product and gradient is
+    bit for bit what running each block alone gives, the weight and adapter gradients the blocks' sum in rank order
+    (what one process accumulating the ranks' micro-batches computes)."""
+    from mindmoe.model.kernels.cpu_token_experts import Projection, token_experts_backward, token_experts_forward
+
+    rng = np.random.default_rng(11)
+    tokens, held, first = 24, 4, 2
+    arrays = {}
+    for proj, (out_f, in_f) in PROJ_SHAPES.items():
+        arrays[proj] = (rng.standard_normal((held, out_f, in_f)) * 0.2).astype(np.float32)
+        arrays[proj + ".A"] = (rng.standard_normal((held, R, in_f)) * 0.3).astype(np.float32)
+        arrays[proj + ".B"] = (rng.standard_normal((held, out_f, R)) * 0.3).astype(np.float32)
+    none = np.zeros(1, np.int32)
+    projections = [
+        Projection(
+            ProjectionSpec(trainable=True, lora=True),
+            arrays[p],
+            arrays[p + ".A"],
+            arrays[p + ".B"],
+            none,
+            none,
+            SCALING,
+        )  # fmt: skip
+        for p in PROJ_SHAPES
+    ]
+    blocks = []
+    for _ in range(2):
+        x = rng.standard_normal((tokens, H)).astype(np.float32)
+        topk = np.stack([rng.choice(E, K, replace=False) for _ in range(tokens)]).astype(np.int32)
+        weight = rng.random((tokens, K)).astype(np.float32)
+        dy = rng.standard_normal((tokens, H)).astype(np.float32)
+        blocks.append((x, topk, weight, dy, np.ones(tokens, np.float32)))
+
+    def run(x, topk, weight, dy, scale, sources):
+        y, row_A, saved = token_experts_forward(x, topk, 1, weight, projections, E, first, held, sources)
+        return (y, *token_experts_backward(dy, scale, x, topk, row_A, weight, projections, saved))
+
+    alone = [run(*block, sources=1) for block in blocks]
+    together = run(*(np.concatenate(parts) for parts in zip(*blocks)), sources=2)
+    for got, *parts in zip(together[:3], *(result[:3] for result in alone)):  # y, dx, d(combine weight)
+        assert got.tobytes() == np.concatenate(parts).tobytes()
+    for got, first_block, second_block in zip(together[3], alone[0][3], alone[1][3]):
+        assert sorted(got) == ["lora_A", "lora_B", "weight"]
+        for name in got:
+            assert got[name].tobytes() == (first_block[name] + second_block[name]).tobytes(), name
+    with pytest.raises(ValueError, match="25 tokens do not split into 2"):
+        run(*(part[:25] for part in (np.concatenate(parts) for parts in zip(*blocks))), sources=2)
