@@ -1,24 +1,24 @@
 """LoRA of a GLM-4.5-Air-shaped checkpoint on one process and on 2 expert-parallel workers:
 ``python bench/lora_ep_memory.py [--gib 1.0] [--layers N] [--steps 3]``.
 
-Writes a random HF ``glm4_moe`` directory shaped like a shrunken GLM-4.5-Air (128 routed experts, top-8, sigmoid
-router with its correction bias, one shared expert, one dense layer first, routed experts holding most of the
-bytes; about ``--gib`` GiB of fp16 weights, with the bundled tiny tokenizer): layers are added until it is that
-large, or with ``--layers`` the layer count is fixed and the experts are widened instead. Then it runs
-``mindmoe-train recipe=lora_business model.pretrained=<it> model.dispatch=dropless`` (the HF import's own choice,
-stated) in one process and ``mindmoe-launch ... parallel.ep=2`` on 2 workers for ``--steps`` steps. It reports the
-per-step losses of both (the largest relative difference), whether the two PEFT adapter files are byte-identical,
-and each run's peak RSS above the framework baseline (RSS after importing MindSpore and mindmoe's trainer): the
-largest worker's for the launch. The target is worker / one process <= 0.7: each process also holds what ep does
-not divide (the optimizer's library, compiled graphs, attention, router and shared expert of its micro-batch), so
-it is met where the experts outweigh that, as in published checkpoints. Both runs use ``--blas-threads`` NumPy BLAS
-threads (default 1, what a worker sharing its node runs with): the host kernels' products then round alike, and the
-comparison is of the layouts alone (with 2 threads in the one process its adapter file differed from the workers'
-in the last bits). ``--dispatcher alltoall``: the workers split the tokens (each its own micro-batch of one
-conversation, ``parallel.ep_dispatcher=alltoall``) and both runs use ``lora.dropout=0`` and
-``model.aux_loss=none``: data-parallel ranks draw independent dropout masks, and the switch balancing loss is a
-function of the micro-batch's load. Prints one JSON object as its last line.
-Not part of the test suite (two real runs of a model of about a GiB).
+Writes a random HF ``glm4_moe`` directory shaped like a shrunken GLM-4.5-Air (128 routed experts, top-8, sigmoid router
+with its correction bias, one shared expert, one dense layer first, routed experts holding most of the bytes; about
+``--gib`` GiB of fp16 weights, with the bundled tiny tokenizer): layers are added until it is that large, or with
+``--layers`` the layer count is fixed and the experts are widened instead. Then it runs ``mindmoe-train
+recipe=lora_business model.pretrained=<it> model.dispatch=dropless`` (the HF import's own choice, stated) in one process
+and ``mindmoe-launch ... parallel.ep=2`` on 2 workers for ``--steps`` steps. It reports the per-step losses of both (the
+largest relative difference), whether the two PEFT adapter files are byte-identical, and each run's peak RSS above the
+framework baseline (RSS after importing MindSpore and mindmoe's trainer): the largest worker's for the launch. The
+target is worker / one process <= 0.7: each process also holds what ep does not divide (the optimizer's library,
+compiled graphs, attention, router and shared expert of its micro-batch), so it is met where the experts outweigh that,
+as in published checkpoints. The one process runs with the kernel threads of each of the 2 workers
+(``MINDMOE_LOCAL_WORKERS=2``: half the cores for MindSpore's kernels and NumPy's BLAS), as the launched workers do:
+kernels split their sums by thread, so the comparison is then of the layouts alone (with all cores in the one process
+its adapter file differed from the workers' in the last bits). ``--dispatcher alltoall``: the workers split the tokens
+(each its own micro-batch of one conversation, ``parallel.ep_dispatcher=alltoall``) and both runs use ``lora.dropout=0``
+and ``model.aux_loss=none``: data-parallel ranks draw independent dropout masks, and the switch balancing loss is a
+function of the micro-batch's load. Prints one JSON object as its last line. Not part of the test suite (two real runs
+of a model of about a GiB).
 """
 
 import argparse
@@ -40,6 +40,7 @@ from safetensors.numpy import save_file  # noqa: E402
 
 from mindmoe.bench.hf_load_memory import BASE_CONFIG, SHARD_BYTES, hf_tensor_shapes  # noqa: E402
 from mindmoe.bench.scaling import ScalingRun, run_one  # noqa: E402
+from mindmoe.model.kernels.host_runtime import usable_cores  # noqa: E402
 
 GIB = 2**30
 #: Worker peak RSS growth over the one-process run's that the bench accepts (parallel.ep=2).
@@ -185,13 +186,13 @@ def main():
         "--layers", type=int, default=0, help="fix the layer count (>= 2) and widen the experts to reach --gib instead"
     )
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--blas-threads", type=int, default=1, help="NumPy BLAS threads of both runs")
     parser.add_argument("--dispatcher", choices=("allgather", "alltoall"), default="allgather", help="the workers'")
     args = parser.parse_args()
     if args.layers == 1 or args.layers < 0:
         # The first layer is dense: with fewer than 2 there is no expert to widen.
         parser.error(f"--layers {args.layers}: give at least 2 (the first layer is dense), or 0 to add layers")
-    os.environ["OPENBLAS_NUM_THREADS"] = str(args.blas_threads)  # read by the runs' NumPy at import
+    # The one process's kernel threads are a worker's (module docstring); the launcher sets its workers' own.
+    os.environ["MINDMOE_LOCAL_WORKERS"] = "2"
     baseline = framework_baseline_rss()
     with tempfile.TemporaryDirectory(prefix="lora_ep_memory_") as tmp:
         directory = Path(tmp) / "air"
@@ -209,7 +210,7 @@ def main():
                 "routed_share": round(shape["routed_bytes"] / shape["bytes"], 3),
                 "layers": shape["layers"],
                 "moe_intermediate_size": shape["moe_intermediate_size"],
-                "blas_threads": args.blas_threads,
+                "kernel_threads": max(1, usable_cores() // 2),
                 "dispatcher": args.dispatcher,
                 "framework_rss_gib": round(baseline / GIB, 3),
                 "one_process_peak_gib": round(one["peak_rss"] / GIB, 3),

@@ -43,6 +43,7 @@ from mindspore import Tensor, nn, ops
 
 from mindmoe.model.linear import numpy_of
 from mindmoe.model.moe.token_dispatcher import CapacityDispatcher, ExpertPlacement, local_dispatcher
+from mindmoe.train.exact_sum import ExactGroupSum
 from mindmoe.train.grouped_exchange import GroupedExchange
 from mindmoe.train.token_exchange import AllToAllDispatcher
 
@@ -76,13 +77,14 @@ def all_gather_supported(group: str) -> bool:
 
 
 class CopyTokensToGroup(nn.Cell):
-    """:class:`CopyToGroup` of the tokens ``x [T, H]`` and their combine weights ``w [T, K]`` with one all-reduce of
-    both gradients: two independent all-reduces of one backward may run in a different order on each rank (seen: with
-    two, an expert-parallel LoRA run's losses left one process's from the second step)."""
+    """:class:`CopyToGroup` of the tokens ``x [T, H]`` (float64: the expert kernel's input gradients are its float64
+    partial sums) and their combine weights ``w [T, K]`` with one exact sum of both gradients over the group
+    (train/exact_sum.py): two independent all-reduces of one backward may run in a different order on each rank (seen:
+    with two, an expert-parallel LoRA run's losses left one process's from the second step)."""
 
-    def __init__(self, group: str):
+    def __init__(self, group: str, group_size: int, rank_in_group: int):
         super().__init__()
-        self.all_reduce = ops.AllReduce(group=group)
+        self.exact_sum = ExactGroupSum(group, group_size, rank_in_group)
         self.cast = ops.Cast()
 
     def construct(self, x_TH, weight_TK):
@@ -90,8 +92,22 @@ class CopyTokensToGroup(nn.Cell):
 
     def bprop(self, x_TH, weight_TK, out, dout):
         hidden = x_TH.shape[1]
-        both = self.all_reduce(ops.concat((dout[0], self.cast(dout[1], dout[0].dtype)), 1))
-        return both[:, :hidden], self.cast(both[:, hidden:], weight_TK.dtype)
+        both = self.exact_sum(ops.concat((self.cast(dout[0], ms.float64), self.cast(dout[1], ms.float64)), 1))
+        return self.cast(both[:, :hidden], x_TH.dtype), self.cast(both[:, hidden:], weight_TK.dtype)
+
+
+class ExactSumOverGroup(nn.Cell):
+    """:class:`SumOverGroup` of float64 partial sums, added exactly (train/exact_sum.py)."""
+
+    def __init__(self, group: str, group_size: int, rank_in_group: int):
+        super().__init__()
+        self.exact_sum = ExactGroupSum(group, group_size, rank_in_group)
+
+    def construct(self, y):
+        return self.exact_sum(y)
+
+    def bprop(self, y, out, dout):
+        return (dout,)
 
 
 class GatherFromGroup(nn.Cell):
@@ -150,9 +166,10 @@ class AllGatherDispatcher(nn.Cell):
         self.last_expert = first_expert + num_local
         self.routes_tokens = local.routes_tokens
         self.copy_in = CopyToGroup(group)
-        self.copy_tokens_in = CopyTokensToGroup(group)
+        self.copy_tokens_in = CopyTokensToGroup(group, ep, rank_in_group)
         self.gather_out = GatherFromGroup(group, rank_in_group, num_local, ep)
         self.sum_out = SumOverGroup(group)
+        self.exact_sum_out = ExactSumOverGroup(group, ep, rank_in_group)
 
     def dispatch(self, x_TH, routing):
         x_ECH, state = self.local.dispatch(x_TH, routing)
@@ -164,9 +181,12 @@ class AllGatherDispatcher(nn.Cell):
         """The local dispatcher's tokens-to-tokens experts on this rank's experts, summed over the group; the
         tokens and combine weights get their gradients summed over the group (each rank's covers its experts)."""
         topk_idx_TK, weight_TK = routing
-        x_TH, weight_TK = self.copy_tokens_in(x_TH, weight_TK)
-        y_TH = self.local.token_experts(x_TH, (topk_idx_TK, weight_TK), experts, scale_T)
-        return self.sum_out(y_TH)
+        # In float64 through the group: each rank's kernel returns exact float64 sums of its experts' outputs (and of
+        # their input gradients), the group adds them exactly, and rounding once gives one process's float32 sums
+        # whatever the order (train/exact_sum.py).
+        x_TH64, weight_TK = self.copy_tokens_in(x_TH.astype(ms.float64), weight_TK)
+        y_TH64 = self.local.token_experts(x_TH64, (topk_idx_TK, weight_TK), experts, scale_T)
+        return self.exact_sum_out(y_TH64).astype(x_TH.dtype)
 
     def combine(self, y_eCH, state):
         if self.local.group_sizes(state) is not None:

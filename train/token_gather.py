@@ -7,9 +7,9 @@ rank's kernel runs only its own experts' assignments among them, and the partial
 ranks the tokens came from:
 
     [x_TH | weight_TK | topk_TK | scale_T] of this rank      one packed buffer, one exchange
-      -> all_gather          [G * T, F]: the group's tokens in rank order; backward: reduce-scatter (sum over the
-                             group, this rank's rows) of the tokens' and combine weights' gradients
-      -> this rank's experts [G * T, H]: each token's weighted outputs of the experts held here (zero elsewhere)
+      -> all_gather          [G * T, F]: the group's tokens in rank order (as float64); backward: reduce-scatter
+                             (sum over the group, this rank's rows) of the tokens' and combine weights' gradients
+      -> this rank's experts [G * T, H]: each token's float64 sum of the outputs of the experts held here
       -> reduce_scatter      [T, H]: this rank's tokens summed over the group's experts; backward: all-gather of
                              the output gradient
 
@@ -17,7 +17,8 @@ Each rank therefore holds and runs the rows of its own experts only (about T * K
 with no worst-case padding), and the exchanges move ``G * T`` tokens where the row exchange's slots move
 ``G * T * min(K, e)`` rows. Routing, the balancing loss and the statistics stay per micro-batch, as in
 :mod:`train.grouped_exchange`. On CPU the gather is AllGather (world group) or a masked AllReduce, and the
-reduce-scatter an AllReduce and a slice (``kernels.all_gather``, ``kernels.reduce_scatter``).
+reduce-scatter an exact float64 sum of the gathered partial sums (:mod:`train.exact_sum`): one process's float32
+sums, whichever rank holds which of a token's experts.
 
 Shape legend: T tokens of this rank's micro-batch, K experts per token, G ranks of the group, H hidden, F packed
 columns (H + 2K + 1).
@@ -26,7 +27,7 @@ columns (H + 2K + 1).
 import mindspore as ms
 from mindspore import nn, ops
 
-from mindmoe.model import kernels
+from mindmoe.train.exact_sum import ExactGroupSum, ExactReduceScatterToFloat32, Float64Gather
 
 
 class Adjoint(nn.Cell):
@@ -54,11 +55,16 @@ class GroupTokenExperts(nn.Cell):
         super().__init__()
         self.local = local
         self.group_size = group_size
-        # [T, F] -> [G * T, F] in rank order, and [G * T, H] -> this rank's [T, H] of the sum over the group.
-        gather = kernels.all_gather(group, group_size, rank_in_group)
-        scatter = kernels.reduce_scatter(group, group_size, rank_in_group)
-        self.gather_tokens = Adjoint(gather, scatter)
-        self.scatter_tokens = Adjoint(scatter, gather)
+        # [T, F] -> [G * T, F] in rank order, and [G * T, H] -> this rank's [T, H] of the sum over the group: the
+        # kernel's float64 partial sums (outputs forward, input gradients backward) added exactly (train/exact_sum.py).
+        self.gather_tokens = Adjoint(
+            Float64Gather(group, group_size, rank_in_group),
+            ExactReduceScatterToFloat32(group, group_size, rank_in_group),
+        )
+        self.scatter_tokens = Adjoint(
+            ExactGroupSum(group, group_size, rank_in_group, keep_rows=True),
+            Float64Gather(group, group_size, rank_in_group),
+        )
 
     def construct(self, x_TH, routing, experts, scale_T):
         topk_idx_TK, weight_TK = routing
@@ -74,10 +80,10 @@ class GroupTokenExperts(nn.Cell):
             ),
             1,
         )
-        gathered = self.gather_tokens(packed)
-        x_all = gathered[:, :hidden].astype(x_TH.dtype)
+        gathered = self.gather_tokens(packed)  # float64: the kernel then sums in float64 and returns the sums
+        x_all = gathered[:, :hidden]
         weight_all = gathered[:, hidden : hidden + top_k].astype(weight_TK.dtype)
         topk_all = ops.stop_gradient(ops.round(gathered[:, hidden + top_k : hidden + 2 * top_k])).astype(ms.int32)
-        scale_all = ops.stop_gradient(gathered[:, hidden + 2 * top_k])
+        scale_all = ops.stop_gradient(gathered[:, hidden + 2 * top_k]).astype(ms.float32)
         y_all = self.local.token_experts(x_all, (topk_all, weight_all), experts, scale_all, self.group_size)
-        return self.scatter_tokens(y_all)
+        return self.scatter_tokens(y_all).astype(x_TH.dtype)

@@ -155,14 +155,19 @@ class Projection:
 def token_experts_forward(
     x_TH, topk_TK, block, weight_TK, projections, num_experts, first_expert, num_held, sources: int = 1
 ):
-    """``(y [T, H] fp32, row_A, saved)``: the held experts' weighted outputs per token, each assignment's sorted row
+    """``(y [T, H] float64, row_A, saved)``: the held experts' weighted outputs per token, each assignment's sorted row
     (:func:`sorted_rows` with ``block``) and what :func:`token_experts_backward` reads (per expert and token source
     with rows, :func:`source_segments`: its assignments, gate and up pre-activations, output and adapters' low-rank
-    products)."""
+    products).
+
+    Each weighted output is a float32 product; a token's are added in float64, where a sum of a few float32 values is
+    exact (unless their magnitudes span more than about 2**26), so it does not depend on the order of the terms nor on
+    which process added which: an expert group's ranks return float64 partial sums, the group adds them in float64,
+    and rounding once to float32 gives what one process holding every expert gives. The input gradient likewise."""
     gate, up, down = projections
     top_k = topk_TK.shape[1]
     weight_A = _fp32(weight_TK).reshape(-1)
-    y_TH = np.zeros((x_TH.shape[0], down.weight.shape[1]), np.float32)
+    y_TH = np.zeros((x_TH.shape[0], down.weight.shape[1]), np.float64)  # exact sums: :func:`token_experts_forward`
     expert_A, order, counts_E = expert_order(topk_TK, num_experts)
     row_A = sorted_rows(expert_A, order, counts_E, block)
     saved = []
@@ -180,13 +185,14 @@ def token_experts_forward(
 
 
 def token_experts_backward(dy_TH, scale_T, x_TH, topk_TK, row_A, weight_TK, projections, saved):
-    """``(dx [T, H], dw [T, K], grads)`` fp32, ``grads`` per projection: ``weight`` (trainable), ``lora_A``,
+    """``(dx [T, H] float64, dw [T, K], grads)`` (the rest fp32; ``dx`` summed over a token's experts as ``y`` is in
+    :func:`token_experts_forward`), ``grads`` per projection: ``weight`` (trainable), ``lora_A``,
     ``lora_B`` (adapted), over the held experts."""
     top_k = topk_TK.shape[1]
     weight_A = _fp32(weight_TK).reshape(-1)
     scale_T1 = _fp32(scale_T).reshape(-1, 1)
     dy_TH = _fp32(dy_TH)
-    dx_TH = np.zeros(x_TH.shape, np.float32)
+    dx_TH = np.zeros(x_TH.shape, np.float64)
     dw_A = np.zeros(weight_A.shape, np.float32)
     grads = [p.zero_grads() for p in projections]
     gate, up, down = projections
@@ -218,7 +224,9 @@ class HostTokenExperts(nn.Cell):
     number of ranks whose tokens ``x`` concatenates (:func:`source_segments`; 1 if absent); on the host
     (module docstring). A projection's slot it does not use holds a ``[1]`` placeholder: the base weight of a frozen
     one (read in place from its Parameter: no graph keeps a copy), the adapters of one without, the dropout factors
-    when there is no draw.
+    when there is no draw. ``y`` (and the input gradient) have ``x``'s dtype: a float64 ``x`` (an expert group's
+    tokens) gets the float64 sums of its held experts' outputs, which the group adds before rounding
+    (:func:`token_experts_forward`).
     ``shapes``: per projection the static ``(weight, lora_A, lora_B)`` shapes of the held experts (None if absent).
 
     The forward keeps views of its inputs (MindSpore's ``pyfunc`` keeps a host copy of each for the graph's life)

@@ -195,3 +195,49 @@ def test_each_source_ranks_tokens_are_multiplied_apart_as_their_own_micro_batch_
             assert got[name].tobytes() == (first_block[name] + second_block[name]).tobytes(), name
     with pytest.raises(ValueError, match="25 tokens do not split into 2"):
         run(*(part[:25] for part in (np.concatenate(parts) for parts in zip(*blocks))), sources=2)
+
+
+def test_a_tokens_expert_outputs_add_up_to_the_same_bits_whichever_ranks_hold_the_experts():
+    """Top-4 of 8 experts: the float64 partial sums of two ranks holding 4 experts each, added in either order and
+    rounded once, are bit for bit the one process's ``y`` and input gradient (float32 partial sums are not)."""
+    from mindmoe.model.kernels.cpu_token_experts import Projection, token_experts_backward, token_experts_forward
+
+    rng = np.random.default_rng(5)
+    tokens, experts, top_k = 64, 8, 4
+    arrays = {}
+    for proj, (out_f, in_f) in PROJ_SHAPES.items():
+        arrays[proj] = (rng.standard_normal((experts, out_f, in_f)) * 0.2).astype(np.float32)
+        arrays[proj + ".A"] = (rng.standard_normal((experts, R, in_f)) * 0.3).astype(np.float32)
+        arrays[proj + ".B"] = (rng.standard_normal((experts, out_f, R)) * 0.3).astype(np.float32)
+    x = rng.standard_normal((tokens, H)).astype(np.float32)
+    topk = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
+    weight = rng.random((tokens, top_k)).astype(np.float32)
+    dy = rng.standard_normal((tokens, H)).astype(np.float32)
+    none = np.zeros(1, np.int32)
+
+    def run(first, held, dtype):
+        rows = slice(first, first + held)
+        projections = [
+            Projection(
+                ProjectionSpec(trainable=True, lora=True),
+                arrays[p][rows],
+                arrays[p + ".A"][rows],
+                arrays[p + ".B"][rows],
+                none,
+                none,
+                SCALING,
+            )  # fmt: skip
+            for p in PROJ_SHAPES
+        ]
+        y, row_A, saved = token_experts_forward(x, topk, 1, weight, projections, experts, first, held)
+        dx = token_experts_backward(dy, np.ones(tokens, np.float32), x, topk, row_A, weight, projections, saved)[0]
+        return y.astype(dtype), dx.astype(dtype)
+
+    whole = [part.astype(np.float32) for part in run(0, experts, np.float64)]
+    halves = run(0, 4, np.float64), run(4, 4, np.float64)
+    for i in range(2):  # y, dx
+        for order in ((0, 1), (1, 0)):
+            total = (halves[order[0]][i] + halves[order[1]][i]).astype(np.float32)
+            assert total.tobytes() == whole[i].tobytes(), (i, order)
+    rounded = run(0, 4, np.float32)[0] + run(4, 4, np.float32)[0]
+    assert rounded.tobytes() != whole[0].tobytes()  # each rank rounding its own sum first
