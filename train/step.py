@@ -118,9 +118,9 @@ def _grad_buffers(params, accum_steps: int):
 
 
 def _reductions(dist, optimizer, expert_names):
-    """``(synchronise, squared_norm)``: the mean of gradients (ZeRO-1: this rank's ranges of it, train/zero.py)
-    and loss over data-parallel ranks, and the global squared gradient norm (``expert_names``: the routed expert
-    tensors, :func:`train.grad_norm.layout_free_norm`); one process reduces nothing."""
+    """``(synchronise, squared_norm)``: the mean of gradients (ZeRO-1: this rank's ranges of it, train/zero.py) and loss
+    over data-parallel ranks, and the squared gradient norm (:func:`train.grad_norm.layout_free_norm` of the routed
+    expert tensors ``expert_names``); one process reduces nothing."""
     if hasattr(optimizer, "load_ranges"):
         from mindmoe.train.zero import zero_reductions
 
@@ -240,13 +240,8 @@ class CompiledStep:
 
         grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
         self.grad_buffers = _grad_buffers(params, accum_steps)
-        self._step_parts = (
-            grad_fn,
-            unscale,
-            float(grad_clip),
-            _reductions(dist, optimizer, expert_parameter_names(model)),
-            adjust_scale,
-        )
+        reductions = _reductions(dist, optimizer, expert_parameter_names(model))
+        self._step_parts = (grad_fn, unscale, float(grad_clip), reductions, adjust_scale)
         self.router_updates = router_updates
         self._evaluate = _compile_evaluate(model, head_loss(model))
 
