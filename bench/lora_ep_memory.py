@@ -138,7 +138,9 @@ def adapter_bytes(run_dir: Path, steps: int) -> bytes:
     return (run_dir / "checkpoints" / f"step_{steps:06d}" / "adapter" / "adapter_model.safetensors").read_bytes()
 
 
-def measure(directory: Path, work: Path, steps: int, dispatcher: str = "allgather") -> dict:
+def measure(directory: Path, work: Path, steps: int, dispatcher: str = "allgather", extra=()) -> dict:
+    """Both runs (module docstring) with ``extra`` overrides: ``{"one process" | "ep 2": run_one's row with the
+    losses and the adapter file's bytes}``."""
     split = dispatcher == "alltoall"
     # Per micro-batch terms differ when the micro-batches do: the dropout masks (drawn per data-parallel rank)
     # and the switch balancing loss (its load fractions are a micro-batch's).
@@ -156,6 +158,7 @@ def measure(directory: Path, work: Path, steps: int, dispatcher: str = "allgathe
         f"train.save_every={steps}",
         f"train.eval_every={steps}",
         "train.progress_bar=false",
+        *extra,
     )
     one = ScalingRun("lora", "one process", overrides + ("data.micro_batch_size=2",))
     layout = ("launch.procs_per_node=2", "parallel.ep=2", f"parallel.ep_dispatcher={dispatcher}")

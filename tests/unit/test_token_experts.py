@@ -147,32 +147,37 @@ def test_token_experts_is_none_on_ascend():
     assert kernels.token_experts([], [], 1.0, E, 0, E, K, device_target="Ascend") is None
 
 
+def host_projections(rng, experts):
+    """``rows -> [Projection]`` (gate, up, down: trainable, with adapters, no dropout) over random weights of
+    ``experts`` experts, for the host kernel's NumPy functions; ``rows`` selects the experts a rank holds."""
+    from mindmoe.model.kernels.cpu_token_experts import Projection
+
+    arrays = {}
+    for proj, (out_f, in_f) in PROJ_SHAPES.items():
+        arrays[proj] = (rng.standard_normal((experts, out_f, in_f)) * 0.2).astype(np.float32)
+        arrays[proj + ".A"] = (rng.standard_normal((experts, R, in_f)) * 0.3).astype(np.float32)
+        arrays[proj + ".B"] = (rng.standard_normal((experts, out_f, R)) * 0.3).astype(np.float32)
+    none = np.zeros(1, np.int32)
+
+    def projections(rows=slice(None)):
+        spec = ProjectionSpec(trainable=True, lora=True)
+        return [
+            Projection(spec, arrays[p][rows], arrays[p + ".A"][rows], arrays[p + ".B"][rows], none, none, SCALING)
+            for p in PROJ_SHAPES
+        ]
+
+    return projections
+
+
 def test_each_source_ranks_tokens_are_multiplied_apart_as_their_own_micro_batch_would_be():
     """An expert group's gathered tokens (``sources`` equal blocks, one per rank): every product and gradient is
     bit for bit what running each block alone gives, the weight and adapter gradients the blocks' sum in rank order
     (what one process accumulating the ranks' micro-batches computes)."""
-    from mindmoe.model.kernels.cpu_token_experts import Projection, token_experts_backward, token_experts_forward
+    from mindmoe.model.kernels.cpu_token_experts import token_experts_backward, token_experts_forward
 
     rng = np.random.default_rng(11)
     tokens, held, first = 24, 4, 2
-    arrays = {}
-    for proj, (out_f, in_f) in PROJ_SHAPES.items():
-        arrays[proj] = (rng.standard_normal((held, out_f, in_f)) * 0.2).astype(np.float32)
-        arrays[proj + ".A"] = (rng.standard_normal((held, R, in_f)) * 0.3).astype(np.float32)
-        arrays[proj + ".B"] = (rng.standard_normal((held, out_f, R)) * 0.3).astype(np.float32)
-    none = np.zeros(1, np.int32)
-    projections = [
-        Projection(
-            ProjectionSpec(trainable=True, lora=True),
-            arrays[p],
-            arrays[p + ".A"],
-            arrays[p + ".B"],
-            none,
-            none,
-            SCALING,
-        )  # fmt: skip
-        for p in PROJ_SHAPES
-    ]
+    projections = host_projections(rng, held)()
     blocks = []
     for _ in range(2):
         x = rng.standard_normal((tokens, H)).astype(np.float32)
@@ -200,35 +205,18 @@ def test_each_source_ranks_tokens_are_multiplied_apart_as_their_own_micro_batch_
 def test_a_tokens_expert_outputs_add_up_to_the_same_bits_whichever_ranks_hold_the_experts():
     """Top-4 of 8 experts: the float64 partial sums of two ranks holding 4 experts each, added in either order and
     rounded once, are bit for bit the one process's ``y`` and input gradient (float32 partial sums are not)."""
-    from mindmoe.model.kernels.cpu_token_experts import Projection, token_experts_backward, token_experts_forward
+    from mindmoe.model.kernels.cpu_token_experts import token_experts_backward, token_experts_forward
 
     rng = np.random.default_rng(5)
     tokens, experts, top_k = 64, 8, 4
-    arrays = {}
-    for proj, (out_f, in_f) in PROJ_SHAPES.items():
-        arrays[proj] = (rng.standard_normal((experts, out_f, in_f)) * 0.2).astype(np.float32)
-        arrays[proj + ".A"] = (rng.standard_normal((experts, R, in_f)) * 0.3).astype(np.float32)
-        arrays[proj + ".B"] = (rng.standard_normal((experts, out_f, R)) * 0.3).astype(np.float32)
+    all_projections = host_projections(rng, experts)
     x = rng.standard_normal((tokens, H)).astype(np.float32)
     topk = np.stack([rng.choice(experts, top_k, replace=False) for _ in range(tokens)]).astype(np.int32)
     weight = rng.random((tokens, top_k)).astype(np.float32)
     dy = rng.standard_normal((tokens, H)).astype(np.float32)
-    none = np.zeros(1, np.int32)
 
     def run(first, held, dtype):
-        rows = slice(first, first + held)
-        projections = [
-            Projection(
-                ProjectionSpec(trainable=True, lora=True),
-                arrays[p][rows],
-                arrays[p + ".A"][rows],
-                arrays[p + ".B"][rows],
-                none,
-                none,
-                SCALING,
-            )  # fmt: skip
-            for p in PROJ_SHAPES
-        ]
+        projections = all_projections(slice(first, first + held))
         y, row_A, saved = token_experts_forward(x, topk, 1, weight, projections, experts, first, held)
         dx = token_experts_backward(dy, np.ones(tokens, np.float32), x, topk, row_A, weight, projections, saved)[0]
         return y.astype(dtype), dx.astype(dtype)
