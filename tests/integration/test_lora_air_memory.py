@@ -3,7 +3,7 @@ shared expert) on 2 expert-parallel workers against one process: the same losses
 byte, and each worker's memory at most 0.7x the one process's (both above the framework's own).
 
 The checkpoint is written here (bench/lora_ep_memory.py, the bench these figures come from): 2 layers, the first
-dense, experts widened to about 3 GiB of fp16, 98.7 % of it routed experts. Each process also holds what ``ep`` does
+dense, experts widened to about 4 GiB of fp16, 99 % of it routed experts. Each process also holds what ``ep`` does
 not divide (about 1.7 GiB: compiled graphs, the optimizer's library, attention and router activations), so the 0.7
 holds only where the experts outweigh that, as in published checkpoints; a smaller checkpoint would measure the
 framework. Validation reads one micro-batch (``train.eval_batches=1``), so the evaluation graph is built and held
@@ -23,7 +23,7 @@ def test_lora_of_an_air_shaped_checkpoint_on_two_expert_parallel_workers(tmp_pat
     monkeypatch.setenv("MINDMOE_LOCAL_WORKERS", "2")
     directory = tmp_path / "air"
     directory.mkdir()
-    shape = write_air_checkpoint(directory, int(3.0 * GIB), layers=2)
+    shape = write_air_checkpoint(directory, int(4.0 * GIB), layers=2)
     assert shape["routed_bytes"] >= max(0.8 * shape["bytes"], 256 * 2**20), shape
     baseline = framework_baseline_rss()
     results = measure(directory, tmp_path / "runs", STEPS, "allgather", extra=("train.eval_batches=1",))
@@ -34,4 +34,5 @@ def test_lora_of_an_air_shaped_checkpoint_on_two_expert_parallel_workers(tmp_pat
         assert abs(actual - expected) <= 1e-5 * abs(expected), (one["losses"], two["losses"])
     assert two["adapter"] == one["adapter"]  # the PEFT adapter files, byte for byte
     growth_one, growth_worker = one["peak_rss"] - baseline, two["peak_rss"] - baseline
-    assert growth_worker <= 0.7 * growth_one, (growth_worker / GIB, growth_one / GIB)
+    ratio = growth_worker / growth_one  # 3 GiB: 0.689 here (0.709 reading the whole validation set): too close
+    assert ratio <= 0.7, f"worker {growth_worker / GIB:.2f} GiB over one process {growth_one / GIB:.2f}: {ratio:.3f}"
