@@ -44,12 +44,13 @@ class ExactGroupSum(nn.Cell):
 
     def construct(self, x_NF):
         rows, features = x_NF.shape
-        parts_G3NF = self.gather(float32_parts(x_NF)).astype(ms.float64).reshape(self.group_size, 3, rows, features)
+        parts_G3NF = self.gather(float32_parts(x_NF)).reshape(self.group_size, 3, rows, features)
+        if self.keep_rows:  # only this rank's rows are put together and added
+            mine = rows // self.group_size
+            parts_G3NF = parts_G3NF[:, :, self.rank_in_group * mine : (self.rank_in_group + 1) * mine]
+        parts_G3NF = parts_G3NF.astype(ms.float64)
         # Per rank (a + b) + c first: exactly that rank's x; then the ranks' exact values.
         ranks_GNF = (parts_G3NF[:, 0] + parts_G3NF[:, 1]) + parts_G3NF[:, 2]
-        if self.keep_rows:
-            mine = rows // self.group_size
-            ranks_GNF = ranks_GNF[:, self.rank_in_group * mine : (self.rank_in_group + 1) * mine]
         return ranks_GNF.sum(0)
 
 

@@ -96,20 +96,6 @@ class CopyTokensToGroup(nn.Cell):
         return self.cast(both[:, :hidden], x_TH.dtype), self.cast(both[:, hidden:], weight_TK.dtype)
 
 
-class ExactSumOverGroup(nn.Cell):
-    """:class:`SumOverGroup` of float64 partial sums, added exactly (train/exact_sum.py)."""
-
-    def __init__(self, group: str, group_size: int, rank_in_group: int):
-        super().__init__()
-        self.exact_sum = ExactGroupSum(group, group_size, rank_in_group)
-
-    def construct(self, y):
-        return self.exact_sum(y)
-
-    def bprop(self, y, out, dout):
-        return (dout,)
-
-
 class GatherFromGroup(nn.Cell):
     """All-gather along axis 0; backward keeps this rank's rows. The upstream gradient is the same
     on every rank of the group (same tokens, same loss), so no reduction is needed.
@@ -139,14 +125,15 @@ class GatherFromGroup(nn.Cell):
 
 class SumOverGroup(nn.Cell):
     """All-reduce (sum) forward; backward passes the gradient through: it is the same on every rank of
-    the group (same tokens, same loss), and each summed row came from one rank's experts."""
+    the group (same tokens, same loss), and each summed row came from one rank's experts. ``summing``: the
+    summing cell (default AllReduce over ``group``; float64 partial sums: train/exact_sum.py's ExactGroupSum)."""
 
-    def __init__(self, group: str):
+    def __init__(self, group: str, summing=None):
         super().__init__()
-        self.all_reduce = ops.AllReduce(group=group)
+        self.summing = ops.AllReduce(group=group) if summing is None else summing
 
     def construct(self, y):
-        return self.all_reduce(y)
+        return self.summing(y)
 
     def bprop(self, y, out, dout):
         return (dout,)
@@ -169,7 +156,7 @@ class AllGatherDispatcher(nn.Cell):
         self.copy_tokens_in = CopyTokensToGroup(group, ep, rank_in_group)
         self.gather_out = GatherFromGroup(group, rank_in_group, num_local, ep)
         self.sum_out = SumOverGroup(group)
-        self.exact_sum_out = ExactSumOverGroup(group, ep, rank_in_group)
+        self.exact_sum_out = SumOverGroup(group, ExactGroupSum(group, ep, rank_in_group))
 
     def dispatch(self, x_TH, routing):
         x_ECH, state = self.local.dispatch(x_TH, routing)
