@@ -8,7 +8,8 @@ For large experts the training graph calls one host kernel per product (``ops.Cu
 MindSpore runs a Python function on the arrays of its inputs, in the graph): for each group of rows with its
 weight it runs
 ``rows @ weight[e]^T`` (forward), ``dout @ weight[e]`` (input gradient) and ``(scale * dout)^T @ rows``
-(weight gradient) in NumPy's BLAS, in fp32. So the cost is the routed FLOPs of the rows received, a
+(weight gradient) in NumPy's BLAS, in fp32 (whole experts per thread over the process's cores, each product on one
+BLAS thread: ``host_threads.py``, as the token kernel's). So the cost is the routed FLOPs of the rows received, a
 half-precision weight (a frozen LoRA base) is up-cast one expert at a time, the groups of experts held
 elsewhere cost nothing, and the graph has three nodes per projection whatever the number of experts.
 The kernel it replaced for them gathered every block's expert weight (``O / b`` times the rows it multiplies)
@@ -31,6 +32,8 @@ import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
 from mindspore.ops import functional as F
+
+from mindmoe.model.kernels.host_threads import map_experts
 
 #: Block sizes the CPU kernel uses (rows per block); larger blocks run BatchMatMul more efficiently.
 BLOCK_SIZES = (2, 4, 8, 16, 32, 64)
@@ -94,6 +97,11 @@ def held_groups(sizes_G, num_weights: int):
     return groups
 
 
+def _group_rows(group):
+    """Rows of a held group ``(e, start, stop)``: the load :func:`map_experts` balances."""
+    return group[2] - group[1]
+
+
 def _fp32(array):
     return array if array.dtype == np.float32 else array.astype(np.float32)
 
@@ -104,9 +112,13 @@ def host_products(rows_NbX, w_EOF, sizes_G, transpose_weight: bool):
     rows_XI = rows_NbX.reshape(-1, rows_NbX.shape[-1])
     width = w_EOF.shape[1] if transpose_weight else w_EOF.shape[2]
     out_XW = np.zeros((rows_XI.shape[0], width), np.float32)
-    for e, start, stop in held_groups(sizes_G, w_EOF.shape[0]):
-        weight = _fp32(w_EOF[e])
-        out_XW[start:stop] = _fp32(rows_XI[start:stop]) @ (weight.T if transpose_weight else weight)
+
+    def run(groups):
+        for e, start, stop in groups:
+            weight = _fp32(w_EOF[e])
+            out_XW[start:stop] = _fp32(rows_XI[start:stop]) @ (weight.T if transpose_weight else weight)
+
+    map_experts(run, held_groups(sizes_G, w_EOF.shape[0]), _group_rows)
     return out_XW.astype(rows_NbX.dtype, copy=False).reshape(rows_NbX.shape[:2] + (width,))
 
 
@@ -116,8 +128,12 @@ def host_weight_grad(dout_NbO, x_NbF, sizes_G, scale_Nb, num_weights: int):
     x_XF = x_NbF.reshape(-1, x_NbF.shape[-1])
     scale_X1 = _fp32(scale_Nb.reshape(-1, 1))
     grad_EOF = np.zeros((num_weights, dout_XO.shape[1], x_XF.shape[1]), np.float32)
-    for e, start, stop in held_groups(sizes_G, num_weights):
-        grad_EOF[e] = (_fp32(dout_XO[start:stop]) * scale_X1[start:stop]).T @ _fp32(x_XF[start:stop])
+
+    def run(groups):
+        for e, start, stop in groups:
+            grad_EOF[e] = (_fp32(dout_XO[start:stop]) * scale_X1[start:stop]).T @ _fp32(x_XF[start:stop])
+
+    map_experts(run, held_groups(sizes_G, num_weights), _group_rows)
     return grad_EOF
 
 

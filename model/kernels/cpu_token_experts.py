@@ -19,7 +19,8 @@ share sums ``y`` over the expert group), ``expert(x) = down(silu(gate(x)) * up(x
 here from the routing and the block size): the masks the grouped path draws. The backward gives ``dx``, ``dw`` (the
 combine weights' gradient ``<dy_t, expert(x_t)>``), and the gradients of the trainable base weights and of the
 adapters, each row's share scaled by the token's ``scale_T`` (gradient isolation's ``token_grad``; ones otherwise).
-Products run in fp32 in NumPy's BLAS.
+Products run in fp32 in NumPy's BLAS, each on one BLAS thread; the held experts are split over this process's cores
+(:mod:`model.kernels.host_threads`), each thread's tokens summed in float64 apart and the threads' sums added.
 
 Ascend has no such kernel (:func:`model.kernels.token_experts` is None there): GroupedMatmul runs the grouped path.
 """
@@ -30,6 +31,7 @@ from mindspore import nn, ops
 
 from mindmoe.model.kernels.cpu_grouped import _fp32
 from mindmoe.model.kernels.dropout_mask import host_scaled_keep
+from mindmoe.model.kernels.host_threads import map_experts
 
 
 class ProjectionSpec:
@@ -47,6 +49,11 @@ class ProjectionSpec:
 
 def _sigmoid(x):
     return 0.5 * (np.tanh(0.5 * x) + 1.0)
+
+
+def _rows(segment):
+    """Rows of an expert segment ``(e, assignments, ...)``: the load :func:`map_experts` balances."""
+    return segment[1].size
 
 
 def expert_order(topk_TK, num_experts: int):
@@ -167,21 +174,31 @@ def token_experts_forward(
     gate, up, down = projections
     top_k = topk_TK.shape[1]
     weight_A = _fp32(weight_TK).reshape(-1)
-    y_TH = np.zeros((x_TH.shape[0], down.weight.shape[1]), np.float64)  # exact sums: :func:`token_experts_forward`
     expert_A, order, counts_E = expert_order(topk_TK, num_experts)
     row_A = sorted_rows(expert_A, order, counts_E, block)
-    saved = []
     groups = expert_groups(order, counts_E, first_expert, num_held)
-    for e, assignments in source_segments(groups, top_k, x_TH.shape[0], sources):
-        tokens, rows = assignments // top_k, row_A[assignments]
-        x_nH = _fp32(x_TH[tokens])
-        gate_nI, gate_low = gate.forward(e, x_nH, rows)
-        up_nI, up_low = up.forward(e, x_nH, rows)
-        out_nH, down_low = down.forward(e, gate_nI * _sigmoid(gate_nI) * up_nI, rows)
-        # A token chooses distinct experts: its row appears once per expert, so this scatter has no collisions.
-        y_TH[tokens] += weight_A[assignments, None] * out_nH
-        saved.append((e, assignments, gate_nI, up_nI, out_nH, (gate_low, up_low, down_low)))
-    return y_TH, row_A, saved
+
+    def run(part):
+        y_TH = np.zeros((x_TH.shape[0], down.weight.shape[1]), np.float64)  # exact sums (above)
+        saved = []
+        for e, assignments in part:
+            tokens, rows = assignments // top_k, row_A[assignments]
+            x_nH = _fp32(x_TH[tokens])
+            gate_nI, gate_low = gate.forward(e, x_nH, rows)
+            up_nI, up_low = up.forward(e, x_nH, rows)
+            out_nH, down_low = down.forward(e, gate_nI * _sigmoid(gate_nI) * up_nI, rows)
+            # A token chooses distinct experts: its row appears once per expert, so this scatter has no collisions.
+            y_TH[tokens] += weight_A[assignments, None] * out_nH
+            saved.append((e, assignments, gate_nI, up_nI, out_nH, (gate_low, up_low, down_low)))
+        return y_TH, saved
+
+    # Each thread's experts: their float64 sums added (exact, so in any order).
+    segments = source_segments(groups, top_k, x_TH.shape[0], sources)
+    parts = map_experts(run, segments, _rows)
+    y_TH = parts[0][0] if parts else np.zeros((x_TH.shape[0], down.weight.shape[1]), np.float64)
+    for other, _ in parts[1:]:
+        y_TH += other
+    return y_TH, row_A, [entry for _, saved in parts for entry in saved]
 
 
 def token_experts_backward(dy_TH, scale_T, x_TH, topk_TK, row_A, weight_TK, projections, saved):
@@ -192,25 +209,34 @@ def token_experts_backward(dy_TH, scale_T, x_TH, topk_TK, row_A, weight_TK, proj
     weight_A = _fp32(weight_TK).reshape(-1)
     scale_T1 = _fp32(scale_T).reshape(-1, 1)
     dy_TH = _fp32(dy_TH)
-    dx_TH = np.zeros(x_TH.shape, np.float64)
     dw_A = np.zeros(weight_A.shape, np.float32)
     grads = [p.zero_grads() for p in projections]
     gate, up, down = projections
-    for e, assignments, gate_nI, up_nI, out_nH, (gate_low, up_low, down_low) in saved:
-        tokens, rows = assignments // top_k, row_A[assignments]
-        dy_nH = dy_TH[tokens]
-        scale_n1 = scale_T1[tokens]
-        dw_A[assignments] = (dy_nH * out_nH).sum(1)
-        dout_nH = dy_nH * weight_A[assignments, None]
-        sig_nI = _sigmoid(gate_nI)
-        silu_nI = gate_nI * sig_nI
-        dh_nI = down.backward(e, silu_nI * up_nI, rows, down_low, dout_nH, scale_n1, grads[2])
-        dgate_nI = dh_nI * up_nI * (sig_nI + silu_nI * (1.0 - sig_nI))
-        dup_nI = dh_nI * silu_nI
-        x_nH = _fp32(x_TH[tokens])
-        dx_nH = gate.backward(e, x_nH, rows, gate_low, dgate_nI, scale_n1, grads[0])
-        dx_nH += up.backward(e, x_nH, rows, up_low, dup_nI, scale_n1, grads[1])
-        dx_TH[tokens] += dx_nH
+
+    def run(part):
+        dx_TH = np.zeros(x_TH.shape, np.float64)
+        for e, assignments, gate_nI, up_nI, out_nH, (gate_low, up_low, down_low) in part:
+            tokens, rows = assignments // top_k, row_A[assignments]
+            dy_nH = dy_TH[tokens]
+            scale_n1 = scale_T1[tokens]
+            dw_A[assignments] = (dy_nH * out_nH).sum(1)
+            dout_nH = dy_nH * weight_A[assignments, None]
+            sig_nI = _sigmoid(gate_nI)
+            silu_nI = gate_nI * sig_nI
+            dh_nI = down.backward(e, silu_nI * up_nI, rows, down_low, dout_nH, scale_n1, grads[2])
+            dgate_nI = dh_nI * up_nI * (sig_nI + silu_nI * (1.0 - sig_nI))
+            dup_nI = dh_nI * silu_nI
+            x_nH = _fp32(x_TH[tokens])
+            dx_nH = gate.backward(e, x_nH, rows, gate_low, dgate_nI, scale_n1, grads[0])
+            dx_nH += up.backward(e, x_nH, rows, up_low, dup_nI, scale_n1, grads[1])
+            dx_TH[tokens] += dx_nH
+        return dx_TH
+
+    # An expert's saved segments stay on one thread, in order: its weight gradients add up as before.
+    parts = map_experts(run, saved, _rows)
+    dx_TH = parts[0] if parts else np.zeros(x_TH.shape, np.float64)
+    for other in parts[1:]:
+        dx_TH += other
     return dx_TH, dw_A.reshape(weight_TK.shape), grads
 
 
