@@ -55,6 +55,9 @@ def test_an_unknown_op_type_is_other_and_every_category_is_listed():
 
 def test_the_gradient_norm_dot_products_count_as_optimizer_not_matmul():
     assert categorize("MatMul", ((1, 4096), (1, 4096))) == "optimizer"
+    assert categorize("BatchMatMul", ((2048, 1, 4096), (2048, 1, 4096))) == "optimizer"  # per expert row pieces
+    assert categorize("BatchMatMul", ((8, 1, 512), (8, 512, 64))) == "matmul"  # one-row products of the model
+    assert categorize("MatMul", ((1, 512), (512, 512))) == "matmul"
     assert categorize("MatMul", ((2048, 512), (1024, 512))) == "matmul"
 
 
