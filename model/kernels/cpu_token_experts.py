@@ -244,10 +244,10 @@ _DUMMY = (1,)
 
 
 class HostTokenExperts(nn.Cell):
-    """``(x [T, H], topk [T, K] int32, block [1] or [2] int32, weight [T, K], scale [T], then per projection (gate,
+    """``(x [T, H], topk [T, K] int32, block [2] int32, weight [T, K], scale [T], then per projection (gate,
     up, down): weight, lora_A, lora_B, row_Z, col_F) -> y [T, H]``; ``block``: the grouped path's rows per block, which
     with the routing fixes each assignment's sorted row (:func:`sorted_rows`, the key of its dropout masks), then the
-    number of ranks whose tokens ``x`` concatenates (:func:`source_segments`; 1 if absent); on the host
+    number of ranks whose tokens ``x`` concatenates (:func:`source_segments`; 1: one micro-batch); on the host
     (module docstring). A projection's slot it does not use holds a ``[1]`` placeholder: the base weight of a frozen
     one (read in place from its Parameter: no graph keeps a copy), the adapters of one without, the dropout factors
     when there is no draw. ``y`` (and the input gradient) have ``x``'s dtype: a float64 ``x`` (an expert group's
@@ -280,7 +280,9 @@ class HostTokenExperts(nn.Cell):
         def forward(x, topk, block, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df):
             projs = projections((gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df))
             state.clear()
-            sources = int(block[1]) if block.shape[0] > 1 else 1
+            if block.shape != (2,):
+                raise ValueError(f"token experts: block must be [block size, source ranks], got shape {block.shape}")
+            sources = int(block[1])
             y_TH, row_A, saved = token_experts_forward(
                 x, topk, int(block[0]), weight_TK, projs, num_experts, first_expert, num_held, sources
             )

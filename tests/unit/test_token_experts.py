@@ -111,7 +111,7 @@ def test_token_experts_match_torch(first, held, trainable, base_dtype):
     y_ref, upstream, dx_ref, dw_ref, grads_ref = torch_reference(
         x, topk, rows, weight, scale, arrays, masks, first, held, trainable
     )
-    inputs = [Tensor(x), Tensor(topk), Tensor(np.array([block], np.int32)), Tensor(weight), Tensor(scale)]
+    inputs = [Tensor(x), Tensor(topk), Tensor(np.array([block, 1], np.int32)), Tensor(weight), Tensor(scale)]
     for proj in PROJ_SHAPES:
         inputs += [Tensor(arrays[proj + ".A"]), Tensor(arrays[proj + ".B"])]
         inputs += [Tensor(factors[proj][0]), Tensor(factors[proj][1])]
