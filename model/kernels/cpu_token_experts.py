@@ -51,6 +51,16 @@ def _sigmoid(x):
     return 0.5 * (np.tanh(0.5 * x) + 1.0)
 
 
+def _added(sums, shape):
+    """The threads' float64 sums added (each exact, so in any order); zeros when no held expert has rows."""
+    if not sums:
+        return np.zeros(shape, np.float64)
+    total = sums[0]
+    for other in sums[1:]:
+        total += other
+    return total
+
+
 def _rows(segment):
     """Rows of an expert segment ``(e, assignments, ...)``: the load :func:`map_experts` balances."""
     return segment[1].size
@@ -192,12 +202,8 @@ def token_experts_forward(
             saved.append((e, assignments, gate_nI, up_nI, out_nH, (gate_low, up_low, down_low)))
         return y_TH, saved
 
-    # Each thread's experts: their float64 sums added (exact, so in any order).
-    segments = source_segments(groups, top_k, x_TH.shape[0], sources)
-    parts = map_experts(run, segments, _rows)
-    y_TH = parts[0][0] if parts else np.zeros((x_TH.shape[0], down.weight.shape[1]), np.float64)
-    for other, _ in parts[1:]:
-        y_TH += other
+    parts = map_experts(run, source_segments(groups, top_k, x_TH.shape[0], sources), _rows)
+    y_TH = _added([y for y, _ in parts], (x_TH.shape[0], down.weight.shape[1]))
     return y_TH, row_A, [entry for _, saved in parts for entry in saved]
 
 
@@ -233,11 +239,7 @@ def token_experts_backward(dy_TH, scale_T, x_TH, topk_TK, row_A, weight_TK, proj
         return dx_TH
 
     # An expert's saved segments stay on one thread, in order: its weight gradients add up as before.
-    parts = map_experts(run, saved, _rows)
-    dx_TH = parts[0] if parts else np.zeros(x_TH.shape, np.float64)
-    for other in parts[1:]:
-        dx_TH += other
-    return dx_TH, dw_A.reshape(weight_TK.shape), grads
+    return _added(map_experts(run, saved, _rows), x_TH.shape), dw_A.reshape(weight_TK.shape), grads
 
 
 _DUMMY = (1,)

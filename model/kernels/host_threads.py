@@ -38,10 +38,10 @@ def split_by_expert(items, rows, parts: int) -> list:
     for item in items:
         experts.setdefault(item[0], []).append(item)
     loads, lists = [0] * parts, [[] for _ in range(parts)]
-    for group in sorted(experts.values(), key=lambda group: -sum(rows(item) for item in group)):
+    for load, group in sorted(((sum(map(rows, group)), group) for group in experts.values()), key=lambda lg: -lg[0]):
         lightest = loads.index(min(loads))
         lists[lightest] += group
-        loads[lightest] += sum(rows(item) for item in group)
+        loads[lightest] += load
     return [part for part in lists if part]
 
 
