@@ -42,13 +42,11 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from mindmoe.model.linear import numpy_of
+from mindmoe.model.moe.experts import routed_expert_cells
 from mindmoe.model.moe.token_dispatcher import CapacityDispatcher, ExpertPlacement, local_dispatcher
 from mindmoe.train.exact_sum import ExactGroupSum
 from mindmoe.train.grouped_exchange import GroupedExchange
 from mindmoe.train.token_exchange import AllToAllDispatcher
-
-#: Names of the stacked expert weights of an MoE layer (``layers.{i}.mlp.experts.<name>``).
-EXPERT_WEIGHTS = ("gate_proj", "up_proj", "down_proj")
 
 #: Prefixes mindformers' AdamW gives the moments of a parameter.
 MOMENT_PREFIXES = ("adam_m.", "adam_v.")
@@ -218,31 +216,20 @@ class ExpertParallelDispatch(ExpertPlacement):
         )
 
 
-EXPERT_PARALLEL_DISPATCHERS = (AllGatherDispatcher, AllToAllDispatcher, GroupedExchange)
-
-
 def expert_shards(model, num_experts: int, ep: int) -> dict:
-    """``{parameter name: first row}`` of the expert weights ``model`` holds a share of (built with an
-    :class:`ExpertParallelDispatch`), and of their LoRA adapters ``A [e, r, in]``, ``B [e, out, r]``;
-    raises if its experts are whole, i.e. it was built without one."""
+    """``{parameter name: first row}`` of the expert tensors ``model`` holds a share of (built with an
+    :class:`ExpertParallelDispatch`): the stacked weights and their LoRA adapters ``A [e, r, in]``, ``B [e, out, r]``,
+    in its MoE layers and its multi-token-prediction depths (``routed_expert_cells``); raises if its experts are
+    whole, i.e. it was built without one."""
     sharded = {}
-    # The multi-token-prediction depths' MoE layers are built with the same dispatcher: their experts are shards too.
-    for layer in (*model.layers, *(getattr(model, "mtp_layers", None) or ())):
-        if not layer.is_moe:
-            continue
-        experts = layer.mlp.experts
-        dispatcher = layer.mlp.dispatcher
-        for name in EXPERT_WEIGHTS:
-            param = getattr(experts, name)
-            if param.shape[0] * ep != num_experts or not isinstance(dispatcher, EXPERT_PARALLEL_DISPATCHERS):
+    for experts in routed_expert_cells(model):
+        for param in experts.get_parameters():
+            if param.shape[0] * ep != num_experts:
                 raise ValueError(
                     f"parallel.ep={ep}: {param.name} holds {param.shape[0]} of {num_experts} experts; build the "
                     "model with MoETransformer(..., expert_dispatcher=dist.expert_dispatcher)"
                 )
             sharded[param.name] = experts.first_expert
-            # LoRA: the expert's adapter rows live with it (model/moe/lora_experts.py).
-            for factor in getattr(experts, f"{name}_lora", None) or ():
-                sharded[factor.name] = experts.first_expert
     return sharded
 
 

@@ -52,13 +52,9 @@ def expert_row_squares(tensor, piece: int):
 
 def expert_parameter_names(model) -> set:
     """Names of ``model``'s routed expert tensors (their first axis the held experts) and of their LoRA factors."""
-    from mindmoe.model.moe.experts import RoutedExperts
+    from mindmoe.model.moe.experts import routed_expert_cells
 
-    names = set()
-    for _, cell in model.cells_and_names():
-        if isinstance(cell, RoutedExperts):
-            names.update(param.name for param in cell.get_parameters())
-    return names
+    return {param.name for cell in routed_expert_cells(model) for param in cell.get_parameters()}
 
 
 def layout_free_norm(params, expert_names, gather_rows=None, group_size: int = 1):

@@ -61,12 +61,12 @@ def held_expert_rows(model) -> dict:
     """``{name: range}`` of the stacked expert weights of which ``model`` holds a share (``parallel.ep``):
     the rows of the full tensor it holds."""
     from mindmoe.model.lora import EXPERT_PROJECTIONS
-    from mindmoe.model.moe.experts import RoutedExperts
+    from mindmoe.model.moe.experts import routed_expert_cells
 
     return {
         getattr(cell, proj).name: range(cell.first_expert, cell.first_expert + cell.num_held)
-        for _, cell in model.cells_and_names()
-        if isinstance(cell, RoutedExperts) and cell.num_held < cell.num_experts
+        for cell in routed_expert_cells(model)
+        if cell.num_held < cell.num_experts
         for proj in EXPERT_PROJECTIONS
     }
 

@@ -221,3 +221,11 @@ class RoutedExperts(nn.Cell):
         """The experts on expert-sorted rows ``[N, b, H]`` in groups of ``group_sizes [E]`` (of all E experts;
         a process holding a share runs only its own); ``scale_Nb`` as in :meth:`with_weight_grad_scale`."""
         return self._forward(x_NbH, scale_Nb, self.held_groups(group_sizes_E))
+
+
+def routed_expert_cells(model) -> list:
+    """Every :class:`RoutedExperts` of ``model`` (its MoE layers' and its multi-token-prediction depths'), in the
+    model's order. Their parameters are the expert tensors: the stacked weights and their LoRA factors, each with the
+    held experts on its first axis. The gradient norm, the expert-parallel views and checkpoint loading all take the
+    expert tensors from here."""
+    return [cell for _, cell in model.cells_and_names() if isinstance(cell, RoutedExperts)]

@@ -2,6 +2,7 @@
 
 import mindspore as ms
 import numpy as np
+import pytest
 from mindspore import Tensor, ops
 
 from mindmoe.train.grad_norm import sum_of_squares
@@ -83,3 +84,31 @@ def test_expert_parameter_names_are_the_routed_experts_and_their_adapters():
     names = expert_parameter_names(model)
     assert names == {p.name for p in model.get_parameters() if ".mlp.experts." in p.name}
     assert "layers.1.mlp.experts.up_proj.lora_B" in names and "mtp_layers.0.mlp.experts.down_proj" in names
+
+
+def test_expert_shards_are_every_expert_tensor_with_its_first_row_and_a_whole_model_is_refused():
+    """The expert-parallel views take their tensors where the norm does: a placement holding the second half of the
+    experts gives every expert tensor (MTP depth included) the first row E/2; the whole model raises."""
+    from mindmoe.model.moe.token_dispatcher import ExpertPlacement
+    from mindmoe.train.expert_parallel import expert_shards
+    from mindmoe.train.grad_norm import expert_parameter_names
+    from mindmoe.train.init_model import build_model
+    from mindmoe.train.lora_setup import held_expert_rows
+    from tests.helpers.runs import compose_config
+
+    class SecondHalf(ExpertPlacement):
+        def held_experts(self, num_experts):
+            return range(num_experts // 2, num_experts)
+
+    overrides = ["lora.enabled=true", "lora.r=2", "model.bias_update_rate=0", "model.mtp_layers=1"]
+    cfg = compose_config(overrides)
+    _, model = build_model(cfg, vocab_size=64, expert_dispatcher=SecondHalf())
+    experts = cfg.model.num_experts
+    shards = expert_shards(model, experts, 2)
+    assert set(shards) == expert_parameter_names(model) and set(shards.values()) == {experts // 2}
+    assert "mtp_layers.0.mlp.experts.gate_proj.lora_A" in shards
+    assert held_expert_rows(model)["layers.1.mlp.experts.down_proj"] == range(experts // 2, experts)
+
+    _, whole = build_model(cfg, vocab_size=64)
+    with pytest.raises(ValueError, match=rf"parallel.ep=2: layers\.1\.mlp\.experts\.\w+ holds {experts} of {experts}"):
+        expert_shards(whole, experts, 2)
