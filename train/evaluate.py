@@ -20,11 +20,11 @@ Cost: each (type, length) pair is its own graph (the RoPE tables are graph const
 differ per length), so it is compiled once: on a shared 2-core CPU about 20-40 s per pair for the
 tiny model, more than the evaluation itself (15 pairs, 5 types x 3 lengths: 8-13 min). Activation memory
 grows with ``batch_size * L^2`` (attention): about 1.3 GB per 2 windows of 1024 tokens for the tiny model.
-Graphs are freed after each pair (``ms.ms_memory_recycle``, which drops every compiled graph of the process).
+Graphs are freed after each pair (``train.graph_memory.release_compiled_graphs``: every compiled graph of the
+process).
 """
 
 import dataclasses
-import gc
 import logging
 import math
 import time
@@ -51,6 +51,7 @@ from mindmoe.train.checkpoint import (
 )
 from mindmoe.train.checkpoint_tokenizer import checkpoint_tokenizer
 from mindmoe.train.eval_config import EvalConfig, validate_eval_config
+from mindmoe.train.graph_memory import release_compiled_graphs
 from mindmoe.train.head_loss import head_loss, head_nll, masked_sum
 from mindmoe.train.step import split_window
 
@@ -240,10 +241,9 @@ def evaluate_cell(
     load_model_weights(list(model.get_parameters()), checkpoint_dir)
     cell = evaluate_model(model, batches, trained_length, cross_document)
     del model
-    gc.collect()
     # A compiled graph keeps its activation memory until recycled (about 2.5 GB for the tiny
     # model at L=1024, batch 4), so without this 15 pairs grew to 20 GB. It frees every graph.
-    ms.ms_memory_recycle()
+    release_compiled_graphs()
     scaling_type = scaled.rope_scaling.type
     cell.update(
         scaling=scaling_type,

@@ -12,12 +12,29 @@ training step, before the final validation. The graphs' memory pool is then reus
 in place); the evaluation graph's host-kernel copies of its inputs stay beside the training graph's.
 """
 
+import gc
+
 import mindspore as ms
+
+# ``ms_memory_recycle`` walks MindSpore's dict of the cells' compile caches while it frees their graphs; a cell
+# that a freed graph held last dies then and its ``__del__`` removes its entry: "dictionary changed size during
+# iteration" (MindSpore 2.9, seen when a process had built many models). The entries it got through are cleared,
+# so calling it again goes on from there; each retry is owed to one more dead cell.
+_CHANGED_SIZE = "dictionary changed size during iteration"
+_MAX_RETRIES = 1000
 
 
 def release_compiled_graphs() -> None:
     """Drop every compiled graph of this process and recycle its memory (the next call of a compiled
     function compiles it again)."""
+    gc.collect()  # cells already unreachable leave the dict first
+    for _ in range(_MAX_RETRIES):
+        try:
+            ms.ms_memory_recycle()
+            return
+        except RuntimeError as err:
+            if _CHANGED_SIZE not in str(err):
+                raise
     ms.ms_memory_recycle()
 
 

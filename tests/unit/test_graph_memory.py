@@ -68,3 +68,27 @@ def test_a_released_graph_leaves_its_memory_to_the_next_one_and_compiles_again_a
 )
 def test_validation_before_the_last_step(eval_every, start_step, max_steps, expected):
     assert validates_before_last_step(eval_every, start_step, max_steps) is expected
+
+
+def test_a_cell_that_dies_during_the_release_is_retried_and_any_other_error_raised(monkeypatch):
+    """MindSpore 2.9's ``ms_memory_recycle`` raises "dictionary changed size during iteration" when a cell whose
+    graph it frees dies inside it (seen after a process had built many models); called again it goes on."""
+    from mindmoe.train import graph_memory
+
+    calls = []
+
+    def recycle_with_two_dying_cells():
+        calls.append(None)
+        if len(calls) <= 2:
+            raise RuntimeError("dictionary changed size during iteration")
+
+    monkeypatch.setattr(graph_memory.ms, "ms_memory_recycle", recycle_with_two_dying_cells)
+    graph_memory.release_compiled_graphs()
+    assert len(calls) == 3
+
+    def failing():
+        raise RuntimeError("device memory pool error")
+
+    monkeypatch.setattr(graph_memory.ms, "ms_memory_recycle", failing)
+    with pytest.raises(RuntimeError, match="device memory pool error"):
+        graph_memory.release_compiled_graphs()
