@@ -43,6 +43,7 @@ from mindspore import Tensor, nn, ops
 
 from mindmoe.model.linear import numpy_of
 from mindmoe.model.moe.experts import routed_expert_cells
+from mindmoe.model.moe.layer import MoELayer
 from mindmoe.model.moe.token_dispatcher import CapacityDispatcher, ExpertPlacement, local_dispatcher
 from mindmoe.train.exact_sum import ExactGroupSum
 from mindmoe.train.grouped_exchange import GroupedExchange
@@ -216,11 +217,21 @@ class ExpertParallelDispatch(ExpertPlacement):
         )
 
 
+EXPERT_PARALLEL_DISPATCHERS = (AllGatherDispatcher, AllToAllDispatcher, GroupedExchange)
+
+
 def expert_shards(model, num_experts: int, ep: int) -> dict:
     """``{parameter name: first row}`` of the expert tensors ``model`` holds a share of (built with an
     :class:`ExpertParallelDispatch`): the stacked weights and their LoRA adapters ``A [e, r, in]``, ``B [e, out, r]``,
     in its MoE layers and its multi-token-prediction depths (``routed_expert_cells``); raises if its experts are
     whole, i.e. it was built without one."""
+    for name, layer in model.cells_and_names():
+        if isinstance(layer, MoELayer) and not isinstance(layer.dispatcher, EXPERT_PARALLEL_DISPATCHERS):
+            raise ValueError(
+                f"parallel.ep={ep}: {name} routes its tokens with a {type(layer.dispatcher).__name__}, not an "
+                "expert-parallel dispatcher; build the model with MoETransformer(..., "
+                "expert_dispatcher=dist.expert_dispatcher)"
+            )
     sharded = {}
     for experts in routed_expert_cells(model):
         for param in experts.get_parameters():

@@ -86,10 +86,11 @@ def test_expert_parameter_names_are_the_routed_experts_and_their_adapters():
     assert "layers.1.mlp.experts.up_proj.lora_B" in names and "mtp_layers.0.mlp.experts.down_proj" in names
 
 
-def test_expert_shards_are_every_expert_tensor_with_its_first_row_and_a_whole_model_is_refused():
+def test_expert_shards_are_every_expert_tensor_with_its_first_row_and_a_whole_model_is_refused(monkeypatch):
     """The expert-parallel views take their tensors where the norm does: a placement holding the second half of the
     experts gives every expert tensor (MTP depth included) the first row E/2; the whole model raises."""
     from mindmoe.model.moe.token_dispatcher import ExpertPlacement
+    from mindmoe.train import expert_parallel
     from mindmoe.train.expert_parallel import expert_shards
     from mindmoe.train.grad_norm import expert_parameter_names
     from mindmoe.train.init_model import build_model
@@ -104,6 +105,13 @@ def test_expert_shards_are_every_expert_tensor_with_its_first_row_and_a_whole_mo
     cfg = compose_config(overrides)
     _, model = build_model(cfg, vocab_size=64, expert_dispatcher=SecondHalf())
     experts = cfg.model.num_experts
+    # Its layers keep the local dispatcher: refused as before; taken once that dispatcher counts as expert-parallel.
+    with pytest.raises(ValueError, match=r"parallel.ep=2: layers\.1\.mlp routes its tokens with a \w+, not an"):
+        expert_shards(model, experts, 2)
+    local = type(model.layers[1].mlp.dispatcher)
+    monkeypatch.setattr(
+        expert_parallel, "EXPERT_PARALLEL_DISPATCHERS", (*expert_parallel.EXPERT_PARALLEL_DISPATCHERS, local)
+    )
     shards = expert_shards(model, experts, 2)
     assert set(shards) == expert_parameter_names(model) and set(shards.values()) == {experts // 2}
     assert "mtp_layers.0.mlp.experts.gate_proj.lora_A" in shards
