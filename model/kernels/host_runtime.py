@@ -16,6 +16,7 @@ CPU (measured on 2-core machines, tiny model, one ``mindmoe-train`` process; REA
 A value the user already exported wins: ``MS_DEV_HOST_BLOCKING_RUN=0`` keeps MindSpore's default dispatch.
 """
 
+import ctypes
 import os
 
 #: Set by ``mindmoe-launch`` for every worker: the number of workers on this node (``launch.procs_per_node``).
@@ -23,6 +24,7 @@ LOCAL_WORKERS_ENV = "MINDMOE_LOCAL_WORKERS"
 BLOCKING_RUN_ENV = "MS_DEV_HOST_BLOCKING_RUN"
 
 _configured = None
+_numpy_blas = {}
 
 
 def host_settings(device_target: str, environ, cores: int) -> dict:
@@ -50,6 +52,34 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+def numpy_openblas():
+    """``(set, get)`` of the thread count of NumPy's OpenBLAS, called through ctypes, or None (another BLAS); looked
+    up once per process.
+
+    The one way this project changes a BLAS thread count (the worker's limit here and the host kernels' one thread in
+    ``host_threads``). Not threadpoolctl's limits: since 3.x it lets only the first Python thread that limits an
+    OpenBLAS change it afterwards and ignores the others (measured: after a kernel in MindSpore's runtime thread had
+    limited it, the main thread's limits did nothing), and the kernels run in whichever thread MindSpore launches them
+    from."""
+    if "calls" in _numpy_blas:
+        return _numpy_blas["calls"]
+    from threadpoolctl import threadpool_info
+
+    calls = None
+    for info in threadpool_info():
+        if calls is not None or info["internal_api"] != "openblas" or "numpy" not in info["filepath"]:
+            continue
+        lib = ctypes.CDLL(info["filepath"])
+        for prefix, suffix in (("", ""), ("", "64_"), ("scipy_", "64_"), ("scipy_", "")):
+            setter = getattr(lib, f"{prefix}openblas_set_num_threads{suffix}", None)
+            getter = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}", None)
+            if setter is not None and getter is not None:
+                calls = (setter, getter)
+                break
+    _numpy_blas["calls"] = calls
+    return calls
+
+
 def configure_host_runtime(device_target: str = None) -> dict:
     """Apply :func:`host_settings` to this process (the first call; later calls return the same settings).
 
@@ -63,9 +93,13 @@ def configure_host_runtime(device_target: str = None) -> dict:
     settings = host_settings(device, os.environ, usable_cores())
     os.environ.update(settings["environ"])
     if settings["kernel_threads"] is not None:
-        from threadpoolctl import threadpool_limits
+        blas = numpy_openblas()
+        if blas is not None:
+            blas[0](settings["kernel_threads"])
+        else:  # NumPy on another BLAS: threadpoolctl's limit, from this (the main) thread, before any kernel runs
+            from threadpoolctl import threadpool_limits
 
-        threadpool_limits(settings["kernel_threads"], user_api="blas")
+            threadpool_limits(settings["kernel_threads"], user_api="blas")
         try:
             ms.device_context.cpu.op_tuning.threads_num(settings["kernel_threads"])
         except RuntimeError:  # the process set it already ("can not be set repeatedly"): its choice stays

@@ -13,12 +13,11 @@ process's cores; with one the work runs in the calling thread.
 """
 
 import contextlib
-import ctypes
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from mindmoe.model.kernels.host_runtime import host_settings, usable_cores
+from mindmoe.model.kernels.host_runtime import host_settings, numpy_openblas, usable_cores
 
 _lock = threading.Lock()
 _pool = {}  # thread count -> executor
@@ -45,34 +44,12 @@ def split_by_expert(items, rows, parts: int) -> list:
     return [part for part in lists if part]
 
 
-def _numpy_openblas():
-    """``(set, get)`` of the thread count of NumPy's OpenBLAS, called through ctypes, or None (another BLAS).
-
-    Not threadpoolctl's limits: since 3.x it lets only the first Python thread that limits an OpenBLAS change it
-    afterwards and ignores the others (measured: after a kernel in MindSpore's runtime thread had limited it, the main
-    thread's limits did nothing), and the kernels run in whichever thread MindSpore launches them from."""
-    from threadpoolctl import threadpool_info
-
-    for info in threadpool_info():
-        if info["internal_api"] != "openblas" or "numpy" not in info["filepath"]:
-            continue
-        lib = ctypes.CDLL(info["filepath"])
-        for prefix, suffix in (("", ""), ("", "64_"), ("scipy_", "64_"), ("scipy_", "")):
-            setter = getattr(lib, f"{prefix}openblas_set_num_threads{suffix}", None)
-            getter = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}", None)
-            if setter is not None and getter is not None:
-                return setter, getter
-    return None
-
-
 @contextlib.contextmanager
 def one_blas_thread():
     """NumPy's OpenBLAS on one thread while any kernel is inside (the first in limits it, the last out restores it, so
     kernels the runtime starts at once do not restore it under each other); yields whether it could."""
     with _lock:
-        if "calls" not in _blas:
-            _blas["calls"] = _numpy_openblas()
-        calls = _blas["calls"]
+        calls = numpy_openblas()
         if calls is not None and _blas["users"] == 0:
             _blas["saved"] = calls[1]()
             calls[0](1)
