@@ -22,7 +22,7 @@ from tests.helpers.launches import (
     start,
 )
 from tests.helpers.processes import free_port
-from tests.helpers.runs import REPO, losses_by_step
+from tests.helpers.runs import REPO, losses_by_step, metrics_rows
 
 STEPS = int(next(o for o in LAUNCH_RUN if o.startswith("train.max_steps=")).split("=")[1])
 ALL_STEPS = list(range(1, STEPS + 1))
@@ -31,13 +31,19 @@ SAVED = int(next(o for o in LAUNCH_RUN if o.startswith("train.save_every=")).spl
 
 #: Micro-batches of 2 with grouped dropless dispatch: the 4-worker layouts (each rank or group reads 2 or 4 of them).
 DROPLESS_MB2 = ("data.micro_batch_size=2", "model.dispatch=dropless")
+#: One multi-token-prediction depth: its MoE block's experts are sharded and exchanged like the main layers'.
+MTP = ("model.mtp_layers=1", "train.mtp_loss_coeff=0.3")
 
 
 @pytest.fixture(scope="module")
 def references(tmp_path_factory, data_cache):
     """The two one-process runs every launch below is compared to, computed once for the module, side by side."""
     root = tmp_path_factory.mktemp("references")
-    runs = {"default": (root / "single", ()), "dropless": (root / "single_dropless", DROPLESS_MB2)}
+    runs = {
+        "default": (root / "single", ()),
+        "dropless": (root / "single_dropless", DROPLESS_MB2),
+        "mtp": (root / "single_mtp", MTP),
+    }
     return single_process_losses_side_by_side(data_cache, runs)
 
 
@@ -49,6 +55,11 @@ def single_process(references):
 @pytest.fixture(scope="module")
 def single_process_dropless(references):
     return references["dropless"]
+
+
+@pytest.fixture(scope="module")
+def single_process_mtp(references):
+    return references["mtp"]
 
 
 # --- the msrun command and configuration errors (no worker starts) ---------------------------------
@@ -383,11 +394,12 @@ def test_four_workers_with_ep2_dp2_reproduce_the_single_process_losses(
 
 @pytest.mark.msrun
 def test_token_routed_expert_parallel_workers_reproduce_the_single_process_losses(
-    single_process, tmp_path, data_cache, processes
+    single_process_mtp, tmp_path, data_cache, processes
 ):
-    """``parallel.ep_dispatcher=alltoall`` on 2 workers, capacity dispatch: each rank reads its own micro-batch
-    (dp 2, accumulation 1; one process accumulates both), counts capacity on it, sends each expert's rows to the
-    rank holding the expert (the world group: the AllGather emulation) and gets the outputs back."""
+    """``parallel.ep_dispatcher=alltoall`` on 2 workers, capacity dispatch, one MTP depth: each rank reads its own
+    micro-batch (dp 2, accumulation 1; one process accumulates both), counts capacity on it, sends each expert's rows
+    to the rank holding the expert (the world group: the AllGather emulation) and gets the outputs back; the MTP
+    depth's MoE block holds and exchanges its experts the same way, and the checkpoint gathers its full tensors."""
     from mindmoe.model.checkpoint_shards import read_tensors
 
     run_dir = tmp_path / "alltoall"
@@ -396,6 +408,7 @@ def test_token_routed_expert_parallel_workers_reproduce_the_single_process_losse
         launch_command(
             run_dir,
             data_cache,
+            *MTP,
             "launch.procs_per_node=2",
             "parallel.ep=2",
             "parallel.ep_dispatcher=alltoall",
@@ -405,9 +418,13 @@ def test_token_routed_expert_parallel_workers_reproduce_the_single_process_losse
     code, stdout, stderr = finish(launcher)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert "data parallel 2, accumulation 1" in stdout
-    assert_same_losses(losses_by_step(run_dir), single_process, ALL_STEPS)
+    assert_same_losses(losses_by_step(run_dir), single_process_mtp, ALL_STEPS)
+    mtp_losses = [row["mtp_loss"] for row in metrics_rows(run_dir) if "loss" in row]
+    assert len(mtp_losses) == STEPS and all(loss > 0 for loss in mtp_losses)
     checkpoint = run_dir / "checkpoints" / f"step_{STEPS:06d}"
-    assert dict(read_tensors(checkpoint, "model"))["layers.1.mlp.experts.up_proj"].shape == (4, 32, 64)
+    tensors = dict(read_tensors(checkpoint, "model"))
+    assert tensors["layers.1.mlp.experts.up_proj"].shape == (4, 32, 64)
+    assert tensors["mtp_layers.0.mlp.experts.up_proj"].shape == (4, 32, 64)
 
 
 @pytest.mark.msrun
