@@ -314,7 +314,9 @@ def profile(kind: str, layers: int, steps: int, warmup: int, size_name: str, out
             prof.step()
     peak = max(peak, measure_peak_gflops(size.gemm_size, trials=PEAK_TRIALS))
     unprofiled += [cases.timed(trainer.step, [w])[0] for w in windows[1:warmup]]
-    (framework_dir,) = glob.glob(os.path.join(out_dir, "*", "FRAMEWORK"))
+    # The profiler names its directory after this process (``<host>_<pid>_<time>_ascend_ms``): an --out reused from an
+    # earlier run keeps that run's directory beside it.
+    (framework_dir,) = glob.glob(os.path.join(out_dir, f"*_{os.getpid()}_*", "FRAMEWORK"))
     summary = summarize(read_executions(framework_dir), spans, peak, cfg.resolved_head_dim)
     tokens = size.micro_batch * size.seq_len
     return {
