@@ -1,5 +1,5 @@
 """``python -m mindmoe.bench.kernel_ab --model dense --variant expand=broadcast_to``: what a change to a CPU kernel
-function bought, measured in one process.
+function (or a model function) bought, measured in one process.
 
 Two trainers of the ``train_step`` case (bench.ms_options.alternate): the first with the kernels as they are, the
 second built and compiled while one kernel function is replaced by its earlier implementation (``VARIANTS``,
@@ -18,6 +18,7 @@ import mindspore as ms
 from mindspore import ops
 
 from mindmoe.bench.earlier_loss import EarlierTokenNLL
+from mindmoe.model.kernels import cpu_rope
 
 
 def _broadcast_expand(x, shape):
@@ -53,16 +54,49 @@ def _stepped_ordered_int(x):
     return ops.select(x < 0, -bits, bits)
 
 
-#: ``--variant`` -> (module attribute paths to replace, the earlier implementation). MindSpore resolves a
+def _sliced_query_chunks(q_BNSD, chunks: int):
+    """``model.attention.query_chunks`` before it split: a slice per chunk."""
+    size = q_BNSD.shape[2] // chunks
+    return tuple(q_BNSD[:, :, c * size : (c + 1) * size] for c in range(chunks))
+
+
+def _sliced_rotate_half(x):
+    """``model.kernels.cpu_rope._rotate_half`` before it split: two slices."""
+    half = x.shape[-1] // 2
+    return ops.concat((-x[..., half:], x[..., :half]), -1)
+
+
+def _sliced_apply_rope(x, cos, sin, interleaved: bool, rotate=None):
+    """``model.rope.apply_rope`` before it split: the rotated and passed channels as two slices (the second possibly
+    empty), for the models whose ``rotate`` kernel is given (the benchmark's)."""
+    rotary_dim = cos.shape[-1]
+    x_rot = x[..., :rotary_dim]
+    x_pass = x[..., rotary_dim:]
+    if rotate is not None and cos.ndim == 2:
+        x_rot = rotate(x_rot, cos, sin)
+    elif interleaved:
+        x_rot = cpu_rope.rope_interleaved(x_rot, cos, sin)
+    else:
+        x_rot = cpu_rope.rope_rotate_half(x_rot, cos, sin)
+    if x_pass.shape[-1] == 0:
+        return x_rot
+    return ops.concat((x_rot, x_pass), -1)
+
+
+#: ``--variant`` -> ((module attribute paths to replace, the earlier implementation), ...). MindSpore resolves a
 #: function's globals when it compiles the graph, so the replacement holds for graphs compiled meanwhile.
 VARIANTS = {
     "expand=broadcast_to": (
-        ("mindmoe.model.kernels.cpu.expand", "mindmoe.model.kernels.cpu_rope.expand"),
-        _broadcast_expand,
+        (("mindmoe.model.kernels.cpu.expand", "mindmoe.model.kernels.cpu_rope.expand"), _broadcast_expand),
     ),
-    "loss_slice=always": (("mindmoe.model.lm_loss._leading",), _sliced_leading),
-    "ordered_int=steps": (("mindmoe.model.moe.router.ordered_int",), _stepped_ordered_int),
-    "loss=recompute": (("mindmoe.train.head_loss.TokenNLL",), EarlierTokenNLL),
+    "loss_slice=always": ((("mindmoe.model.lm_loss._leading",), _sliced_leading),),
+    "ordered_int=steps": ((("mindmoe.model.moe.router.ordered_int",), _stepped_ordered_int),),
+    "loss=recompute": ((("mindmoe.train.head_loss.TokenNLL",), EarlierTokenNLL),),
+    "split=slices": (
+        (("mindmoe.model.attention.query_chunks",), _sliced_query_chunks),
+        (("mindmoe.model.kernels.cpu_rope._rotate_half",), _sliced_rotate_half),
+        (("mindmoe.model.attention.apply_rope", "mindmoe.model.mla.apply_rope"), _sliced_apply_rope),
+    ),
 }
 
 
@@ -75,13 +109,13 @@ def module_attribute(path: str) -> tuple:
 @contextlib.contextmanager
 def earlier_kernel(variant: str):
     """Every attribute of ``VARIANTS[variant]`` replaced inside the block, restored after it."""
-    paths, earlier = VARIANTS[variant]
     saved = []
     try:
-        for path in paths:
-            module, attribute = module_attribute(path)
-            saved.append((module, attribute, getattr(module, attribute)))
-            setattr(module, attribute, earlier)
+        for paths, earlier in VARIANTS[variant]:
+            for path in paths:
+                module, attribute = module_attribute(path)
+                saved.append((module, attribute, getattr(module, attribute)))
+                setattr(module, attribute, earlier)
         yield
     finally:
         for module, attribute, value in reversed(saved):

@@ -89,6 +89,13 @@ def causal_chunks(seq_len: int) -> int:
     return 1
 
 
+def query_chunks(q_BNSD, chunks: int):
+    """The queries of :func:`causal_chunks` chunks, ``[B, N, S / chunks, D]`` each: one split, not a slice per chunk.
+    The gradient of a split is one concat; each slice's is a zero-filled ``[B, N, S, D]`` tensor, and the chunks' are
+    then added (13.7 + 5.4 ms per step of the dense benchmark model on CPU, profiled)."""
+    return ops.split(q_BNSD, q_BNSD.shape[2] // chunks, 2)
+
+
 class AttentionHeads(nn.Cell):
     """What every attention variant shares once it has its queries, keys and values: the document-causal
     softmax over the heads (full mask, causal chunks or blockwise) and ``o_proj``.
@@ -124,6 +131,7 @@ class AttentionHeads(nn.Cell):
         elif isinstance(mask, tuple):
             chunks = len(mask)
             size = seq_len // chunks
+            q_chunks = query_chunks(q_BNSD, chunks)
             outs = []
             for c, mask_c in enumerate(mask):
                 keys = (c + 1) * size
@@ -131,7 +139,7 @@ class AttentionHeads(nn.Cell):
                 # slice ~50x slower than a partial one, so it is not sliced at all.
                 k_c = k_BGPD if c == chunks - 1 else k_BGPD[:, :, :keys]
                 v_c = v_BGPD if c == chunks - 1 else v_BGPD[:, :, :keys]
-                outs.append(self._attend_heads(q_BNSD[:, :, c * size : keys], k_c, v_c, mask_c))
+                outs.append(self._attend_heads(q_chunks[c], k_c, v_c, mask_c))
             out_BNSD = ops.concat(outs, 2)
         else:
             out_BNSD = self._attend_heads(q_BNSD, k_BGPD, v_BGPD, mask)

@@ -104,8 +104,9 @@ class MLAttention(AttentionHeads):
         batch, seq_len, _ = q_BSX.shape
         nope = self.qk_nope_head_dim
         q_BNSD = q_BSX.reshape(batch, seq_len, self.num_heads, self.qk_head_dim).transpose(0, 2, 1, 3)
-        q_rope_BNSD = apply_rope(q_BNSD[..., nope:], cos, sin, self.interleaved, self.rotate)
-        return ops.concat((q_BNSD[..., :nope], q_rope_BNSD), -1)
+        # Splits, not slices: a split's gradient is one concat (model.rope.apply_rope).
+        q_nope_BNSD, q_rope_BNSD = ops.split(q_BNSD, (nope, self.qk_head_dim - nope), -1)
+        return ops.concat((q_nope_BNSD, apply_rope(q_rope_BNSD, cos, sin, self.interleaved, self.rotate)), -1)
 
     def indexed_attention(self, x_BSH, cos, sin, mask):
         """DSA training attention (model/dsa.py): ``(output [B, S, H], the indexer's KL loss)``. ``mask`` is the full
@@ -160,11 +161,9 @@ class MLAttention(AttentionHeads):
         """What an MLA cache keeps per token: the normalised latent ``[B, S, kv_lora_rank]`` and the one
         RoPE'd key shared by all heads ``[B, 1, S, qk_rope_head_dim]``."""
         latent_BSD = self.kv_a_proj_with_mqa(x_BSH)
-        c_kv_BSD = self.kv_a_layernorm(latent_BSD[..., : self.kv_lora_rank])
-        k_rope_B1SD = apply_rope(
-            latent_BSD[..., self.kv_lora_rank :].expand_dims(1), cos, sin, self.interleaved, self.rotate
-        )
-        return c_kv_BSD, k_rope_B1SD
+        c_kv_BSD, k_rope_BSD = ops.split(latent_BSD, (self.kv_lora_rank, self.qk_rope_head_dim), -1)
+        k_rope_B1SD = apply_rope(k_rope_BSD.expand_dims(1), cos, sin, self.interleaved, self.rotate)
+        return self.kv_a_layernorm(c_kv_BSD), k_rope_B1SD
 
     def expand_latent(self, c_kv_BSD, k_rope_B1SD):
         """Per-head keys ``[B, N, S, qk_head_dim]`` and values ``[B, N, S, v_head_dim]`` of :meth:`latent_kv`."""
@@ -172,7 +171,8 @@ class MLAttention(AttentionHeads):
         heads, nope = self.num_heads, self.qk_nope_head_dim
         kv_BNSD = self.kv_b_proj(c_kv_BSD).reshape(batch, seq_len, heads, nope + self.v_head_dim).transpose(0, 2, 1, 3)
         k_rope_BNSD = ops.broadcast_to(k_rope_B1SD, (batch, heads, seq_len, self.qk_rope_head_dim))
-        return ops.concat((kv_BNSD[..., :nope], k_rope_BNSD), -1), kv_BNSD[..., nope:]
+        k_nope_BNSD, v_BNSD = ops.split(kv_BNSD, (nope, self.v_head_dim), -1)
+        return ops.concat((k_nope_BNSD, k_rope_BNSD), -1), v_BNSD
 
     def project_qkv(self, x_BSH, cos, sin):
         """Queries and keys ``[B, N, S, qk_head_dim]`` (RoPE applied), values ``[B, N, S, v_head_dim]``."""

@@ -83,14 +83,16 @@ def apply_rope(x, cos, sin, interleaved: bool, rotate=None):
     for a single query with many heads), so per-sequence tables and ``rotate=None`` use the formula.
     """
     rotary_dim = cos.shape[-1]
-    x_rot = x[..., :rotary_dim]
-    x_pass = x[..., rotary_dim:]
+    head_dim = x.shape[-1]
+    # A split, whose gradient is one concat, not two slices, each of whose gradients is a zero-filled tensor of
+    # x's shape (and a full-range slice when every channel rotates).
+    x_rot, x_pass = (x, None) if rotary_dim == head_dim else ops.split(x, (rotary_dim, head_dim - rotary_dim), -1)
     if rotate is not None and cos.ndim == 2:
         x_rot = rotate(x_rot, cos, sin)
     elif interleaved:
         x_rot = cpu_rope.rope_interleaved(x_rot, cos, sin)
     else:
         x_rot = cpu_rope.rope_rotate_half(x_rot, cos, sin)
-    if x_pass.shape[-1] == 0:
+    if x_pass is None:
         return x_rot
     return ops.concat((x_rot, x_pass), -1)

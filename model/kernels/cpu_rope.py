@@ -15,8 +15,9 @@ from mindmoe.model.kernels.cpu import expand
 
 
 def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return ops.concat((-x[..., half:], x[..., :half]), -1)
+    # A split: its gradient is one concat, where two slices' are two zero-filled tensors of x's shape and their sum.
+    first, second = ops.split(x, x.shape[-1] // 2, -1)
+    return ops.concat((-second, first), -1)
 
 
 def _rotate_interleaved(x):

@@ -41,10 +41,11 @@ def test_earlier_kernel_replaces_every_caller_and_restores_them():
 
 
 def test_every_variant_names_attributes_that_exist():
-    for paths, _ in kernel_ab.VARIANTS.values():
-        for path in paths:
-            module, attribute = kernel_ab.module_attribute(path)
-            assert callable(getattr(module, attribute)), path
+    for replacements in kernel_ab.VARIANTS.values():
+        for paths, _ in replacements:
+            for path in paths:
+                module, attribute = kernel_ab.module_attribute(path)
+                assert callable(getattr(module, attribute)), path
 
 
 def test_a_b_row_names_today_and_the_earlier_variant():
@@ -65,3 +66,45 @@ def test_the_earlier_ordered_int_gives_todays_keys():
         np.testing.assert_array_equal(got[exact], want[exact])
         # Subnormals: exact where the backend keeps them, zero where it flushes them.
         assert np.all((got[~exact] == want[~exact]) | (got[~exact] == 0))
+
+
+@pytest.mark.parametrize("rotary_dim", [8, 16])
+def test_splits_give_the_values_and_gradients_of_the_slices_they_replaced(rotary_dim):
+    """Queries cut into causal chunks and RoPE's channel halves are taken by splits (a split's gradient is one concat);
+    the values and the gradients must be the slices' exactly, partial (8 of 16 channels) and full rotation."""
+    from mindspore import ops
+
+    from mindmoe.model import attention, rope
+
+    rng = np.random.default_rng(1)
+    x = Tensor(rng.standard_normal((2, 4, 8, 16)).astype(np.float32))
+    weights = Tensor(rng.standard_normal((2, 4, 8, 16)).astype(np.float32))
+    angles = rng.standard_normal((8, rotary_dim // 2)).astype(np.float32)
+    cos = Tensor(np.cos(np.concatenate([angles, angles], 1)))
+    sin = Tensor(np.sin(np.concatenate([angles, angles], 1)))
+
+    def rope_loss(apply):
+        def loss(x_in):
+            return (apply(x_in, cos, sin, False, rope.cpu_rope.rope_rotate_half) * weights).sum()
+
+        return loss
+
+    def chunk_loss(chunks_of):
+        def loss(x_in):
+            parts = chunks_of(x_in, 4)
+            weighted = sum((part * (c + 1.0)).sum() for c, part in enumerate(parts))
+            return weighted + (ops.concat(parts, 2) * weights).sum()
+
+        return loss
+
+    with kernel_ab.earlier_kernel("split=slices"):  # compiled inside: the slices in every function
+        assert attention.query_chunks is kernel_ab._sliced_query_chunks
+        assert rope.cpu_rope._rotate_half is kernel_ab._sliced_rotate_half
+        earlier_value, earlier_grad = ms.jit(ms.value_and_grad(rope_loss(kernel_ab._sliced_apply_rope)))(x)
+        chunk_value, chunk_grad = ms.jit(ms.value_and_grad(chunk_loss(attention.query_chunks)))(x)
+    value, grad = ms.jit(ms.value_and_grad(rope_loss(rope.apply_rope)))(x)
+    np.testing.assert_array_equal(value.asnumpy(), earlier_value.asnumpy())
+    np.testing.assert_array_equal(grad.asnumpy(), earlier_grad.asnumpy())
+    split_value, split_grad = ms.jit(ms.value_and_grad(chunk_loss(attention.query_chunks)))(x)
+    np.testing.assert_array_equal(split_value.asnumpy(), chunk_value.asnumpy())
+    np.testing.assert_array_equal(split_grad.asnumpy(), chunk_grad.asnumpy())
