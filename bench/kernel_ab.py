@@ -18,7 +18,7 @@ import mindspore as ms
 from mindspore import ops
 
 from mindmoe.bench.earlier_loss import EarlierTokenNLL
-from mindmoe.model.kernels import cpu_rope
+from mindmoe.model.rope import rotate_channels
 
 
 def _broadcast_expand(x, shape):
@@ -68,16 +68,10 @@ def _sliced_rotate_half(x):
 
 def _sliced_apply_rope(x, cos, sin, interleaved: bool, rotate=None):
     """``model.rope.apply_rope`` before it split: the rotated and passed channels as two slices (the second possibly
-    empty), for the models whose ``rotate`` kernel is given (the benchmark's)."""
+    empty)."""
     rotary_dim = cos.shape[-1]
-    x_rot = x[..., :rotary_dim]
+    x_rot = rotate_channels(x[..., :rotary_dim], cos, sin, interleaved, rotate)
     x_pass = x[..., rotary_dim:]
-    if rotate is not None and cos.ndim == 2:
-        x_rot = rotate(x_rot, cos, sin)
-    elif interleaved:
-        x_rot = cpu_rope.rope_interleaved(x_rot, cos, sin)
-    else:
-        x_rot = cpu_rope.rope_rotate_half(x_rot, cos, sin)
     if x_pass.shape[-1] == 0:
         return x_rot
     return ops.concat((x_rot, x_pass), -1)

@@ -87,12 +87,17 @@ def apply_rope(x, cos, sin, interleaved: bool, rotate=None):
     # A split, whose gradient is one concat, not two slices, each of whose gradients is a zero-filled tensor of
     # x's shape (and a full-range slice when every channel rotates).
     x_rot, x_pass = (x, None) if rotary_dim == head_dim else ops.split(x, (rotary_dim, head_dim - rotary_dim), -1)
-    if rotate is not None and cos.ndim == 2:
-        x_rot = rotate(x_rot, cos, sin)
-    elif interleaved:
-        x_rot = cpu_rope.rope_interleaved(x_rot, cos, sin)
-    else:
-        x_rot = cpu_rope.rope_rotate_half(x_rot, cos, sin)
+    x_rot = rotate_channels(x_rot, cos, sin, interleaved, rotate)
     if x_pass is None:
         return x_rot
     return ops.concat((x_rot, x_pass), -1)
+
+
+def rotate_channels(x_rot, cos, sin, interleaved: bool, rotate=None):
+    """RoPE of every channel of ``x_rot``: the device's ``rotate`` kernel for a shared table, else the formula
+    (:func:`apply_rope`)."""
+    if rotate is not None and cos.ndim == 2:
+        return rotate(x_rot, cos, sin)
+    if interleaved:
+        return cpu_rope.rope_interleaved(x_rot, cos, sin)
+    return cpu_rope.rope_rotate_half(x_rot, cos, sin)
