@@ -61,23 +61,24 @@ def numpy_openblas():
     OpenBLAS change it afterwards and ignores the others (measured: after a kernel in MindSpore's runtime thread had
     limited it, the main thread's limits did nothing), and the kernels run in whichever thread MindSpore launches them
     from."""
-    if "calls" in _numpy_blas:
-        return _numpy_blas["calls"]
+    if "calls" not in _numpy_blas:
+        _numpy_blas["calls"] = _find_numpy_openblas()
+    return _numpy_blas["calls"]
+
+
+def _find_numpy_openblas():
     from threadpoolctl import threadpool_info
 
-    calls = None
     for info in threadpool_info():
-        if calls is not None or info["internal_api"] != "openblas" or "numpy" not in info["filepath"]:
+        if info["internal_api"] != "openblas" or "numpy" not in info["filepath"]:
             continue
         lib = ctypes.CDLL(info["filepath"])
         for prefix, suffix in (("", ""), ("", "64_"), ("scipy_", "64_"), ("scipy_", "")):
             setter = getattr(lib, f"{prefix}openblas_set_num_threads{suffix}", None)
             getter = getattr(lib, f"{prefix}openblas_get_num_threads{suffix}", None)
             if setter is not None and getter is not None:
-                calls = (setter, getter)
-                break
-    _numpy_blas["calls"] = calls
-    return calls
+                return setter, getter
+    return None
 
 
 def configure_host_runtime(device_target: str = None) -> dict:
@@ -95,7 +96,8 @@ def configure_host_runtime(device_target: str = None) -> dict:
     if settings["kernel_threads"] is not None:
         blas = numpy_openblas()
         if blas is not None:
-            blas[0](settings["kernel_threads"])
+            set_threads, _ = blas
+            set_threads(settings["kernel_threads"])
         else:  # NumPy on another BLAS: threadpoolctl's limit, from this (the main) thread, before any kernel runs
             from threadpoolctl import threadpool_limits
 
