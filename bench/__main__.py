@@ -7,7 +7,7 @@ results file and regenerate BENCHMARKS.md.
     mindmoe-bench --cases hf_load_memory # opt-in: peak RSS of importing a ~1 GiB HF checkpoint
     mindmoe-bench --cases scaling        # opt-in: mindmoe-train runs at 8-256 experts, 1k-8k tokens, 152k vocab
 
-Each measurement runs in a fresh process, so ``peak_rss`` (``ru_maxrss``) is that case's alone;
+Each measurement runs in a fresh process, so ``peak_rss`` (``VmHWM``: :mod:`bench.peak_memory`) is that case's alone;
 the ratios (``mfu``, ``torch_ratio``, ``torch_eager_ratio``, ``moe_overhead``) are formed from rows of
 the same run.
 """
@@ -89,7 +89,7 @@ def child_main(task: dict) -> None:
         result = cases.data_pipeline(size)
     else:
         raise SystemExit(f"unknown benchmark task {name!r}")
-    result["peak_rss"] = cases.peak_rss_bytes()
+    result["peak_rss"] = cases.own_peak_rss()
     print(RESULT_MARK + json.dumps(result), flush=True)
 
 

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 
-from mindmoe.bench.hf_load_memory import current_rss_bytes, peak_rss_bytes
+from mindmoe.bench.peak_memory import current_rss, own_peak_rss
 from mindmoe.bench.specs import BenchSize, activation_bytes, model_config, theoretical_train_bytes
 
 
@@ -106,7 +106,7 @@ def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0,
     import mindmoe.train.optim  # noqa: F401
     from mindmoe.train.metrics import active_matmul_params, measure_peak_gflops, train_flops_per_token
 
-    framework_rss = current_rss_bytes()
+    framework_rss = current_rss()
     cfg = model_config(size, kind)
     batch = micro_batch or size.micro_batch
     trainer, num_params = build_trainer(cfg)
@@ -124,7 +124,7 @@ def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0,
         mindmoe_step(window)
     torch_steps = {}
     if with_torch:
-        peak_rss = peak_rss_bytes()
+        peak_rss = own_peak_rss()
         torch_steps, choice = torch_baselines(size, kind, warmup, timed_windows)
     timings = []
     torch_timings = {name: [] for name in torch_steps}
@@ -133,7 +133,7 @@ def train_step(size: BenchSize, kind: str, micro_batch: int = 0, steps: int = 0,
         for name, step in torch_steps.items():
             torch_timings[name].append(timed(step, window))
     if not with_torch:
-        peak_rss = peak_rss_bytes()
+        peak_rss = own_peak_rss()
     step_s, cpu_s = (float(np.median(column)) for column in zip(*timings))
     tokens = batch * size.seq_len
     row = {

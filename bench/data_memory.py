@@ -4,7 +4,7 @@ Writes a JSONL corpus of about ``--mib`` MiB (the bundled sample's documents, nu
 repeats) and one ``--scale`` times larger, then for each, in a fresh process: the writer
 (``prepare_data``: tokenise, pack, write the shards; the bundled tiny tokenizer, so no tokenizer is
 trained), and a reader (``WindowLoader`` over every window of one epoch, as a training rank reads
-them). Reports each process's peak RSS (``ru_maxrss``) above its baseline (RSS after the imports)
+them). Reports each process's peak RSS (``VmHWM``: :mod:`bench.peak_memory`) above its baseline (RSS after the imports)
 next to the bytes of the packed windows. Streaming keeps the growth far below ``--scale``.
 Prints as its last line one JSON object ``{"case": "data_memory", ...}``. Not part of the test suite.
 """
@@ -21,6 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
 
+from mindmoe.bench.peak_memory import own_peak_rss  # noqa: E402
+
 
 def _rss_mib() -> float:
     with open("/proc/self/statm") as handle:
@@ -28,7 +30,7 @@ def _rss_mib() -> float:
 
 
 def _peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return own_peak_rss() / 2**20
 
 
 def _write_corpus(path: Path, mib: float) -> None:

@@ -4,7 +4,8 @@
 Each case runs in a fresh process: a two-layer GLM-5-shaped model (MLA with query compression, a lightning indexer
 of 8 heads keeping 256 keys, the second layer MoE) takes a forward and backward of ``sum(logits) / T + indexer
 loss`` over ``--seq`` positions of four packed documents, compiled and run three times; it reports the peak RSS
-growth over the RSS after building the model (``ru_maxrss``, compilation included) and the last step's time.
+growth over the RSS after building the model (``VmHWM``: :mod:`bench.peak_memory`; compilation included) and
+the last step's time.
 
 - ``full``: the whole ``[B, N, S, S]`` document mask, the indexer's ``[B, S, S]`` scores and the attention's
   probabilities kept for the backward (what every DSA layer ran before the ``indexed_attention`` kernel);
@@ -17,7 +18,6 @@ Prints one JSON line per case and a summary JSON object as its last line. Not pa
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 import time
@@ -26,6 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from mindmoe.bench.peak_memory import own_peak_rss  # noqa: E402
+
 CASES = ("full", "blockwise")
 
 
@@ -86,7 +89,7 @@ def measure_case(case: str, seq_len: int, batch: int) -> dict:
         value, _ = step(ids, doc_ids)
         value.asnumpy()
         times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = own_peak_rss()
     return {
         "case": case,
         "seq": seq_len,

@@ -3,7 +3,7 @@
 Writes a random fp32 ``glm4_moe``-shaped checkpoint of about ``--gib`` GiB (sharded, with an
 index, generated tensor by tensor so the writer itself stays small), then loads it in a fresh
 process the way ``load_hf_pretrained`` does (a deferred build, then each tensor streamed into its
-parameter) and reports that process's peak RSS (``ru_maxrss``) against the model's parameter bytes
+parameter) and reports that process's peak RSS (``VmHWM``: :mod:`bench.peak_memory`) against the model's parameter bytes
 in their storage dtype. The target is ``(peak - baseline) / model <= 1.25`` (baseline = RSS after
 importing MindSpore and mindmoe): the model once, plus little more than one tensor.
 Prints as its last line one JSON object ``{"case": "hf_load_memory", ..., "peak_growth_over_model"}``;
@@ -12,8 +12,6 @@ Prints as its last line one JSON object ``{"case": "hf_load_memory", ..., "peak_
 
 import argparse
 import json
-import os
-import resource
 import subprocess
 import sys
 import tempfile
@@ -27,6 +25,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from safetensors.numpy import save_file  # noqa: E402
+
+from mindmoe.bench.peak_memory import current_rss, own_peak_rss  # noqa: E402
 
 # Shaped like a shrunken GLM-4.5: 1 dense layer then MoE layers with a shared expert, q/k/v bias,
 # QK-norm, sigmoid router with correction bias. Experts hold most of the bytes, as in the real one.
@@ -136,15 +136,6 @@ def write_checkpoint(directory: Path, target_bytes: int) -> int:
     return total
 
 
-def peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def current_rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
 def load_in_this_process(directory: str):
     import mindspore  # noqa: F401  (the baseline includes the framework)
 
@@ -152,7 +143,7 @@ def load_in_this_process(directory: str):
     from mindmoe.model.hf import load_hf_weights, plan_hf_weights, read_pretrained_config
     from mindmoe.model.transformer import MoETransformer
 
-    baseline = current_rss_bytes()
+    baseline = current_rss()
     # The steps of load_hf_pretrained, timed and measured one by one.
     started = time.perf_counter()
     imported = read_pretrained_config(directory)
@@ -160,7 +151,7 @@ def load_in_this_process(directory: str):
     with checkpoint_weights():
         model = MoETransformer(imported.model_config)
     built = time.perf_counter()
-    peak_after_build = peak_rss_bytes()
+    peak_after_build = own_peak_rss()
     load_hf_weights(model, plan)
     loaded = time.perf_counter()
     param_bytes = sum(int(np.prod(p.shape)) * p.itemsize for p in model.get_parameters())  # storage dtype
@@ -169,8 +160,8 @@ def load_in_this_process(directory: str):
             {
                 "baseline_rss": baseline,
                 "peak_rss_after_build": peak_after_build,
-                "peak_rss": peak_rss_bytes(),
-                "final_rss": current_rss_bytes(),
+                "peak_rss": own_peak_rss(),
+                "final_rss": current_rss(),
                 "param_bytes": param_bytes,
                 "build_seconds": round(built - started, 2),
                 "stream_seconds": round(loaded - built, 2),

@@ -5,7 +5,7 @@ Each case runs in a fresh process: one ``LoraRoutedExperts.grouped`` forward and
 input and of the adapters, as a LoRA step takes them) over the expert-sorted rows of ``--tokens`` tokens at
 top-8 of 128 experts (hidden and expert width 512, fp16 frozen base, as ``bench/lora_ep_memory.py``'s
 checkpoint), compiled and run twice, and reports the peak RSS growth over the RSS after building the layer
-(``ru_maxrss``; compilation included). Cases, each adding one thing to the one before:
+(``VmHWM``: :mod:`bench.peak_memory`; compilation included). Cases, each adding one thing to the one before:
 
 - ``base``: the frozen experts alone (grouped matmuls without weight gradients);
 - ``adapters``: rank-8 adapters on gate, up and down (no dropout);
@@ -19,7 +19,6 @@ Prints one JSON line per case and a summary JSON object as its last line. Not pa
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
 from pathlib import Path
@@ -27,6 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from mindmoe.bench.peak_memory import own_peak_rss  # noqa: E402
+
 CASES = ("base", "adapters", "dropout", "base_weight_grad")
 EXPERTS, HIDDEN, WIDTH, TOP_K, RANK = 128, 512, 512, 8, 8
 
@@ -71,8 +73,13 @@ def measure_case(case: str, tokens: int) -> dict:
     before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     step(x_NbH)
     step(x_NbH)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    return {"case": case, "rows": rows, "growth_gib": round((peak - before) / 2**30, 3)}
+    peak = own_peak_rss()
+    return {
+        "case": case,
+        "rows": rows,
+        "growth_gib": round((peak - before) / 2**30, 3),
+        "peak_gib": round(peak / 2**30, 3),
+    }
 
 
 def run_case(case: str, tokens: int) -> dict:
@@ -108,7 +115,7 @@ def main():
                 "adapters_add_gib": round(growth["adapters"] - growth["base"], 3),
                 "dropout_adds_gib": round(growth["dropout"] - growth["adapters"], 3),
                 "base_weight_grad_adds_gib": round(growth["base_weight_grad"] - growth["dropout"], 3),
-                "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 3),
+                "peak_rss_gib": max(row["peak_gib"] for row in rows.values()),
             }
         )
     )

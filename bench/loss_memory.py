@@ -18,15 +18,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from mindmoe.bench.peak_memory import own_peak_rss  # noqa: E402
+
 GIB = 2**30
-
-
-def peak_rss() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
 
 
 def main(argv=None) -> int:
@@ -57,11 +51,11 @@ def main(argv=None) -> int:
         return cell(x, head, labels_T, weight_T)[0]
 
     grad_fn = ms.jit(ms.value_and_grad(loss, (0, 1)))
-    before = peak_rss()
+    before = own_peak_rss()
     start = time.perf_counter()
     value, (dx, dhead) = grad_fn(x_TH, head_VH)
     dx.asnumpy()
-    growth = peak_rss() - before
+    growth = own_peak_rss() - before
     fixed = 4 * (2 * args.tokens * args.hidden + 3 * args.vocab * args.hidden)
     chunk = 4 * min(args.rows, args.tokens) * args.vocab
     row = {

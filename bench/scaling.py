@@ -4,8 +4,9 @@ and two 2-worker ``mindmoe-launch`` runs of expert parallelism (``allgather`` ag
 Each row is one ``mindmoe-train`` process on the bundled corpus, as a user would run it: its tokens/s
 is the median logged ``tokens_per_s`` after the first log row (which holds the compile), its peak RSS
 the whole process's (data preparation and final validation included), taken from ``wait4`` as
-``/usr/bin/time`` does. One factor changes at a time around each group's base point. A run that fails
-(out of memory, say) is a row saying how, not an error of the bench.
+``/usr/bin/time`` does, in a small process between (:mod:`bench.peak_memory`: a process started directly
+reports the peak of the one that started it when that was larger). One factor changes at a time around each
+group's base point. A run that fails (out of memory, say) is a row saying how, not an error of the bench.
 """
 
 import json
@@ -21,6 +22,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from mindmoe.bench.peak_memory import run_measured
 from mindmoe.bench.report import _proc_field, _table
 
 GIB = 2**30
@@ -148,9 +150,9 @@ def failure(returncode: int, stderr: str) -> str:
 
 
 def run_one(run: ScalingRun, root: Path, work: Path, keep_run_dir: Path = None) -> dict:
-    """``run`` in a fresh process; its peak RSS from ``wait4``: the largest of the process and the children
-    it waited for (with ``mindmoe-launch``: the largest worker). Its run directory is deleted, unless it is
-    ``keep_run_dir``."""
+    """``run`` in a fresh process; its peak RSS from :func:`bench.peak_memory.run_measured`: the largest of the
+    process and the children it waited for (with ``mindmoe-launch``: the largest worker), not counting what the
+    process running this held. Its run directory is deleted, unless it is ``keep_run_dir``."""
     run_dir = keep_run_dir or work / run.label.replace(" ", "_").replace("/", "-").replace(",", "")
     env = dict(os.environ)
     env["PYTHONPATH"] = str(root) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -160,17 +162,9 @@ def run_one(run: ScalingRun, root: Path, work: Path, keep_run_dir: Path = None) 
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
     with open(work / "stderr.txt", "w+") as stderr:
-        child = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, cwd=root, env=env)
-        try:
-            _, status, usage = _wait4(child, TIMEOUT_S)
-            returncode = os.waitstatus_to_exitcode(status)
-        except BaseException as error:  # the timeout, or the bench interrupted: leave no training behind
-            child.kill()
-            _, _, usage = os.wait4(child.pid, 0)
-            if not isinstance(error, TimeoutError):
-                raise
-            returncode = None
-        child.returncode = returncode  # reaped here: Popen must not wait again
+        returncode, peak_rss = run_measured(
+            command, TIMEOUT_S, work / "peak_rss.txt", stdout=subprocess.DEVNULL, stderr=stderr, cwd=root, env=env
+        )
         stderr.seek(0)
         errors = stderr.read()[-20000:]
     row = {
@@ -178,7 +172,7 @@ def run_one(run: ScalingRun, root: Path, work: Path, keep_run_dir: Path = None) 
         "label": run.label,
         "command": run.command,
         "wall_s": round(time.perf_counter() - started, 1),
-        "peak_rss": usage.ru_maxrss * 1024,  # Linux reports KiB
+        "peak_rss": peak_rss,
         "load_avg": round(max(load_before, os.getloadavg()[0]), 2),
     }
     tokens_per_s, log_rows = median_tokens_per_s(run_dir / "metrics.jsonl")
@@ -192,17 +186,6 @@ def run_one(run: ScalingRun, root: Path, work: Path, keep_run_dir: Path = None) 
     else:
         row["status"] = "ok" if tokens_per_s is not None else f"ok, but {log_rows} log row(s): no speed"
     return row
-
-
-def _wait4(child, timeout_s: float):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        pid, status, usage = os.wait4(child.pid, os.WNOHANG)
-        if pid:
-            return pid, status, usage
-        if time.monotonic() > deadline:
-            raise TimeoutError
-        time.sleep(0.2)
 
 
 def ratios(rows: list) -> list:
