@@ -63,30 +63,48 @@ def run_measured(command, timeout_s: float, report_path, **popen_kwargs) -> tupl
             try:
                 reaper.wait(30)
             except subprocess.TimeoutExpired:
-                os.killpg(reaper.pid, signal.SIGKILL)
+                for group in [reaper.pid, *_report(report_path)[:1]]:
+                    _kill_group(group)
                 reaper.wait()
-    with open(report_path) as report:
-        lines = report.read().split()
-    peak = int(lines[1]) if len(lines) > 1 else None
-    return (None if timed_out else reaper.returncode), peak
+    lines = _report(report_path)
+    return (None if timed_out else reaper.returncode), (lines[1] if len(lines) > 1 else None)
+
+
+def _report(report_path) -> list:
+    """The numbers the reaper wrote: the command's pid, then its peak RSS (none if it never started)."""
+    try:
+        with open(report_path) as report:
+            return [int(word) for word in report.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _reap(report_path: str, command: list) -> None:
     """The script :func:`run_measured` runs: start ``command`` in its own process group, wait for it, write its pid
     and then its peak RSS to ``report_path``, and end as it ended (its exit code, or killed by its signal).
     SIGTERM or SIGINT here kill the command's group."""
-    child = subprocess.Popen(command, process_group=0)
-    with open(report_path, "w") as report:
-        report.write(f"{child.pid}\n")
+    started, stopped = [], []
 
     def stop(signum, frame):
-        try:
-            os.killpg(child.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        stopped.append(signum)
+        for pid in started:
+            _kill_group(pid)
 
-    for signum in (signal.SIGTERM, signal.SIGINT):
+    for signum in (signal.SIGTERM, signal.SIGINT):  # before the command starts: a stop never misses it
         signal.signal(signum, stop)
+    child = subprocess.Popen(command, process_group=0)
+    started.append(child.pid)
+    with open(report_path, "w") as report:
+        report.write(f"{child.pid}\n")
+    if stopped:  # a stop that came while it was starting
+        _kill_group(child.pid)
     _, status, usage = os.wait4(child.pid, 0)
     child.returncode = os.waitstatus_to_exitcode(status)
     with open(report_path, "a") as report:

@@ -84,6 +84,15 @@ def test_a_timed_out_command_and_its_children_are_killed_and_still_measured(tmp_
         assert ended(pid), pid
 
 
+def test_a_stop_while_the_command_starts_still_ends_it(tmp_path):
+    started = time.monotonic()
+    returncode, _ = run_measured([sys.executable, "-c", "import time; time.sleep(120)"], 0, tmp_path / "peak.txt")
+    assert returncode is None and time.monotonic() - started < 30
+    report = (tmp_path / "peak.txt").read_text().split() if (tmp_path / "peak.txt").exists() else []
+    for pid in map(int, report[:1]):
+        assert ended(pid), pid
+
+
 def ended(pid: int, wait_s: float = 10.0) -> bool:
     """Whether ``pid`` is gone or a zombie within ``wait_s`` (a killed orphan waits for init to reap it)."""
     deadline = time.monotonic() + wait_s
