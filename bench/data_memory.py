@@ -11,26 +11,16 @@ Prints as its last line one JSON object ``{"case": "data_memory", ...}``. Not pa
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from mindmoe.bench.peak_memory import current_rss, own_peak_rss
+
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "data" / "samples"
-
-from mindmoe.bench.peak_memory import own_peak_rss  # noqa: E402
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * resource.getpagesize() / 2**20
-
-
-def _peak_mib() -> float:
-    return own_peak_rss() / 2**20
 
 
 def _write_corpus(path: Path, mib: float) -> None:
@@ -58,7 +48,7 @@ def _child(role: str, corpus: str, cache: str) -> None:
         num_proc=1,
         cache_dir=cache,
     )
-    baseline = _rss_mib()
+    baseline = current_rss() / 2**20
     started = time.perf_counter()
     prepared = prepare_data(cfg, writer=role == "writer")
     if role == "reader":
@@ -69,7 +59,7 @@ def _child(role: str, corpus: str, cache: str) -> None:
     result = dict(
         role=role,
         baseline_mib=baseline,
-        peak_mib=_peak_mib(),
+        peak_mib=own_peak_rss() / 2**20,
         windows=prepared.num_train_windows,
         windows_mib=windows_mib,
         seconds=time.perf_counter() - started,

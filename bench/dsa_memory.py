@@ -17,7 +17,6 @@ Prints one JSON line per case and a summary JSON object as its last line. Not pa
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import time
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from mindmoe.bench.peak_memory import own_peak_rss  # noqa: E402
+from mindmoe.bench.peak_memory import current_rss, own_peak_rss  # noqa: E402
 
 CASES = ("full", "blockwise")
 
@@ -82,7 +81,7 @@ def measure_case(case: str, seq_len: int, batch: int) -> dict:
         return outs[0].mean() + outs[-1]
 
     step = ms.jit(ms.value_and_grad(loss, None, params))
-    before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = current_rss()
     times = []
     for _ in range(3):
         start = time.perf_counter()

@@ -122,8 +122,9 @@ def write_air_checkpoint(directory: Path, target_bytes: int, layers: int = 0) ->
 def framework_baseline_rss() -> int:
     """RSS of a fresh process after importing MindSpore and mindmoe's trainer."""
     code = (
-        "import mindspore, mindmoe.train.trainer, os\n"
-        "print(int(open('/proc/self/statm').read().split()[1]) * os.sysconf('SC_PAGE_SIZE'))"
+        "import mindspore, mindmoe.train.trainer\n"
+        "from mindmoe.bench.peak_memory import current_rss\n"
+        "print(current_rss())"
     )
     child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
     return int(child.stdout.strip().splitlines()[-1])

@@ -18,7 +18,6 @@ Prints one JSON line per case and a summary JSON object as its last line. Not pa
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -27,7 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from mindmoe.bench.peak_memory import own_peak_rss  # noqa: E402
+from mindmoe.bench.peak_memory import current_rss, own_peak_rss  # noqa: E402
 
 CASES = ("base", "adapters", "dropout", "base_weight_grad")
 EXPERTS, HIDDEN, WIDTH, TOP_K, RANK = 128, 512, 512, 8, 8
@@ -70,7 +69,7 @@ def measure_case(case: str, tokens: int) -> dict:
         return layer.grouped(x, sizes).sum()
 
     step = ms.jit(ms.value_and_grad(loss, 0, params or None))
-    before = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    before = current_rss()
     step(x_NbH)
     step(x_NbH)
     peak = own_peak_rss()
