@@ -77,6 +77,11 @@ def _sliced_apply_rope(x, cos, sin, interleaved: bool, rotate=None):
     return ops.concat((x_rot, x_pass), -1)
 
 
+def _no_native_library():
+    """``model.kernels.cpu_native.library`` before the compiled kernels: none, so the MindSpore formulas run."""
+    return None
+
+
 #: ``--variant`` -> ((module attribute paths to replace, the earlier implementation), ...). MindSpore resolves a
 #: function's globals when it compiles the graph, so the replacement holds for graphs compiled meanwhile.
 VARIANTS = {
@@ -86,6 +91,7 @@ VARIANTS = {
     "loss_slice=always": ((("mindmoe.model.lm_loss._leading",), _sliced_leading),),
     "ordered_int=steps": ((("mindmoe.model.moe.router.ordered_int",), _stepped_ordered_int),),
     "loss=recompute": ((("mindmoe.train.head_loss.TokenNLL",), EarlierTokenNLL),),
+    "native=none": ((("mindmoe.model.kernels.cpu_native.library",), _no_native_library),),
     "split=slices": (
         (("mindmoe.model.attention.query_chunks",), _sliced_query_chunks),
         (("mindmoe.model.kernels.cpu_rope._rotate_half",), _sliced_rotate_half),

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from mindmoe.data.mindrecord import EvalLoader, WindowLoader
 from mindmoe.data.prepare import prepare_data
+from mindmoe.model.kernels import native
 from mindmoe.model.kernels.host_runtime import configure_host_runtime, describe
 from mindmoe.train.bad_steps import BadStepCounter
 from mindmoe.train.checkpoint import (
@@ -211,6 +212,8 @@ class Trainer:
             self.dist.dp,
         )
         log.info(describe(self.host_runtime))
+        if self.host_runtime["device_target"] == "CPU":
+            log.info(native.status())
 
     def train(self) -> dict:
         """Steps ``start_step + 1 .. train.max_steps`` with their logs, validations and checkpoints; the summary."""

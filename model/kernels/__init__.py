@@ -14,13 +14,21 @@ choice is static, so the compiled graph holds one implementation.
 ============== ========================================== ==============================================
 kernel         CPU (and GPU)                              Ascend
 ============== ========================================== ==============================================
-rms_norm       :class:`~.cpu.RowRMSNormalize`             ``ops.rms_norm(x, gamma, epsilon)``
+rms_norm       :class:`~.cpu_native.NativeRMSNormalize`   ``ops.rms_norm(x, gamma, epsilon)``
+               (one compiled pass each way in training;
+               :class:`~.cpu.RowRMSNormalize` on GPU, or
+               without a C++ compiler)
 attention_core :class:`~.cpu.GroupedAttentionCore`        same as CPU: FlashAttentionScore takes a
                                                           boolean mask and returns no probabilities
-swiglu         :func:`~.cpu.swiglu`                       :func:`~.ascend.swiglu`: ``ops.swiglu`` on
-                                                          gate and up concatenated on the last axis
-rope           :func:`~.cpu_rope.rope_rotate_half`,       :class:`~.ascend.AscendRope`:
-               :func:`~.cpu_rope.rope_interleaved`        ``ops.rotary_position_embedding`` (mode 0/1)
+swiglu         :class:`~.cpu_native.NativeSwiGLU` (one    :func:`~.ascend.swiglu`: ``ops.swiglu`` on
+               compiled pass each way for fp32 in         gate and up concatenated on the last axis
+               training; :func:`~.cpu.swiglu` on GPU,
+               other dtypes, or without a C++ compiler)
+rope           :class:`~.cpu_native.NativeRope` (one      :class:`~.ascend.AscendRope`:
+               compiled pass each way for fp32 in         ``ops.rotary_position_embedding`` (mode 0/1)
+               training); :func:`~.cpu_rope.rope_rotate_half`,
+               :func:`~.cpu_rope.rope_interleaved` on GPU,
+               other dtypes, or without a C++ compiler
 grouped_matmul :class:`~.cpu_grouped.BlockGroupedMatmul`  ``gmm`` (GroupedMatmul, row-grouped)
                (groups padded to blocks of b rows)        (alignment 1: no padding rows)
 token_experts  :class:`~.cpu_token_experts.HostTokenExperts` None: the grouped path (dispatcher,
@@ -63,18 +71,19 @@ from mindmoe.model.kernels import (
     cpu_collectives,
     cpu_dsa,
     cpu_grouped,
+    cpu_native,
     cpu_rope,
     cpu_token_experts,
     dropout_mask,
 )
 
 CPU_KERNELS = {
-    "rms_norm": cpu.RowRMSNormalize,
+    "rms_norm": cpu_native.rms_norm,
     "attention_core": cpu.GroupedAttentionCore,
     "blockwise_attention": cpu_attention.BlockwiseAttention,
     "indexed_attention": cpu_dsa.BlockwiseIndexedAttention,
-    "swiglu": lambda: cpu.swiglu,
-    "rope": cpu_rope.rope,
+    "swiglu": cpu_native.swiglu,
+    "rope": cpu_native.rope,
     "grouped_matmul": cpu_grouped.BlockGroupedMatmul,
     "grouped_matmul_row_scaled": cpu_grouped.RowScaledBlockGroupedMatmul,
     "grouped_alignment": lambda: cpu_grouped.block_rows,
@@ -104,9 +113,12 @@ ASCEND_KERNELS = dict(
 )
 
 #: device target -> kernel name -> factory called at build time with the kernel's static arguments.
+#: GPU runs the CPU kernels' MindSpore formulas, not the ones compiled for the host (:mod:`.native`).
+GPU_KERNELS = dict(CPU_KERNELS, rms_norm=cpu.RowRMSNormalize, swiglu=lambda: cpu.swiglu, rope=cpu_rope.rope)
+
 IMPLEMENTATIONS = {
     "CPU": CPU_KERNELS,
-    "GPU": CPU_KERNELS,
+    "GPU": GPU_KERNELS,
     "Ascend": ASCEND_KERNELS,
 }
 

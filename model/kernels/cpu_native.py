@@ -1,0 +1,133 @@
+"""CPU kernel functions on the compiled kernels of ``native/cpu_kernels.cc`` (:mod:`.native`), as MindSpore
+``ops.Custom(func_type="aot")`` ops with a hand-written backward.
+
+They serve training graphs (``cell.training``): an evaluation, generation or export graph runs the MindSpore formula of
+the kernel they extend, so no exported MindIR holds a custom op that needs this machine's library. Where no library
+could be built (:func:`.native.library` is None) the factories return the formula kernels themselves.
+
+Shape legend (docs/architecture.md): Z rows of a flattened input, H the normalised axis.
+"""
+
+import mindspore as ms
+import numpy as np
+from mindspore import Tensor, nn, ops
+
+from mindmoe.model.kernels import cpu, cpu_rope, native
+from mindmoe.model.kernels.cpu import RowRMSNormalize
+
+
+def _custom(lib: str, name: str, out_shape, out_dtype):
+    return ops.Custom(f"{lib}:{name}", out_shape=out_shape, out_dtype=out_dtype, func_type="aot")
+
+
+class NativeRMSNormalize(RowRMSNormalize):
+    """:class:`~.cpu.RowRMSNormalize` whose training forward and whose backward are one pass each over the rows
+    (``MindmoeRmsNormForward`` / ``MindmoeRmsNormBackward``): same formulas; the weight gradient is summed in
+    double. On the benchmark's dense step the graph formula ran 10 element-wise kernels per norm over ``[Z, H]``
+    (three in the forward, seven in the backward) besides its row sums and broadcasts."""
+
+    def __init__(self, dim: int, eps: float, lib: str):
+        super().__init__(dim, eps)
+        self.eps_1 = Tensor(np.array([eps], np.float32))
+        self.native_forward = _custom(lib, "MindmoeRmsNormForward", lambda x, w, e: x, lambda x, w, e: x)
+        self.native_backward = _custom(
+            lib, "MindmoeRmsNormBackward", lambda x, w, e, d: (x, w), lambda x, w, e, d: (x, w)
+        )
+
+    def construct(self, x_ZH, weight_H):
+        if self.training:
+            return self.native_forward(x_ZH, weight_H, self.eps_1)
+        return super().construct(x_ZH, weight_H)
+
+    def bprop(self, x_ZH, weight_H, out_ZH, dout_ZH):
+        dx_ZH, dweight_H = self.native_backward(x_ZH, weight_H, self.eps_1, dout_ZH)
+        return dx_ZH, dweight_H
+
+
+class _NativeSwiglu(nn.Cell):
+    """fp32 ``silu(gate) * up`` and its gradients in one pass each (``MindmoeSwigluForward`` / ``Backward``)."""
+
+    def __init__(self, lib: str):
+        super().__init__()
+        self.native_forward = _custom(lib, "MindmoeSwigluForward", lambda g, u: g, lambda g, u: g)
+        self.native_backward = _custom(lib, "MindmoeSwigluBackward", lambda g, u, d: (g, u), lambda g, u, d: (g, u))
+
+    def construct(self, gate, up):
+        return self.native_forward(gate, up)
+
+    def bprop(self, gate, up, out, dout):
+        dgate, dup = self.native_backward(gate, up, dout)
+        return dgate, dup
+
+
+class NativeSwiGLU(nn.Cell):
+    """:func:`~.cpu.swiglu` whose fp32 training forward and backward are one compiled pass each over the elements
+    (the sigmoid's ``exp`` a vectorized polynomial within 2 ulp); other dtypes and evaluation graphs run the formula.
+    The graph formula ran a ``Sigmoid``, two ``Mul`` kernels forward and five element-wise kernels backward."""
+
+    def __init__(self, lib: str):
+        super().__init__()
+        self.fused = _NativeSwiglu(lib)
+
+    def construct(self, gate, up):
+        if self.training and gate.dtype == ms.float32 and up.dtype == ms.float32:
+            return self.fused(gate, up)
+        return cpu.swiglu(gate, up)
+
+
+class _NativeRope(nn.Cell):
+    """fp32 RoPE of ``x_rot [..., S, R]`` with ``[S, R]`` tables and its input gradient, one pass each
+    (``MindmoeRope{Half,Interleaved}{Forward,Backward}``). The tables get no gradient: they come from positions and
+    constants, never from a parameter."""
+
+    def __init__(self, lib: str, interleaved: bool):
+        super().__init__()
+        layout = "Interleaved" if interleaved else "Half"
+        self.native_forward = _custom(lib, f"MindmoeRope{layout}Forward", lambda x, c, s: x, lambda x, c, s: x)
+        self.native_backward = _custom(lib, f"MindmoeRope{layout}Backward", lambda d, c, s: d, lambda d, c, s: d)
+
+    def construct(self, x_rot, cos, sin):
+        return self.native_forward(x_rot, cos, sin)
+
+    def bprop(self, x_rot, cos, sin, out, dout):
+        return self.native_backward(dout, cos, sin), ops.zeros_like(cos), ops.zeros_like(sin)
+
+
+class NativeRope(nn.Cell):
+    """The CPU ``rope`` kernel (:func:`~.cpu_rope.rope`) whose fp32 training forward and backward are one compiled
+    pass each; other dtypes and evaluation graphs run the formula. The formula's forward split ``x_rot``, negated and
+    concatenated a half and broadcast both tables, and its backward undid each of those."""
+
+    def __init__(self, lib: str, interleaved: bool):
+        super().__init__()
+        self.fused = _NativeRope(lib, interleaved)
+        self.formula = cpu_rope.rope(interleaved)
+
+    def construct(self, x_rot, cos, sin):
+        if self.training and x_rot.dtype == ms.float32 and cos.dtype == ms.float32 and sin.dtype == ms.float32:
+            return self.fused(x_rot, cos, sin)
+        return self.formula(x_rot, cos, sin)
+
+
+def rope(interleaved: bool):
+    """The CPU ``rope`` kernel: :class:`NativeRope` on this machine's library, else :func:`~.cpu_rope.rope`'s."""
+    lib = library()
+    return cpu_rope.rope(interleaved) if lib is None else NativeRope(lib, interleaved)
+
+
+def swiglu():
+    """The CPU ``swiglu`` kernel: :class:`NativeSwiGLU` on this machine's library, else :func:`~.cpu.swiglu`."""
+    lib = library()
+    return cpu.swiglu if lib is None else NativeSwiGLU(lib)
+
+
+def rms_norm(dim: int, eps: float):
+    """The CPU ``rms_norm`` kernel: :class:`NativeRMSNormalize` on this machine's library, else
+    :class:`~.cpu.RowRMSNormalize`."""
+    lib = library()
+    return RowRMSNormalize(dim, eps) if lib is None else NativeRMSNormalize(dim, eps, lib)
+
+
+def library():
+    """:func:`.native.library` (a module attribute, so a benchmark can swap it for ``lambda: None``)."""
+    return native.library()
