@@ -18,6 +18,7 @@ import mindspore as ms
 from mindspore import ops
 
 from mindmoe.bench.earlier_loss import EarlierTokenNLL
+from mindmoe.model.kernels import cpu
 from mindmoe.model.rope import rotate_channels
 
 
@@ -92,6 +93,10 @@ VARIANTS = {
     "ordered_int=steps": ((("mindmoe.model.moe.router.ordered_int",), _stepped_ordered_int),),
     "loss=recompute": ((("mindmoe.train.head_loss.TokenNLL",), EarlierTokenNLL),),
     "native=none": ((("mindmoe.model.kernels.cpu_native.library",), _no_native_library),),
+    "slots=formula": (
+        (("mindmoe.model.kernels.CPU_KERNELS[slot_gather]",), lambda: cpu.gather_source_rows),
+        (("mindmoe.model.kernels.CPU_KERNELS[slot_combine]",), lambda: cpu.combine_slot_rows),
+    ),
     "split=slices": (
         (("mindmoe.model.attention.query_chunks",), _sliced_query_chunks),
         (("mindmoe.model.kernels.cpu_rope._rotate_half",), _sliced_rotate_half),
@@ -101,9 +106,16 @@ VARIANTS = {
 
 
 def module_attribute(path: str) -> tuple:
-    """``(module, attribute name)`` of a dotted ``VARIANTS`` path, the module imported."""
+    """``(get, set)`` of a ``VARIANTS`` path: a dotted module attribute, or ``module.DICT[key]`` (an entry of a
+    kernel table), the module imported."""
+    if path.endswith("]"):
+        path, _, key = path[:-1].partition("[")
+        module_name, _, attribute = path.rpartition(".")
+        table = getattr(importlib.import_module(module_name), attribute)
+        return (lambda: table[key]), (lambda value: table.__setitem__(key, value))
     module_name, _, attribute = path.rpartition(".")
-    return importlib.import_module(module_name), attribute
+    module = importlib.import_module(module_name)
+    return (lambda: getattr(module, attribute)), (lambda value: setattr(module, attribute, value))
 
 
 @contextlib.contextmanager
@@ -113,13 +125,13 @@ def earlier_kernel(variant: str):
     try:
         for paths, earlier in VARIANTS[variant]:
             for path in paths:
-                module, attribute = module_attribute(path)
-                saved.append((module, attribute, getattr(module, attribute)))
-                setattr(module, attribute, earlier)
+                get, put = module_attribute(path)
+                saved.append((put, get()))
+                put(earlier)
         yield
     finally:
-        for module, attribute, value in reversed(saved):
-            setattr(module, attribute, value)
+        for put, value in reversed(saved):
+            put(value)
 
 
 def _renamed(row: dict) -> dict:

@@ -29,6 +29,9 @@ rope           :class:`~.cpu_native.NativeRope` (one      :class:`~.ascend.Ascen
                training); :func:`~.cpu_rope.rope_rotate_half`,
                :func:`~.cpu_rope.rope_interleaved` on GPU,
                other dtypes, or without a C++ compiler
+slot_gather,   :class:`~.cpu_native.NativeSlotGather`,    the formulas :func:`~.cpu.gather_source_rows`,
+slot_combine   :class:`~.cpu_native.NativeSlotCombine`    :func:`~.cpu.combine_slot_rows` (gathers and a
+               (compiled passes for fp32 in training)     batched MatMul)
 grouped_matmul :class:`~.cpu_grouped.BlockGroupedMatmul`  ``gmm`` (GroupedMatmul, row-grouped)
                (groups padded to blocks of b rows)        (alignment 1: no padding rows)
 token_experts  :class:`~.cpu_token_experts.HostTokenExperts` None: the grouped path (dispatcher,
@@ -83,6 +86,8 @@ CPU_KERNELS = {
     "blockwise_attention": cpu_attention.BlockwiseAttention,
     "indexed_attention": cpu_dsa.BlockwiseIndexedAttention,
     "swiglu": cpu_native.swiglu,
+    "slot_gather": cpu_native.slot_gather,
+    "slot_combine": cpu_native.slot_combine,
     "rope": cpu_native.rope,
     "grouped_matmul": cpu_grouped.BlockGroupedMatmul,
     "grouped_matmul_row_scaled": cpu_grouped.RowScaledBlockGroupedMatmul,
@@ -100,6 +105,8 @@ ASCEND_KERNELS = dict(
     rms_norm=ascend.AscendRMSNorm,
     blockwise_attention=ascend_attention.AscendFlashAttention,
     swiglu=lambda: ascend.swiglu,
+    slot_gather=lambda: cpu.gather_source_rows,
+    slot_combine=lambda: cpu.combine_slot_rows,
     rope=ascend.AscendRope,
     grouped_matmul=ascend.AscendGroupedMatmul,
     grouped_matmul_row_scaled=ascend.AscendRowScaledGroupedMatmul,
@@ -114,7 +121,14 @@ ASCEND_KERNELS = dict(
 
 #: device target -> kernel name -> factory called at build time with the kernel's static arguments.
 #: GPU runs the CPU kernels' MindSpore formulas, not the ones compiled for the host (:mod:`.native`).
-GPU_KERNELS = dict(CPU_KERNELS, rms_norm=cpu.RowRMSNormalize, swiglu=lambda: cpu.swiglu, rope=cpu_rope.rope)
+GPU_KERNELS = dict(
+    CPU_KERNELS,
+    rms_norm=cpu.RowRMSNormalize,
+    swiglu=lambda: cpu.swiglu,
+    rope=cpu_rope.rope,
+    slot_gather=lambda: cpu.gather_source_rows,
+    slot_combine=lambda: cpu.combine_slot_rows,
+)
 
 IMPLEMENTATIONS = {
     "CPU": CPU_KERNELS,
@@ -171,6 +185,18 @@ def indexed_attention(
 def swiglu(device_target: str = None):
     """``(gate [..., I], up [..., I]) -> silu(gate) * up``."""
     return implementation("swiglu", device_target)()
+
+
+def slot_gather(device_target: str = None):
+    """``(x [T, H], source [X] int32) -> [X, H]``: row i is ``x[source[i]]``, zeros where ``source[i] == T`` (the
+    MoE dispatch's expert buffer; no gradient to ``source``)."""
+    return implementation("slot_gather", device_target)()
+
+
+def slot_combine(device_target: str = None):
+    """``(y [X, H], slot [T * K] int32, weight [T, K]) -> [T, H]``: ``out_t = sum_k weight_tk * y[slot_tk]``, where
+    slot X (a dropped assignment) adds nothing (the MoE dispatch's combine; gradients to ``y`` and ``weight``)."""
+    return implementation("slot_combine", device_target)()
 
 
 def rope(interleaved: bool, device_target: str = None):
@@ -273,6 +299,8 @@ __all__ = [
     "reduce_scatter",
     "rms_norm",
     "rope",
+    "slot_combine",
+    "slot_gather",
     "swiglu",
     "token_experts",
 ]

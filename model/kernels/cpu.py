@@ -106,6 +106,31 @@ class GroupedAttentionCore(nn.Cell):
         return dq_BGQD, dk_BGPD, dv_BGPD, ops.zeros_like(mask_BGQP)
 
 
+_BMM = ops.BatchMatMul()
+
+
+def gather_source_rows(x_TH, source_X):
+    """``[X, H]``: row ``source_X[i]`` of ``x`` for each i, zeros where ``source_X[i] == T`` (no source)."""
+    x_padded = ops.concat((x_TH, ops.zeros((1, x_TH.shape[1]), x_TH.dtype)), 0)
+    return ops.gather(x_padded, source_X, 0)
+
+
+def weighted_rows(y_XH, row_A, weight_TK):
+    """``out_t = sum_k weight_tk * y[row(t, k)]`` for the rows of a 2-D buffer (every row index below X)."""
+    hidden = y_XH.shape[-1]
+    num_tokens, top_k = weight_TK.shape
+    y_TKH = ops.gather(y_XH, row_A, 0).reshape(num_tokens, top_k, hidden)
+    # [1, K] x [K, H] per token: as a batched MatMul this ran (forward + backward) 2x faster on CPU
+    # than a multiply and a ReduceSum over K, whose backward sums over H.
+    return _BMM(weight_TK.astype(y_TKH.dtype).expand_dims(1), y_TKH).squeeze(1)
+
+
+def combine_slot_rows(y_XH, slot_A, weight_TK):
+    """``out_t = sum_k weight_tk * y[slot(t, k)]``; slot X (a dropped assignment) adds nothing."""
+    y_padded = ops.concat((y_XH, ops.zeros((1, y_XH.shape[-1]), y_XH.dtype)), 0)
+    return weighted_rows(y_padded, slot_A, weight_TK)
+
+
 def swiglu(gate_ZI, up_ZI):
     """``silu(gate) * up``, the SwiGLU activation (Shazeer 2020), on any matching shapes."""
     return ops.silu(gate_ZI) * up_ZI

@@ -109,6 +109,79 @@ class NativeRope(nn.Cell):
         return self.formula(x_rot, cos, sin)
 
 
+class _NativeGatherRows(nn.Cell):
+    def __init__(self, lib: str):
+        super().__init__()
+        self.native_forward = _custom(lib, "MindmoeGatherRowsForward", lambda x, i: [i[0], x[1]], lambda x, i: x)
+        self.native_backward = _custom(lib, "MindmoeGatherRowsBackward", lambda x, i, d: x, lambda x, i, d: x)
+
+    def construct(self, x_TH, source_X):
+        return self.native_forward(x_TH, source_X)
+
+    def bprop(self, x_TH, source_X, out, dout):
+        return self.native_backward(x_TH, source_X, dout), ops.zeros_like(source_X)
+
+
+class NativeSlotGather(nn.Cell):
+    """:func:`~.cpu.gather_source_rows` (the MoE dispatch's slot buffer) whose fp32 training forward copies each slot's
+    row once and whose backward adds each slot's gradient to its token, one pass each; the formula concatenated a
+    zero row to ``x`` (a copy of it) to gather from, and its backward summed segments into ``T + 1`` rows and sliced
+    them."""
+
+    def __init__(self, lib: str):
+        super().__init__()
+        self.fused = _NativeGatherRows(lib)
+
+    def construct(self, x_TH, source_X):
+        if self.training and x_TH.dtype == ms.float32:
+            return self.fused(x_TH, source_X)
+        return cpu.gather_source_rows(x_TH, source_X)
+
+
+class _NativeCombineRows(nn.Cell):
+    def __init__(self, lib: str):
+        super().__init__()
+        self.native_forward = _custom(lib, "MindmoeCombineRowsForward", lambda y, r, w: [w[0], y[1]], lambda y, r, w: y)
+        self.native_backward = _custom(
+            lib, "MindmoeCombineRowsBackward", lambda y, r, w, d: (y, w), lambda y, r, w, d: (y, w)
+        )
+
+    def construct(self, y_XH, slot_A, weight_TK):
+        return self.native_forward(y_XH, slot_A, weight_TK)
+
+    def bprop(self, y_XH, slot_A, weight_TK, out, dout):
+        dy_XH, dweight_TK = self.native_backward(y_XH, slot_A, weight_TK, dout)
+        return dy_XH, ops.zeros_like(slot_A), dweight_TK
+
+
+class NativeSlotCombine(nn.Cell):
+    """:func:`~.cpu.combine_slot_rows` whose fp32 training forward sums each token's weighted slot rows and whose
+    backward gives the slots' and the weights' gradients, one pass each; the formula concatenated a zero row to the
+    ``[X, H]`` slots (a copy), gathered the tokens' ``[T K, H]`` rows and ran ``T`` batched ``[1, K] x [K, H]``
+    products, and its backward two batched products and a segment sum."""
+
+    def __init__(self, lib: str):
+        super().__init__()
+        self.fused = _NativeCombineRows(lib)
+
+    def construct(self, y_XH, slot_A, weight_TK):
+        if self.training and y_XH.dtype == ms.float32 and weight_TK.dtype == ms.float32:
+            return self.fused(y_XH, slot_A, weight_TK)
+        return cpu.combine_slot_rows(y_XH, slot_A, weight_TK)
+
+
+def slot_gather():
+    """The CPU ``slot_gather`` kernel: :class:`NativeSlotGather`, else :func:`~.cpu.gather_source_rows`."""
+    lib = library()
+    return cpu.gather_source_rows if lib is None else NativeSlotGather(lib)
+
+
+def slot_combine():
+    """The CPU ``slot_combine`` kernel: :class:`NativeSlotCombine`, else :func:`~.cpu.combine_slot_rows`."""
+    lib = library()
+    return cpu.combine_slot_rows if lib is None else NativeSlotCombine(lib)
+
+
 def rope(interleaved: bool):
     """The CPU ``rope`` kernel: :class:`NativeRope` on this machine's library, else :func:`~.cpu_rope.rope`'s."""
     lib = library()

@@ -23,7 +23,7 @@ import math
 import mindspore as ms
 from mindspore import ops
 
-_BMM = ops.BatchMatMul()
+from mindmoe.model.kernels.cpu import combine_slot_rows, gather_source_rows, weighted_rows
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
@@ -72,15 +72,16 @@ def capacity_slots(topk_idx_TK, num_experts: int, capacity: int):
     return slot_A.astype(ms.int32), kept_A
 
 
-def gather_to_slots(x_TH, slot_A, num_experts: int, capacity: int):
-    """Fill the ``[E, C, H]`` expert input buffer; empty slots read a zero row."""
-    return gather_rows(x_TH, slot_A, num_experts * capacity).reshape(num_experts, capacity, x_TH.shape[1])
+def gather_to_slots(x_TH, slot_A, num_experts: int, capacity: int, gather=gather_source_rows):
+    """Fill the ``[E, C, H]`` expert input buffer; empty slots read a zero row. ``gather``: the
+    :func:`mindmoe.model.kernels.slot_gather` kernel (default its formula)."""
+    return gather_rows(x_TH, slot_A, num_experts * capacity, gather).reshape(num_experts, capacity, x_TH.shape[1])
 
 
-def gather_rows(x_TH, slot_A, num_slots):
+def gather_rows(x_TH, slot_A, num_slots, gather=gather_source_rows):
     """``[num_slots, H]``: slot ``slot_A[a]`` holds the row of assignment a's token; empty slots are zero;
     ``slot_A[a] == num_slots`` drops assignment a."""
-    num_tokens, hidden = x_TH.shape
+    num_tokens = x_TH.shape[0]
     top_k = slot_A.shape[0] // num_tokens
     token_A = ops.arange(slot_A.shape[0], dtype=ms.int32) // top_k
     # 1 + token index per filled slot (0 = empty); the extra last slot collects drops.
@@ -88,25 +89,18 @@ def gather_rows(x_TH, slot_A, num_slots):
     source_X = ops.select(
         token_plus_one_X > 0, token_plus_one_X - 1, ops.fill(ms.int32, token_plus_one_X.shape, num_tokens)
     )
-    x_padded = ops.concat((x_TH, ops.zeros((1, hidden), x_TH.dtype)), 0)
-    return ops.gather(x_padded, source_X, 0)
+    return gather(x_TH, source_X)
 
 
-def combine_from_slots(y_ECH, slot_A, weight_TK):
-    """``out_t = sum_k weight_tk * y[slot(t, k)]``; dropped assignments contribute zero."""
-    hidden = y_ECH.shape[-1]
-    y_padded = ops.concat((y_ECH.reshape(-1, hidden), ops.zeros((1, hidden), y_ECH.dtype)), 0)
-    return combine_rows(y_padded, slot_A, weight_TK)
+def combine_from_slots(y_ECH, slot_A, weight_TK, combine=combine_slot_rows):
+    """``out_t = sum_k weight_tk * y[slot(t, k)]``; dropped assignments contribute zero. ``combine``: the
+    :func:`mindmoe.model.kernels.slot_combine` kernel (default its formula)."""
+    return combine(y_ECH.reshape(-1, y_ECH.shape[-1]), slot_A, weight_TK)
 
 
 def combine_rows(y_XH, row_A, weight_TK):
     """``out_t = sum_k weight_tk * y[row(t, k)]`` for the rows of a 2-D buffer."""
-    hidden = y_XH.shape[-1]
-    num_tokens, top_k = weight_TK.shape
-    y_TKH = ops.gather(y_XH, row_A, 0).reshape(num_tokens, top_k, hidden)
-    # [1, K] x [K, H] per token: as a batched MatMul this ran (forward + backward) 2x faster on CPU
-    # than a multiply and a ReduceSum over K, whose backward sums over H.
-    return _BMM(weight_TK.astype(y_TKH.dtype).expand_dims(1), y_TKH).squeeze(1)
+    return weighted_rows(y_XH, row_A, weight_TK)
 
 
 def dense_combine_weights(topk_idx_TK, weight_TK, num_experts: int):

@@ -50,6 +50,8 @@ class CapacityDispatcher(nn.Cell):
         super().__init__()
         self.num_experts = num_experts
         self.capacity_factor = capacity_factor
+        self.gather_slots = kernels.slot_gather()
+        self.combine_slots = kernels.slot_combine()
 
     def capacity(self, num_tokens: int, top_k: int) -> int:
         return expert_capacity(num_tokens, top_k, self.num_experts, self.capacity_factor)
@@ -59,12 +61,12 @@ class CapacityDispatcher(nn.Cell):
         num_tokens, top_k = topk_idx_TK.shape
         capacity = self.capacity(num_tokens, top_k)
         slot_A, kept_mask_A = capacity_slots(topk_idx_TK, self.num_experts, capacity)
-        x_ECH = gather_to_slots(x_TH, slot_A, self.num_experts, capacity)
+        x_ECH = gather_to_slots(x_TH, slot_A, self.num_experts, capacity, self.gather_slots)
         return x_ECH, (slot_A, kept_mask_A, weight_TK)
 
     def combine(self, y_ECH, state):
         slot_A, _, weight_TK = state
-        return combine_from_slots(y_ECH, slot_A, weight_TK)
+        return combine_from_slots(y_ECH, slot_A, weight_TK, self.combine_slots)
 
     def row_scale(self, scale_T, state):
         slot_A, _, weight_TK = state

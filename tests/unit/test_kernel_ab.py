@@ -44,8 +44,18 @@ def test_every_variant_names_attributes_that_exist():
     for replacements in kernel_ab.VARIANTS.values():
         for paths, _ in replacements:
             for path in paths:
-                module, attribute = kernel_ab.module_attribute(path)
-                assert callable(getattr(module, attribute)), path
+                get, _ = kernel_ab.module_attribute(path)
+                assert callable(get()), path
+
+
+def test_a_variant_may_replace_an_entry_of_a_kernel_table():
+    from mindmoe.model import kernels
+
+    today = kernels.CPU_KERNELS["slot_gather"]
+    with kernel_ab.earlier_kernel("slots=formula"):
+        assert kernels.slot_gather("CPU") is cpu.gather_source_rows
+        assert kernels.slot_combine("CPU") is cpu.combine_slot_rows
+    assert kernels.CPU_KERNELS["slot_gather"] is today
 
 
 def test_a_b_row_names_today_and_the_earlier_variant():

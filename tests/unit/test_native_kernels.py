@@ -183,12 +183,63 @@ def test_native_rope_and_its_gradient_match_float64(interleaved, head_dim, rotar
     assert relative_error(dx.asnumpy(), want) < 1e-6
 
 
+class Grads(nn.Cell):
+    """The kernel's output and the gradients of ``sum(out * upstream)`` to its float inputs (``wrt``)."""
+
+    def __init__(self, kernel, wrt):
+        super().__init__()
+        self.kernel = kernel
+        self.grad = ops.GradOperation(get_by_list=False, get_all=True, sens_param=True)
+        self.wrt = wrt
+
+    def construct(self, *args):
+        return self.kernel(*args[:-1]), self.grad(self.kernel)(*args)
+
+
+@needs_library
+def test_native_slot_gather_and_combine_match_float64():
+    """The MoE dispatch's buffers: empty slots (source T) and dropped assignments (slot X) included."""
+    rng = np.random.default_rng(11)
+    tokens, top_k, slots, hidden = 9, 2, 14, 5
+    x = rng.normal(size=(tokens, hidden)).astype(np.float32)
+    source = rng.integers(0, tokens + 1, size=slots).astype(np.int32)  # value T: an empty slot
+    gather = kernels.slot_gather("CPU")
+    assert isinstance(gather, cpu_native.NativeSlotGather)
+    upstream = rng.normal(size=(slots, hidden)).astype(np.float32)
+    net = Grads(gather, (0,))
+    net.set_train(True)
+    out, (dx, _) = net(Tensor(x), Tensor(source), Tensor(upstream))
+    padded = np.concatenate([x, np.zeros((1, hidden), np.float32)])
+    np.testing.assert_array_equal(out.asnumpy(), padded[source])
+    want_dx = np.zeros((tokens + 1, hidden))
+    np.add.at(want_dx, source, upstream.astype(np.float64))
+    assert relative_error(dx.asnumpy(), want_dx[:tokens]) < 1e-6
+
+    y = rng.normal(size=(slots, hidden)).astype(np.float32)
+    slot = rng.permutation(tokens * top_k + 4)[: tokens * top_k].clip(max=slots).astype(np.int32)  # some dropped (X)
+    weight = rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32)
+    combine = kernels.slot_combine("CPU")
+    upstream = rng.normal(size=(tokens, hidden)).astype(np.float32)
+    net = Grads(combine, (0, 2))
+    net.set_train(True)
+    out, (dy, _, dweight) = net(Tensor(y), Tensor(slot), Tensor(weight), Tensor(upstream))
+    y_padded = np.concatenate([y, np.zeros((1, hidden), np.float32)]).astype(np.float64)
+    picked = y_padded[slot].reshape(tokens, top_k, hidden)
+    assert relative_error(out.asnumpy(), (weight[..., None] * picked).sum(1)) < 1e-6
+    want_dy = np.zeros((slots + 1, hidden))
+    np.add.at(want_dy, slot, (weight[..., None] * upstream[:, None, :]).reshape(-1, hidden))
+    assert relative_error(dy.asnumpy(), want_dy[:slots]) < 1e-6
+    assert relative_error(dweight.asnumpy(), (picked * upstream[:, None, :]).sum(-1)) < 1e-6
+
+
 def test_without_a_library_the_cpu_kernels_are_the_graph_formulas(monkeypatch):
     monkeypatch.setattr(cpu_native, "library", lambda: None)
     assert type(kernels.rms_norm(8, 1e-6, "CPU")) is cpu.RowRMSNormalize
     assert type(kernels.rms_norm(8, 1e-6, "GPU")) is cpu.RowRMSNormalize
     assert kernels.swiglu("CPU") is cpu.swiglu
     assert kernels.rope(True, "CPU") is cpu_rope.rope_interleaved
+    assert kernels.slot_gather("CPU") is cpu.gather_source_rows
+    assert kernels.slot_combine("CPU") is cpu.combine_slot_rows
 
 
 def test_the_switch_and_a_missing_compiler_are_reported_not_raised(monkeypatch):
