@@ -27,14 +27,16 @@ def rms_norm_reference(x, weight, upstream, eps):
     return xhat * weight, dx, (upstream * xhat).sum(0)
 
 
-class NormAndGrads(nn.Cell):
-    def __init__(self, norm):
+class Grads(nn.Cell):
+    """A kernel's output and the gradients of ``sum(out * upstream)`` to its inputs (``upstream`` the last argument)."""
+
+    def __init__(self, kernel):
         super().__init__()
-        self.norm = norm
+        self.kernel = kernel
         self.grad = ops.GradOperation(get_all=True, sens_param=True)
 
-    def construct(self, x, weight, upstream):
-        return self.norm(x, weight), self.grad(self.norm)(x, weight, upstream)
+    def construct(self, *args):
+        return self.kernel(*args[:-1]), self.grad(self.kernel)(*args)
 
 
 def relative_error(actual, expected):
@@ -50,7 +52,7 @@ def test_native_rms_norm_and_its_gradients_match_float64(rows, dim, eps):
     upstream = rng.normal(size=(rows, dim)).astype(np.float32)
     norm = kernels.rms_norm(dim, eps, "CPU")
     assert isinstance(norm, cpu_native.NativeRMSNormalize)
-    net = NormAndGrads(norm)
+    net = Grads(norm)
     net.set_train(True)
     out, (dx, dweight) = net(Tensor(x), Tensor(weight), Tensor(upstream))
     expected = rms_norm_reference(x, weight, upstream, eps)
@@ -77,7 +79,7 @@ def test_native_rms_norm_propagates_nan_and_inf_to_its_row_only():
     x = np.ones((3, 8), np.float32)
     x[1, 2] = np.nan
     x[2, 5] = np.inf
-    net = NormAndGrads(kernels.rms_norm(8, 1e-5, "CPU"))
+    net = Grads(kernels.rms_norm(8, 1e-5, "CPU"))
     net.set_train(True)
     out, (dx, dweight) = net(Tensor(x), Tensor(np.ones(8, np.float32)), Tensor(np.ones((3, 8), np.float32)))
     out, dx = out.asnumpy(), dx.asnumpy()
@@ -85,16 +87,6 @@ def test_native_rms_norm_propagates_nan_and_inf_to_its_row_only():
     assert np.isnan(out[1]).all() and not np.isfinite(out[2]).all()
     assert np.isfinite(dx[0]).all() and np.isnan(dx[1]).all()
     assert not np.isfinite(dweight.asnumpy()).any()
-
-
-class SwigluAndGrads(nn.Cell):
-    def __init__(self, act):
-        super().__init__()
-        self.act = act
-        self.grad = ops.GradOperation(get_all=True, sens_param=True)
-
-    def construct(self, gate, up, upstream):
-        return self.act(gate, up), self.grad(self.act)(gate, up, upstream)
 
 
 def swiglu_reference(gate, up, upstream):
@@ -110,7 +102,7 @@ def test_native_swiglu_and_its_gradients_match_float64():
     gate = np.concatenate([rng.normal(size=2000) * 4, np.linspace(-87.0, 88.0, 20001)]).astype(np.float32)
     gate = gate[: 3 * 7 * 1047].reshape(3, 7, 1047)
     up, upstream = (rng.normal(size=gate.shape).astype(np.float32) for _ in range(2))
-    net = SwigluAndGrads(kernels.swiglu("CPU"))
+    net = Grads(kernels.swiglu("CPU"))
     net.set_train(True)
     out, (dgate, dup) = net(Tensor(gate), Tensor(up), Tensor(upstream))
     want_out, want_dgate, want_dup = swiglu_reference(gate, up, upstream)
@@ -183,19 +175,6 @@ def test_native_rope_and_its_gradient_match_float64(interleaved, head_dim, rotar
     assert relative_error(dx.asnumpy(), want) < 1e-6
 
 
-class Grads(nn.Cell):
-    """The kernel's output and the gradients of ``sum(out * upstream)`` to its float inputs (``wrt``)."""
-
-    def __init__(self, kernel, wrt):
-        super().__init__()
-        self.kernel = kernel
-        self.grad = ops.GradOperation(get_by_list=False, get_all=True, sens_param=True)
-        self.wrt = wrt
-
-    def construct(self, *args):
-        return self.kernel(*args[:-1]), self.grad(self.kernel)(*args)
-
-
 @needs_library
 def test_native_slot_gather_and_combine_match_float64():
     """The MoE dispatch's buffers: empty slots (source T) and dropped assignments (slot X) included."""
@@ -206,7 +185,7 @@ def test_native_slot_gather_and_combine_match_float64():
     gather = kernels.slot_gather("CPU")
     assert isinstance(gather, cpu_native.NativeSlotGather)
     upstream = rng.normal(size=(slots, hidden)).astype(np.float32)
-    net = Grads(gather, (0,))
+    net = Grads(gather)
     net.set_train(True)
     out, (dx, _) = net(Tensor(x), Tensor(source), Tensor(upstream))
     padded = np.concatenate([x, np.zeros((1, hidden), np.float32)])
@@ -220,7 +199,7 @@ def test_native_slot_gather_and_combine_match_float64():
     weight = rng.uniform(0.1, 1.0, size=(tokens, top_k)).astype(np.float32)
     combine = kernels.slot_combine("CPU")
     upstream = rng.normal(size=(tokens, hidden)).astype(np.float32)
-    net = Grads(combine, (0, 2))
+    net = Grads(combine)
     net.set_train(True)
     out, (dy, _, dweight) = net(Tensor(y), Tensor(slot), Tensor(weight), Tensor(upstream))
     y_padded = np.concatenate([y, np.zeros((1, hidden), np.float32)]).astype(np.float64)
