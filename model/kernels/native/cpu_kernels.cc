@@ -43,7 +43,8 @@ inline float inverse_rms(const float *x, int64_t h, float eps) {
 // exp(x) in float, as straight-line arithmetic the compiler vectorizes (libm's expf is a call per element; its vector
 // variants need fast-math). Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial (Cephes expf
 // coefficients) and 2^n applied as two factors, so subnormal results and overflow to inf come out as IEEE rounding
-// gives them: within 2 ulp of exp over the normal range (the test checks it). A NaN stays NaN.
+// gives them. The SwiGLU built on it is within 5e-7 (relative) of float64 for gates in [-87, 88]
+// (tests/unit/test_native_kernels.py). A NaN stays NaN.
 inline float exp_poly(float x) {
   const float clamped = std::min(std::max(x, -104.0f), 89.0f);  // a NaN x stays NaN (it is the first operand)
   const float n = std::nearbyint(clamped * 1.44269504088896341f);
