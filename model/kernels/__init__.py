@@ -80,15 +80,17 @@ from mindmoe.model.kernels import (
     dropout_mask,
 )
 
-CPU_KERNELS = {
-    "rms_norm": cpu_native.rms_norm,
+#: The MindSpore formulas of every kernel: what GPU runs, what the CPU runs where it has no compiled kernel (or no
+#: library), and what Ascend runs where it has no fused op.
+FORMULA_KERNELS = {
+    "rms_norm": cpu.RowRMSNormalize,
     "attention_core": cpu.GroupedAttentionCore,
     "blockwise_attention": cpu_attention.BlockwiseAttention,
     "indexed_attention": cpu_dsa.BlockwiseIndexedAttention,
-    "swiglu": cpu_native.swiglu,
-    "slot_gather": cpu_native.slot_gather,
-    "slot_combine": cpu_native.slot_combine,
-    "rope": cpu_native.rope,
+    "swiglu": lambda: cpu.swiglu,
+    "slot_gather": lambda: cpu.gather_source_rows,
+    "slot_combine": lambda: cpu.combine_slot_rows,
+    "rope": cpu_rope.rope,
     "grouped_matmul": cpu_grouped.BlockGroupedMatmul,
     "grouped_matmul_row_scaled": cpu_grouped.RowScaledBlockGroupedMatmul,
     "grouped_alignment": lambda: cpu_grouped.block_rows,
@@ -100,13 +102,17 @@ CPU_KERNELS = {
     "token_experts": cpu_token_experts.HostTokenExperts,
 }
 
+#: CPU: the compiled kernels of :mod:`.cpu_native` where this machine's library was built, else the formulas.
+CPU_KERNELS = dict(
+    FORMULA_KERNELS,
+    **{name: cpu_native.when_built(native, FORMULA_KERNELS[name]) for name, native in cpu_native.NATIVE.items()},
+)
+
 ASCEND_KERNELS = dict(
-    CPU_KERNELS,
+    FORMULA_KERNELS,
     rms_norm=ascend.AscendRMSNorm,
     blockwise_attention=ascend_attention.AscendFlashAttention,
     swiglu=lambda: ascend.swiglu,
-    slot_gather=lambda: cpu.gather_source_rows,
-    slot_combine=lambda: cpu.combine_slot_rows,
     rope=ascend.AscendRope,
     grouped_matmul=ascend.AscendGroupedMatmul,
     grouped_matmul_row_scaled=ascend.AscendRowScaledGroupedMatmul,
@@ -120,19 +126,9 @@ ASCEND_KERNELS = dict(
 )
 
 #: device target -> kernel name -> factory called at build time with the kernel's static arguments.
-#: GPU runs the CPU kernels' MindSpore formulas, not the ones compiled for the host (:mod:`.native`).
-GPU_KERNELS = dict(
-    CPU_KERNELS,
-    rms_norm=cpu.RowRMSNormalize,
-    swiglu=lambda: cpu.swiglu,
-    rope=cpu_rope.rope,
-    slot_gather=lambda: cpu.gather_source_rows,
-    slot_combine=lambda: cpu.combine_slot_rows,
-)
-
 IMPLEMENTATIONS = {
     "CPU": CPU_KERNELS,
-    "GPU": GPU_KERNELS,
+    "GPU": FORMULA_KERNELS,
     "Ascend": ASCEND_KERNELS,
 }
 

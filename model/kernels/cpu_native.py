@@ -26,7 +26,7 @@ class NativeRMSNormalize(RowRMSNormalize):
     double. On the benchmark's dense step the graph formula ran 10 element-wise kernels per norm over ``[Z, H]``
     (three in the forward, seven in the backward) besides its row sums and broadcasts."""
 
-    def __init__(self, dim: int, eps: float, lib: str):
+    def __init__(self, lib: str, dim: int, eps: float):
         super().__init__(dim, eps)
         self.eps_1 = Tensor(np.array([eps], np.float32))
         self.native_forward = _custom(lib, "MindmoeRmsNormForward", lambda x, w, e: x, lambda x, w, e: x)
@@ -171,35 +171,25 @@ class NativeSlotCombine(nn.Cell):
         return cpu.combine_slot_rows(y_XH, slot_A, weight_TK)
 
 
-def slot_gather():
-    """The CPU ``slot_gather`` kernel: :class:`NativeSlotGather`, else :func:`~.cpu.gather_source_rows`."""
-    lib = library()
-    return cpu.gather_source_rows if lib is None else NativeSlotGather(lib)
+#: Kernel name -> the class of its compiled implementation, built as ``cls(lib, *the kernel's arguments)``.
+NATIVE = {
+    "rms_norm": NativeRMSNormalize,
+    "swiglu": NativeSwiGLU,
+    "rope": NativeRope,
+    "slot_gather": NativeSlotGather,
+    "slot_combine": NativeSlotCombine,
+}
 
 
-def slot_combine():
-    """The CPU ``slot_combine`` kernel: :class:`NativeSlotCombine`, else :func:`~.cpu.combine_slot_rows`."""
-    lib = library()
-    return cpu.combine_slot_rows if lib is None else NativeSlotCombine(lib)
+def when_built(native, formula):
+    """A kernel factory: ``native(lib, *args)`` on this machine's library (:func:`library`), else ``formula(*args)``
+    (the MindSpore formula's factory, as GPU runs it)."""
 
+    def factory(*args):
+        lib = library()
+        return formula(*args) if lib is None else native(lib, *args)
 
-def rope(interleaved: bool):
-    """The CPU ``rope`` kernel: :class:`NativeRope` on this machine's library, else :func:`~.cpu_rope.rope`'s."""
-    lib = library()
-    return cpu_rope.rope(interleaved) if lib is None else NativeRope(lib, interleaved)
-
-
-def swiglu():
-    """The CPU ``swiglu`` kernel: :class:`NativeSwiGLU` on this machine's library, else :func:`~.cpu.swiglu`."""
-    lib = library()
-    return cpu.swiglu if lib is None else NativeSwiGLU(lib)
-
-
-def rms_norm(dim: int, eps: float):
-    """The CPU ``rms_norm`` kernel: :class:`NativeRMSNormalize` on this machine's library, else
-    :class:`~.cpu.RowRMSNormalize`."""
-    lib = library()
-    return RowRMSNormalize(dim, eps) if lib is None else NativeRMSNormalize(dim, eps, lib)
+    return factory
 
 
 def library():

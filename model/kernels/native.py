@@ -100,13 +100,14 @@ def build(source: Path = SOURCE, root: Path = None, cxx: str = None) -> Path:
         command = [cxx, *FLAGS, "-o", str(partial), str(source)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+            if done.returncode != 0:
+                message = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
+                raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{message}")
+            os.replace(partial, target)
         except (OSError, subprocess.SubprocessError) as error:
             raise RuntimeError(f"{' '.join(command)} failed: {error}") from None
-        if done.returncode != 0:
-            partial.unlink(missing_ok=True)
-            message = "\n".join((done.stderr or done.stdout).strip().splitlines()[-8:])
-            raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{message}")
-        os.replace(partial, target)
+        finally:
+            partial.unlink(missing_ok=True)  # a failed or timed-out compile's output; gone once renamed
     return target
 
 
@@ -115,7 +116,7 @@ def library():
     reason in :func:`status`, logged once). Built at the first call of a process."""
     if "path" not in _state:
         _state["path"], _state["status"] = _load()
-        if _state["path"] is None and not os.environ.get(SWITCH_ENV, "").strip() == "0":
+        if _state["path"] is None and not _switched_off():
             log.warning("native CPU kernels not used, the graph formulas run instead: %s", _state["status"])
     return _state["path"]
 
@@ -126,8 +127,12 @@ def status() -> str:
     return _state["status"]
 
 
+def _switched_off() -> bool:
+    return os.environ.get(SWITCH_ENV, "").strip() == "0"
+
+
 def _load():
-    if os.environ.get(SWITCH_ENV, "").strip() == "0":
+    if _switched_off():
         return None, f"native CPU kernels off ({SWITCH_ENV}=0): the graph formulas run"
     try:
         path = build()

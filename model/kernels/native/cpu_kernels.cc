@@ -250,7 +250,9 @@ extern "C" int MindmoeGatherRowsForward(int nparam, void **params, int *ndims, i
 // each token (in slot order).
 extern "C" int MindmoeGatherRowsBackward(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                          void *stream, void *extra) {
-  if (nparam != 4 || std::strcmp(dtypes[1], "int32") != 0 || std::strcmp(dtypes[2], "float32") != 0) return kBadType;
+  if (nparam != 4 || std::strcmp(dtypes[1], "int32") != 0 || !all_float32(1, dtypes) || !all_float32(2, dtypes + 2)) {
+    return kBadType;
+  }
   const int64_t tokens = shapes[0][0], h = shapes[0][1], slots = shapes[1][0];
   if (ndims[2] != 2 || shapes[2][0] != slots || shapes[2][1] != h) return kBadShape;
   const int32_t *source = static_cast<const int32_t *>(params[1]);
@@ -301,8 +303,7 @@ extern "C" int MindmoeCombineRowsForward(int nparam, void **params, int *ndims, 
 // row_tk, zero elsewhere) and dweight [T, K] (dout_t . y[row_tk], zero for a dropped assignment).
 extern "C" int MindmoeCombineRowsBackward(int nparam, void **params, int *ndims, int64_t **shapes, const char **dtypes,
                                           void *stream, void *extra) {
-  if (nparam != 6 || std::strcmp(dtypes[1], "int32") != 0 || !all_float32(1, dtypes) || !all_float32(1, dtypes + 2) ||
-      !all_float32(3, dtypes + 3)) {
+  if (nparam != 6 || std::strcmp(dtypes[1], "int32") != 0 || !all_float32(1, dtypes) || !all_float32(4, dtypes + 2)) {
     return kBadType;
   }
   const int64_t slots = shapes[0][0], h = shapes[0][1], tokens = shapes[2][0], top_k = shapes[2][1];
