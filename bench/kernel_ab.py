@@ -78,6 +78,18 @@ def _sliced_apply_rope(x, cos, sin, interleaved: bool, rotate=None):
     return ops.concat((x_rot, x_pass), -1)
 
 
+_DOT = ops.MatMul(transpose_b=True)
+
+
+def _dot_row_squares(x_Rn, piece):
+    """The global norm's sums of squares before ``kernels.row_squares``: a whole tensor as one ``[1, n] x [n, 1]``
+    MatMul, an expert tensor's rows as batched ``[1, p] x [p, 1]`` dots and a sum (the formula today)."""
+    if piece is None:
+        flat_1N = x_Rn.astype(ms.float32).reshape(1, -1)
+        return _DOT(flat_1N, flat_1N).reshape(1)
+    return cpu.row_squares(x_Rn, piece)
+
+
 def _no_native_library():
     """``model.kernels.cpu_native.library`` before the compiled kernels: none, so the MindSpore formulas run."""
     return None
@@ -97,6 +109,7 @@ VARIANTS = {
         (("mindmoe.model.kernels.CPU_KERNELS[slot_gather]",), lambda: cpu.gather_source_rows),
         (("mindmoe.model.kernels.CPU_KERNELS[slot_combine]",), lambda: cpu.combine_slot_rows),
     ),
+    "norm=dots": ((("mindmoe.model.kernels.CPU_KERNELS[row_squares]",), lambda: _dot_row_squares),),
     "split=slices": (
         (("mindmoe.model.attention.query_chunks",), _sliced_query_chunks),
         (("mindmoe.model.kernels.cpu_rope._rotate_half",), _sliced_rotate_half),

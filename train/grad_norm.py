@@ -9,29 +9,11 @@ every expert tensor's row values in global expert order after the other paramete
 
 import math
 
-import mindspore as ms
 from mindspore import ops
 
-_DOT = ops.MatMul(transpose_b=True)
+from mindmoe.model import kernels
 
-
-def sum_of_squares(tensor):
-    """``sum(tensor ** 2)`` in fp32 as a ``[1, n] x [n, 1]`` MatMul.
-
-    On CPU, MindSpore 2.9's full ReduceSum of a squared [8192, 512] gradient ran 4-5x slower than
-    this dot product, and the global norm takes one per parameter every step.
-    """
-    flat_1N = tensor.astype(ms.float32).reshape(1, -1)
-    return _DOT(flat_1N, flat_1N).reshape(())
-
-
-def global_squared_norm(grads):
-    """``sum_i |g_i|^2`` over a tuple of gradients (fp32)."""
-    return ops.stack([sum_of_squares(g) for g in grads]).sum()
-
-
-_ROW_DOTS = ops.BatchMatMul(transpose_b=True)
-#: Longest piece of an expert row that one dot product of :func:`expert_row_squares` reduces.
+#: Longest piece of an expert row that one dot product of the formula of ``kernels.row_squares`` reduces.
 PIECE = 4096
 
 
@@ -40,14 +22,26 @@ def piece_length(row_size: int) -> int:
     return next(length for length in range(min(row_size, PIECE), 0, -1) if row_size % length == 0)
 
 
-def expert_row_squares(tensor, piece: int):
-    """``[e]``: the sum of squares of each row of an expert tensor ``[e, ...]`` (fp32). Each row is cut into pieces
-    of ``piece`` elements (:func:`piece_length`), one dot product each (a batched ``[1, p] x [p, 1]`` MatMul), and
-    each row's pieces are summed: a row's value does not depend on the other rows. On CPU this ran within 10 % of the
-    whole tensor's single dot product (a ReduceSum of the squares: about 25 % slower)."""
-    rows = tensor.shape[0]
-    pieces_R1P = tensor.astype(ms.float32).reshape(-1, 1, piece)
-    return _ROW_DOTS(pieces_R1P, pieces_R1P).reshape(rows, -1).sum(1)
+def squared_norm_of(squares):
+    """``grads -> sum_i |g_i|^2`` (fp32) with ``squares``, a ``kernels.row_squares`` kernel: each gradient as one row
+    (the formula: one dot product of the whole tensor)."""
+
+    def global_squared_norm(grads):
+        return ops.stack([squares(g.reshape(1, -1), None).reshape(()) for g in grads]).sum()
+
+    return global_squared_norm
+
+
+def global_squared_norm_kernel():
+    """:func:`squared_norm_of` this device's ``kernels.row_squares`` (built now: call it at build time)."""
+    return squared_norm_of(kernels.row_squares())
+
+
+def expert_row_squares(tensor, piece: int, squares):
+    """``[e]``: the sum of squares of each row of an expert tensor ``[e, ...]`` (fp32) by ``squares``
+    (``kernels.row_squares``; its formula cuts a row into pieces of ``piece`` elements, :func:`piece_length`): a
+    row's value does not depend on the other rows."""
+    return squares(tensor.reshape(tensor.shape[0], -1), piece)
 
 
 def expert_parameter_names(model) -> set:
@@ -64,6 +58,8 @@ def layout_free_norm(params, expert_names, gather_rows=None, group_size: int = 1
     over the ``group_size`` ranks of an expert group, whose rank ``i`` holds experts ``[i e, (i + 1) e)`` (None: this
     process holds every expert)."""
     params = list(params)
+    squares = kernels.row_squares()
+    global_squared_norm = squared_norm_of(squares)
     expert_idx = [i for i, p in enumerate(params) if p.name in expert_names]
     dense_idx = [i for i, p in enumerate(params) if p.name not in expert_names]
     if not expert_idx:
@@ -72,7 +68,7 @@ def layout_free_norm(params, expert_names, gather_rows=None, group_size: int = 1
     pieces = [piece_length(math.prod(params[i].shape[1:])) for i in expert_idx]
 
     def squared_norm(grads):
-        rows_Pe = ops.stack([expert_row_squares(grads[i], piece) for i, piece in zip(expert_idx, pieces)])
+        rows_Pe = ops.stack([expert_row_squares(grads[i], piece, squares) for i, piece in zip(expert_idx, pieces)])
         if gather_rows is not None:
             num_params, held = rows_Pe.shape
             rows_GPe = gather_rows(rows_Pe).reshape(group_size, num_params, held)

@@ -31,7 +31,7 @@ from mindspore.ops import functional as F
 
 from mindmoe.model import kernels
 from mindmoe.train.fused_adamw import fused_update
-from mindmoe.train.grad_norm import global_squared_norm
+from mindmoe.train.grad_norm import global_squared_norm_kernel
 
 log = logging.getLogger("mindmoe.train")
 
@@ -251,12 +251,14 @@ def zero_reductions(optimizer, dist=None):
         def synchronise(grads, loss):
             return optimizer.scatter(grads), loss
 
-        return synchronise, global_squared_norm
+        return synchronise, global_squared_norm_kernel()
     all_reduce = ops.AllReduce()
     inv_world = 1.0 / world
 
     def synchronise(grads, loss):
         return optimizer.scatter(grads), all_reduce(loss) * inv_world
+
+    global_squared_norm = global_squared_norm_kernel()
 
     def squared_norm(shards):
         return all_reduce(global_squared_norm(shards))

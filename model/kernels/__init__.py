@@ -32,6 +32,8 @@ rope           :class:`~.cpu_native.NativeRope` (one      :class:`~.ascend.Ascen
 slot_gather,   :class:`~.cpu_native.NativeSlotGather`,    the formulas :func:`~.cpu.gather_source_rows`,
 slot_combine   :class:`~.cpu_native.NativeSlotCombine`    :func:`~.cpu.combine_slot_rows` (gathers and a
                (compiled passes for fp32 in training)     batched MatMul)
+row_squares    :class:`~.cpu_native.NativeRowSquares`     the formula :func:`~.cpu.row_squares` (batched
+               (one pass per row, float64 sums)           ``[1, p] x [p, 1]`` dots)
 grouped_matmul :class:`~.cpu_grouped.BlockGroupedMatmul`  ``gmm`` (GroupedMatmul, row-grouped)
                (groups padded to blocks of b rows)        (alignment 1: no padding rows)
 token_experts  :class:`~.cpu_token_experts.HostTokenExperts` None: the grouped path (dispatcher,
@@ -90,6 +92,7 @@ FORMULA_KERNELS = {
     "swiglu": lambda: cpu.swiglu,
     "slot_gather": lambda: cpu.gather_source_rows,
     "slot_combine": lambda: cpu.combine_slot_rows,
+    "row_squares": lambda: cpu.row_squares,
     "rope": cpu_rope.rope,
     "grouped_matmul": cpu_grouped.BlockGroupedMatmul,
     "grouped_matmul_row_scaled": cpu_grouped.RowScaledBlockGroupedMatmul,
@@ -195,6 +198,14 @@ def slot_combine(device_target: str = None):
     return implementation("slot_combine", device_target)()
 
 
+def row_squares(device_target: str = None):
+    """``(x [R, n], piece) -> [R] fp32``: the sum of squares of each row, whose value depends on that row's elements
+    only (not on R or the other rows: an expert row gives the same bits on whichever rank holds it). ``piece``, a
+    divisor of n or None (all n), is the formula's dot-product length (:func:`~.cpu.row_squares`); the compiled CPU
+    kernel sums each row in float64 (:class:`~.cpu_native.NativeRowSquares`). No gradient."""
+    return implementation("row_squares", device_target)()
+
+
 def rope(interleaved: bool, device_target: str = None):
     """``(x_rot [B, N, S, R], cos [S, R], sin [S, R]) -> x_rot * cos + rotate(x_rot) * sin``: RoPE of every
     channel of ``x_rot`` with one position table for the batch; ``rotate`` pairs channel i with i + R/2
@@ -295,6 +306,7 @@ __all__ = [
     "reduce_scatter",
     "rms_norm",
     "rope",
+    "row_squares",
     "slot_combine",
     "slot_gather",
     "swiglu",

@@ -131,6 +131,20 @@ def combine_slot_rows(y_XH, slot_A, weight_TK):
     return weighted_rows(y_padded, slot_A, weight_TK)
 
 
+_ROW_DOTS = ops.BatchMatMul(transpose_b=True)
+
+
+def row_squares(x_Rn, piece):
+    """``[R]`` fp32: each row's sum of squares, as ``n / piece`` dot products of ``piece`` elements (a batched
+    ``[1, p] x [p, 1]`` MatMul) and their sum; ``piece`` divides ``n`` (None: one dot product per row). On CPU,
+    MindSpore 2.9's ReduceSum of a squared ``[8192, 512]`` gradient ran 4-5x slower than one dot product of it."""
+    rows = x_Rn.shape[0]
+    pieces_R1P = (
+        x_Rn.astype(ms.float32).reshape(rows, 1, -1) if piece is None else x_Rn.astype(ms.float32).reshape(-1, 1, piece)
+    )
+    return _ROW_DOTS(pieces_R1P, pieces_R1P).reshape(rows, -1).sum(1)
+
+
 def swiglu(gate_ZI, up_ZI):
     """``silu(gate) * up``, the SwiGLU activation (Shazeer 2020), on any matching shapes."""
     return ops.silu(gate_ZI) * up_ZI

@@ -5,31 +5,42 @@ import numpy as np
 import pytest
 from mindspore import Tensor, ops
 
-from mindmoe.train.grad_norm import sum_of_squares
+from mindmoe.model import kernels
+from mindmoe.train.grad_norm import squared_norm_of
 
 
-def test_sum_of_squares_under_jit_matches_numpy_float64_for_any_rank():
+@pytest.mark.parametrize("device", ["CPU", "GPU"])  # GPU: the kernel's formula, as it runs there
+def test_the_global_norm_under_jit_matches_numpy_float64_for_any_rank(device):
     rng = np.random.default_rng(0)
     arrays = [rng.normal(size=shape).astype(np.float32) for shape in ((7,), (3, 4, 5), (1000, 33))]
+    squared_norm = squared_norm_of(kernels.row_squares(device))
 
     @ms.jit
     def global_norm(a, b, c):
-        return ops.sqrt(ops.stack([sum_of_squares(g) for g in (a, b, c)]).sum())
+        return ops.sqrt(squared_norm((a, b, c)))
 
-    squares = [float(ms.jit(sum_of_squares)(Tensor(a)).asnumpy()) for a in arrays]
+    @ms.jit
+    def one_norm(g):
+        return squared_norm((g,))
+
+    squares = [float(one_norm(Tensor(a)).asnumpy()) for a in arrays]
     for array, square in zip(arrays, squares):
         np.testing.assert_allclose(square, np.sum(array.astype(np.float64) ** 2), rtol=1e-5)
     expected = np.sqrt(sum(np.sum(a.astype(np.float64) ** 2) for a in arrays))
     np.testing.assert_allclose(float(global_norm(*map(Tensor, arrays)).asnumpy()), expected, rtol=1e-5)
 
 
-def test_the_norm_is_the_same_bits_whatever_share_of_the_experts_a_rank_holds():
+@pytest.mark.parametrize("kernel", ["compiled", "formula"])
+def test_the_norm_is_the_same_bits_whatever_share_of_the_experts_a_rank_holds(kernel, monkeypatch):
     """``layout_free_norm``: one process holding all 4 experts and each of 2 ranks holding 2 (its rows of every expert
     tensor, the other rank's row sums gathered) compute the same float32 norm, equal to NumPy's in float64."""
     from types import SimpleNamespace
 
     from mindmoe.train.grad_norm import expert_row_squares, layout_free_norm, piece_length
 
+    if kernel == "formula":  # what GPU and Ascend run (and a CPU without a compiler)
+        monkeypatch.setitem(kernels.CPU_KERNELS, "row_squares", kernels.FORMULA_KERNELS["row_squares"])
+    squares = kernels.row_squares()
     rng = np.random.default_rng(1)
     shapes = {
         "norm": (7,),
@@ -58,7 +69,7 @@ def test_the_norm_is_the_same_bits_whatever_share_of_the_experts_a_rank_holds():
 
     @ms.jit
     def rows(a, b, w):
-        return ops.stack([expert_row_squares(g, piece) for g, piece in zip((a, b, w), pieces)])
+        return ops.stack([expert_row_squares(g, piece, squares) for g, piece in zip((a, b, w), pieces)])
 
     rank_rows = [rows(*(Tensor(grads[name][2 * r : 2 * r + 2]) for name in sorted(experts))) for r in (0, 1)]
 

@@ -211,6 +211,34 @@ def test_native_slot_gather_and_combine_match_float64():
     assert relative_error(dweight.asnumpy(), (picked * upstream[:, None, :]).sum(-1)) < 1e-6
 
 
+@needs_library
+@pytest.mark.parametrize("device", ["CPU", "GPU"])  # GPU: the formula, as it runs there
+def test_row_squares_match_float64_and_a_row_does_not_depend_on_the_others(device):
+    """Each row's sum of squares (rows of 3, 4,000 and 262,144 elements; a float16 input is read as float32); the
+    same row among other rows gives the same bits."""
+    rng = np.random.default_rng(13)
+    squares = kernels.row_squares(device)
+    if device == "CPU":
+        assert isinstance(squares, cpu_native.NativeRowSquares)
+
+    def run(x, piece):
+        @ms.jit
+        def graph(a):
+            return squares(a, piece)
+
+        return graph(Tensor(x)).asnumpy()
+
+    for rows, n, piece in ((5, 3, None), (4, 4000, 1000), (2, 262144, 4096)):
+        x = (rng.normal(size=(rows, n)) * rng.uniform(0.1, 10, size=(rows, 1))).astype(np.float32)
+        got = run(x, piece)
+        assert got.dtype == np.float32 and got.shape == (rows,)
+        np.testing.assert_allclose(got, (x.astype(np.float64) ** 2).sum(1), rtol=2e-6 if device == "GPU" else 1e-7)
+        assert run(x[1:2], piece).tobytes() == got[1:2].tobytes()
+    half = rng.normal(size=(3, 40)).astype(np.float16)
+    got = run(half, None)
+    np.testing.assert_allclose(got, (half.astype(np.float64) ** 2).sum(1), rtol=2e-6)
+
+
 def test_without_a_library_the_cpu_kernels_are_the_graph_formulas(monkeypatch):
     monkeypatch.setattr(cpu_native, "library", lambda: None)
     assert type(kernels.rms_norm(8, 1e-6, "CPU")) is cpu.RowRMSNormalize
@@ -219,6 +247,7 @@ def test_without_a_library_the_cpu_kernels_are_the_graph_formulas(monkeypatch):
     assert kernels.rope(True, "CPU") is cpu_rope.rope_interleaved
     assert kernels.slot_gather("CPU") is cpu.gather_source_rows
     assert kernels.slot_combine("CPU") is cpu.combine_slot_rows
+    assert kernels.row_squares("CPU") is cpu.row_squares
 
 
 def test_the_switch_and_a_missing_compiler_are_reported_not_raised(monkeypatch):
