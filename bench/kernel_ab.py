@@ -109,6 +109,7 @@ VARIANTS = {
         (("mindmoe.model.kernels.CPU_KERNELS[slot_gather]",), lambda: cpu.gather_source_rows),
         (("mindmoe.model.kernels.CPU_KERNELS[slot_combine]",), lambda: cpu.combine_slot_rows),
     ),
+    "softmax_nll=formula": ((("mindmoe.model.kernels.CPU_KERNELS[softmax_nll]",), cpu.SoftmaxNLL),),
     "norm=dots": ((("mindmoe.model.kernels.CPU_KERNELS[row_squares]",), lambda: _dot_row_squares),),
     "split=slices": (
         (("mindmoe.model.attention.query_chunks",), _sliced_query_chunks),

@@ -34,6 +34,8 @@ slot_combine   :class:`~.cpu_native.NativeSlotCombine`    :func:`~.cpu.combine_s
                (compiled passes for fp32 in training)     batched MatMul)
 row_squares    :class:`~.cpu_native.NativeRowSquares`     the formula :func:`~.cpu.row_squares` (batched
                (one pass per row, float64 sums)           ``[1, p] x [p, 1]`` dots)
+softmax_nll    :class:`~.cpu_native.NativeSoftmaxNLL`     the formula :class:`~.cpu.SoftmaxNLL`
+               (one kernel per chunk)
 grouped_matmul :class:`~.cpu_grouped.BlockGroupedMatmul`  ``gmm`` (GroupedMatmul, row-grouped)
                (groups padded to blocks of b rows)        (alignment 1: no padding rows)
 token_experts  :class:`~.cpu_token_experts.HostTokenExperts` None: the grouped path (dispatcher,
@@ -93,6 +95,7 @@ FORMULA_KERNELS = {
     "slot_gather": lambda: cpu.gather_source_rows,
     "slot_combine": lambda: cpu.combine_slot_rows,
     "row_squares": lambda: cpu.row_squares,
+    "softmax_nll": cpu.SoftmaxNLL,
     "rope": cpu_rope.rope,
     "grouped_matmul": cpu_grouped.BlockGroupedMatmul,
     "grouped_matmul_row_scaled": cpu_grouped.RowScaledBlockGroupedMatmul,
@@ -206,6 +209,13 @@ def row_squares(device_target: str = None):
     return implementation("row_squares", device_target)()
 
 
+def softmax_nll(device_target: str = None):
+    """``(logits [c, V] fp32, labels [c] int32, weight [c] fp32) -> (nll [c], dlogits [c, V])``: the per-token loss
+    ``logsumexp(logits_t) - logits_t[label_t]`` and the weighted logit gradient ``(softmax(logits_t) -
+    onehot(label_t)) * w_t`` of one chunk of the LM loss (fp32; labels in ``[0, V)``). No gradient."""
+    return implementation("softmax_nll", device_target)(expand(device_target))
+
+
 def rope(interleaved: bool, device_target: str = None):
     """``(x_rot [B, N, S, R], cos [S, R], sin [S, R]) -> x_rot * cos + rotate(x_rot) * sin``: RoPE of every
     channel of ``x_rot`` with one position table for the batch; ``rotate`` pairs channel i with i + R/2
@@ -309,6 +319,7 @@ __all__ = [
     "row_squares",
     "slot_combine",
     "slot_gather",
+    "softmax_nll",
     "swiglu",
     "token_experts",
 ]

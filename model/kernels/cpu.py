@@ -145,6 +145,29 @@ def row_squares(x_Rn, piece):
     return _ROW_DOTS(pieces_R1P, pieces_R1P).reshape(rows, -1).sum(1)
 
 
+class SoftmaxNLL(nn.Cell):
+    """``(logits [c, V] fp32, labels [c] int32, weight [c] fp32) -> (nll [c], dlogits [c, V])``: ``nll_t =
+    logsumexp(logits_t) - logits_t[label_t]`` and ``dlogits = (softmax(logits_t) - onehot(label_t)) * w_t``, the LM
+    loss's per-token loss and weighted logit gradient (``model/lm_loss.py``). The exponentials are scaled by ``w`` over
+    their row sum and ``w`` is taken off at each label by a scatter of c values (instead of a ``[c, V]`` one-hot and
+    its subtraction: 9 against 19-24 ms at ``[1024, 8192]``). ``expand``: the device's ``kernels.expand``."""
+
+    def __init__(self, expand):
+        super().__init__()
+        self.expand = expand
+
+    def construct(self, logits_cV, labels_c, weight_c):
+        max_c1 = logits_cV.max(-1, keepdims=True)
+        exp_cV = ops.exp(logits_cV - self.expand(max_c1, logits_cV.shape))
+        sum_c1 = exp_cV.sum(-1, keepdims=True)
+        label_c = ops.gather_elements(logits_cV, 1, labels_c.reshape(-1, 1)).reshape(-1)
+        nll_c = (max_c1 + ops.log(sum_c1)).reshape(-1) - label_c
+        factor_c1 = weight_c.reshape(-1, 1) / sum_c1
+        probs_cV = exp_cV * self.expand(factor_c1, exp_cV.shape)
+        at_label_c2 = ops.stack((ops.arange(0, labels_c.shape[0], dtype=ms.int32), labels_c), 1)
+        return nll_c, ops.tensor_scatter_add(probs_cV, at_label_c2, -weight_c)
+
+
 def swiglu(gate_ZI, up_ZI):
     """``silu(gate) * up``, the SwiGLU activation (Shazeer 2020), on any matching shapes."""
     return ops.silu(gate_ZI) * up_ZI

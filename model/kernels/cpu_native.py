@@ -1,4 +1,4 @@
-"""CPU kernel functions on the compiled kernels of ``native/cpu_kernels.cc`` (:mod:`.native`), as MindSpore
+"""CPU kernel functions on the compiled kernels of ``native/`` (:mod:`.native`), as MindSpore
 ``ops.Custom(func_type="aot")`` ops with a hand-written backward.
 
 They serve training graphs (``cell.training``): an evaluation, generation or export graph runs the MindSpore formula of
@@ -186,6 +186,21 @@ class NativeRowSquares(nn.Cell):
         return self.native(x_Rn.astype(ms.float32))
 
 
+class NativeSoftmaxNLL(nn.Cell):
+    """:class:`~.cpu.SoftmaxNLL` as one compiled kernel (``MindmoeSoftmaxNll``): per row the max, the exponentials
+    (the ``exp`` polynomial of the SwiGLU) and their sum, then the scaling, where the formula ran about nine kernels
+    over ``[c, V]`` (max, subtract, exp, sum, gather, scale, scatter and two tiles). The LM loss calls it for the
+    training step's gradients only (``TokenNLL(grads=True)``); evaluation computes the loss by the formula. A label
+    outside ``[0, V)`` fails the op. ``expand`` is not used."""
+
+    def __init__(self, lib: str, expand=None):
+        super().__init__()
+        self.native = _custom(lib, "MindmoeSoftmaxNll", lambda x, lab, w: (lab, x), lambda x, lab, w: (w, x))
+
+    def construct(self, logits_cV, labels_c, weight_c):
+        return self.native(logits_cV, labels_c, weight_c)
+
+
 #: Kernel name -> the class of its compiled implementation, built as ``cls(lib, *the kernel's arguments)``.
 NATIVE = {
     "rms_norm": NativeRMSNormalize,
@@ -194,6 +209,7 @@ NATIVE = {
     "slot_gather": NativeSlotGather,
     "slot_combine": NativeSlotCombine,
     "row_squares": NativeRowSquares,
+    "softmax_nll": NativeSoftmaxNLL,
 }
 
 

@@ -1,15 +1,15 @@
-"""The project's own CPU kernels in C++ (``native/cpu_kernels.cc``), compiled on the machine that runs them.
+"""The project's own CPU kernels in C++ (``native/*.cc``), compiled on the machine that runs them.
 
 MindSpore 2.9 runs a CPU graph as one kernel per op, and element-wise chains such as RMSNorm's forward and written-out
-backward become a dozen passes over the tensor (and a dozen launches). The kernels of ``cpu_kernels.cc`` do such a
-chain in one pass; MindSpore calls them as ``ops.Custom(..., func_type="aot")`` ops (:mod:`.cpu_native`).
+backward become a dozen passes over the tensor (and a dozen launches). The kernels of ``native/`` do such a chain in
+one pass; MindSpore calls them as ``ops.Custom(..., func_type="aot")`` ops (:mod:`.cpu_native`).
 
-:func:`library` compiles the source once per machine with the C++ compiler (``$CXX``, else ``g++``), ``-O3
--march=native``, into ``native/`` of the project's cache (``$MINDMOE_CACHE``, else ``~/.cache/mindmoe``), named by a
-hash of the source, the flags, the compiler's version and the CPU (model and feature flags): a home directory shared
-by machines of different CPUs gets one library per CPU, never one built for another. Workers of one node compiling
-at once wait on one file lock and the first one's library; a library is written beside its final name and renamed,
-so no process loads a partial file. A compile takes about a second.
+:func:`library` compiles the sources into one library once per machine with the C++ compiler (``$CXX``, else
+``g++``), ``-O3 -march=native``, into ``native/`` of the project's cache (``$MINDMOE_CACHE``, else
+``~/.cache/mindmoe``), named by a hash of the sources, the flags, the compiler's version and the CPU (model and
+feature flags): a home directory shared by machines of different CPUs gets one library per CPU, never one built for
+another. Workers of one node compiling at once wait on one file lock and the first one's library; a library is
+written beside its final name and renamed, so no process loads a partial file. A compile takes a few seconds.
 
 Without a compiler, or when it fails, :func:`library` returns None and says why (:func:`status`, logged once as a
 warning): the CPU kernels then run the MindSpore graph formulas (``cpu.py``) they replace, which compute the same
@@ -28,7 +28,10 @@ from filelock import FileLock
 
 log = logging.getLogger("mindmoe.kernels")
 
-SOURCE = Path(__file__).with_name("native") / "cpu_kernels.cc"
+#: The library's sources: every ``.cc`` file is compiled; the header is part of the library's name too.
+SOURCES = tuple(sorted(Path(__file__).with_name("native").glob("*.cc"))) + (
+    Path(__file__).with_name("native") / "common.h",
+)
 SWITCH_ENV = "MINDMOE_NATIVE_KERNELS"
 #: Every flag is part of the library's name. No fast-math: the kernels keep IEEE semantics (NaN and inf propagate,
 #: which the trainer's finite-gradient check relies on). ``-fno-trapping-math`` (nothing here enables floating-point
@@ -75,9 +78,11 @@ def compiler() -> str:
     return shutil.which(os.environ.get("CXX") or "g++") or ""
 
 
-def build(source: Path = SOURCE, root: Path = None, cxx: str = None) -> Path:
-    """Compile ``source`` into a shared library under ``root`` (default :func:`cache_root`), or return the one built
-    before; raises ``RuntimeError`` naming the compiler and its message when it cannot."""
+def build(sources=SOURCES, root: Path = None, cxx: str = None) -> Path:
+    """Compile ``sources`` (a path or several: the ``.cc`` files compiled, every file hashed) into a shared library
+    under ``root`` (default :func:`cache_root`), or return the one built before; raises ``RuntimeError`` naming the
+    compiler and its message when it cannot."""
+    sources = [Path(sources)] if isinstance(sources, (str, Path)) else [Path(path) for path in sources]
     cxx = compiler() if cxx is None else cxx
     if not cxx:
         raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX') or 'g++'} is not on PATH (set CXX to one)")
@@ -85,8 +90,8 @@ def build(source: Path = SOURCE, root: Path = None, cxx: str = None) -> Path:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=60).stdout
     except (OSError, subprocess.SubprocessError) as error:
         raise RuntimeError(f"{cxx} --version failed: {error}") from None
-    text = Path(source).read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), version.encode(), cpu_identity().encode()]))
+    texts = [path.name.encode() + b"\0" + path.read_bytes() for path in sources]
+    key = hashlib.sha256(b"\0".join([*texts, " ".join(FLAGS).encode(), version.encode(), cpu_identity().encode()]))
     root = cache_root() if root is None else Path(root)
     directory = root / key.hexdigest()[:20]
     target = directory / "libmindmoe_cpu.so"
@@ -97,7 +102,7 @@ def build(source: Path = SOURCE, root: Path = None, cxx: str = None) -> Path:
         if target.exists():  # another process built it while this one waited
             return target
         partial = directory / f".libmindmoe_cpu.{os.getpid()}.so"
-        command = [cxx, *FLAGS, "-o", str(partial), str(source)]
+        command = [cxx, *FLAGS, "-o", str(partial), *(str(path) for path in sources if path.suffix == ".cc")]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=600)
             if done.returncode != 0:

@@ -239,6 +239,40 @@ def test_row_squares_match_float64_and_a_row_does_not_depend_on_the_others(devic
     np.testing.assert_allclose(got, (half.astype(np.float64) ** 2).sum(1), rtol=2e-6)
 
 
+@needs_library
+@pytest.mark.parametrize("device", ["CPU", "GPU"])  # GPU: the formula, as it runs there
+def test_softmax_nll_and_its_logit_gradient_match_float64(device):
+    """Logits up to +-80 (exp overflows without the max), zero and fractional weights; a NaN logit spoils its row
+    only; on CPU a label outside the vocabulary fails the op."""
+    rng = np.random.default_rng(19)
+    rows, vocab = 37, 1000
+    logits = (rng.normal(size=(rows, vocab)) * rng.uniform(0.1, 20, size=(rows, 1))).astype(np.float32)
+    logits[3, 5] = 80.0
+    labels = rng.integers(0, vocab, size=rows).astype(np.int32)
+    labels[3] = 5
+    weight = rng.uniform(0, 2, size=rows).astype(np.float32)
+    weight[::7] = 0.0
+    kernel = kernels.softmax_nll(device)
+    assert isinstance(kernel, cpu_native.NativeSoftmaxNLL if device == "CPU" else cpu.SoftmaxNLL)
+    nll, dlogits = (t.asnumpy() for t in ms.jit(kernel)(Tensor(logits), Tensor(labels), Tensor(weight)))
+    x = logits.astype(np.float64)
+    top = x.max(1, keepdims=True)
+    lse = top[:, 0] + np.log(np.exp(x - top).sum(1))
+    probs = np.exp(x - lse[:, None])
+    onehot = np.eye(vocab)[labels]
+    np.testing.assert_allclose(nll, lse - x[np.arange(rows), labels], rtol=1e-6, atol=2e-6)
+    np.testing.assert_allclose(dlogits, (probs - onehot) * weight[:, None], rtol=0, atol=1e-6)  # weights up to 2
+
+    logits[4, 9] = np.nan
+    nll, dlogits = (t.asnumpy() for t in ms.jit(kernel)(Tensor(logits), Tensor(labels), Tensor(weight)))
+    assert np.isnan(nll[4]) and np.isnan(dlogits[4]).all()
+    assert np.isfinite(np.delete(nll, 4)).all() and np.isfinite(np.delete(dlogits, 4, 0)).all()
+    if device == "CPU":
+        labels[0] = vocab
+        with pytest.raises(RuntimeError):
+            ms.jit(kernel)(Tensor(logits), Tensor(labels), Tensor(weight))[0].asnumpy()
+
+
 def test_without_a_library_the_cpu_kernels_are_the_graph_formulas(monkeypatch):
     monkeypatch.setattr(cpu_native, "library", lambda: None)
     assert type(kernels.rms_norm(8, 1e-6, "CPU")) is cpu.RowRMSNormalize
@@ -248,6 +282,7 @@ def test_without_a_library_the_cpu_kernels_are_the_graph_formulas(monkeypatch):
     assert kernels.slot_gather("CPU") is cpu.gather_source_rows
     assert kernels.slot_combine("CPU") is cpu.combine_slot_rows
     assert kernels.row_squares("CPU") is cpu.row_squares
+    assert type(kernels.softmax_nll("CPU")) is cpu.SoftmaxNLL
 
 
 def test_the_switch_and_a_missing_compiler_are_reported_not_raised(monkeypatch):
