@@ -90,6 +90,11 @@ def _dot_row_squares(x_Rn, piece):
     return cpu.row_squares(x_Rn, piece)
 
 
+def _selection_scores_with_gradient(scores_TE, bias_E=None):
+    """``model.moe.router.selection_scores`` before its gradient stop."""
+    return scores_TE if bias_E is None else scores_TE + bias_E.astype(ms.float32)
+
+
 def _no_native_library():
     """``model.kernels.cpu_native.library`` before the compiled kernels: none, so the MindSpore formulas run."""
     return None
@@ -110,6 +115,7 @@ VARIANTS = {
         (("mindmoe.model.kernels.CPU_KERNELS[slot_combine]",), lambda: cpu.combine_slot_rows),
     ),
     "softmax_nll=formula": ((("mindmoe.model.kernels.CPU_KERNELS[softmax_nll]",), cpu.SoftmaxNLL),),
+    "selection=gradient": ((("mindmoe.model.moe.router.selection_scores",), _selection_scores_with_gradient),),
     "norm=dots": ((("mindmoe.model.kernels.CPU_KERNELS[row_squares]",), lambda: _dot_row_squares),),
     "split=slices": (
         (("mindmoe.model.attention.query_chunks",), _sliced_query_chunks),

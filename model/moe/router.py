@@ -87,6 +87,12 @@ def descending_order(x_TE):
     return order_TE.astype(ms.int32)
 
 
+def selection_scores(scores_TE, bias_E=None):
+    """The scores the selection orders (plus the correction bias), without gradient: indices carry none, and
+    without the stop MindSpore 2.9 still built the backward of every op on the way to the sort keys (all zeros)."""
+    return ops.stop_gradient(scores_TE if bias_E is None else scores_TE + bias_E.astype(ms.float32))
+
+
 def select_experts(scores_TE, top_k: int, bias_E=None, n_group: int = 1, topk_group: int = 1):
     """Natural top-K expert indices ``[T, K]`` int32, best first, ties to the lower index.
 
@@ -97,7 +103,7 @@ def select_experts(scores_TE, top_k: int, bias_E=None, n_group: int = 1, topk_gr
     group). Ties are broken exactly (:func:`descending_order`): expert locking compares top-K sets, so
     equal scores must resolve alike on every backend.
     """
-    choice_TE = scores_TE if bias_E is None else scores_TE + bias_E.astype(ms.float32)
+    choice_TE = selection_scores(scores_TE, bias_E)
     if n_group > 1:
         num_tokens, num_experts = choice_TE.shape
         per_group = num_experts // n_group
