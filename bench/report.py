@@ -193,7 +193,9 @@ def render_markdown(rows: list, machine: dict, run_id: str, size) -> str:
             "## train_step",
             "",
             "`train.step.CompiledStep` with `train.optim` (mindformers AdamW, fused update), median of the timed "
-            "steps. "
+            "steps after the warm-up steps of `bench.specs` (4 at full size: the first compiles, and the next ones "
+            "ran up to 20 % slower than the rest, PyTorch's eager step too; every step function gets the same warm-up "
+            "windows). "
             "compile = first step - median step. Peak RSS ratio = (peak RSS - RSS after importing the "
             "framework) / (16 bytes x params + activations), activations = the fp32 tensors the step keeps for "
             "backward, computed per layer from their shapes (`bench.specs.activation_bytes`), not measured. "
