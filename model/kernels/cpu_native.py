@@ -175,7 +175,7 @@ class NativeRowSquares(nn.Cell):
     """:func:`~.cpu.row_squares` as one pass over each row (``MindmoeRowSquares``), summed in float64 and rounded
     once; ``piece`` (the formula's dot-product length) is not used. The global gradient norm takes it for every
     parameter each step: MindSpore's CPU MatMul ran the formula's ``[1, p] x [p, 1]`` dots at about 2.7 GB/s (75 ms
-    of the benchmark's 1.4 s MoE step for the 24 expert tensors). Any step may call it: it has no gradient and
+    of the benchmark's 1.5 s MoE step for the 24 expert tensors). Any step may call it: it has no gradient and
     reads each element once."""
 
     def __init__(self, lib: str):
