@@ -20,6 +20,7 @@ import numpy as np
 from mindspore import Tensor, nn, ops
 
 from mindmoe.model import kernels
+from mindmoe.model.kernels.cpu import logits_nll
 
 #: fp32 bytes of one chunk's ``[c, V]`` logits. The loss holds 4-7 buffers of that size at once on CPU (its
 #: elementwise steps and their workspaces; ``python bench/loss_memory.py``), so this bounds them near 0.2 GiB; at
@@ -84,11 +85,8 @@ class TokenNLL(nn.Cell):
         """``(nll [c], dx [c, H] or 0, dhead [V, H] or 0)`` of one chunk; gradients of ``sum_c w_c nll_c``."""
         logits_cV = self.matmul_nt(x_cH.astype(self.compute_dtype), head_VH).astype(ms.float32)
         zero = ops.zeros((), ms.float32)
-        if not self.grads:
-            max_c1 = logits_cV.max(-1, keepdims=True)
-            sum_c1 = ops.exp(logits_cV - self.expand(max_c1, logits_cV.shape)).sum(-1, keepdims=True)
-            label_c = ops.gather_elements(logits_cV, 1, labels_c.reshape(-1, 1)).reshape(-1)
-            return (max_c1 + ops.log(sum_c1)).reshape(-1) - label_c, zero, zero
+        if not self.grads:  # the loss alone, by the kernel's formula
+            return logits_nll(logits_cV, labels_c, self.expand)[0], zero, zero
         # (softmax - onehot) * w while the chunk's softmax is at hand (kernels.softmax_nll).
         nll_c, dlogits_cV = self.softmax_nll(logits_cV, labels_c, weight_c)
         dlogits_cV = dlogits_cV.astype(self.compute_dtype)

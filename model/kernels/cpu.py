@@ -139,10 +139,20 @@ def row_squares(x_Rn, piece):
     ``[1, p] x [p, 1]`` MatMul) and their sum; ``piece`` divides ``n`` (None: one dot product per row). On CPU,
     MindSpore 2.9's ReduceSum of a squared ``[8192, 512]`` gradient ran 4-5x slower than one dot product of it."""
     rows = x_Rn.shape[0]
-    pieces_R1P = (
-        x_Rn.astype(ms.float32).reshape(rows, 1, -1) if piece is None else x_Rn.astype(ms.float32).reshape(-1, 1, piece)
-    )
+    x_Rn = x_Rn.astype(ms.float32)
+    pieces_R1P = x_Rn.reshape(rows, 1, -1) if piece is None else x_Rn.reshape(-1, 1, piece)
     return _ROW_DOTS(pieces_R1P, pieces_R1P).reshape(rows, -1).sum(1)
+
+
+def logits_nll(logits_cV, labels_c, expand):
+    """``(nll [c], exp [c, V], sum [c, 1])``: ``nll_t = logsumexp(logits_t) - logits_t[label_t]`` by the row max,
+    and the exponentials shifted by it with their row sums (what the gradient scales). ``expand``: the device's
+    ``kernels.expand``."""
+    max_c1 = logits_cV.max(-1, keepdims=True)
+    exp_cV = ops.exp(logits_cV - expand(max_c1, logits_cV.shape))
+    sum_c1 = exp_cV.sum(-1, keepdims=True)
+    label_c = ops.gather_elements(logits_cV, 1, labels_c.reshape(-1, 1)).reshape(-1)
+    return (max_c1 + ops.log(sum_c1)).reshape(-1) - label_c, exp_cV, sum_c1
 
 
 class SoftmaxNLL(nn.Cell):
@@ -157,11 +167,7 @@ class SoftmaxNLL(nn.Cell):
         self.expand = expand
 
     def construct(self, logits_cV, labels_c, weight_c):
-        max_c1 = logits_cV.max(-1, keepdims=True)
-        exp_cV = ops.exp(logits_cV - self.expand(max_c1, logits_cV.shape))
-        sum_c1 = exp_cV.sum(-1, keepdims=True)
-        label_c = ops.gather_elements(logits_cV, 1, labels_c.reshape(-1, 1)).reshape(-1)
-        nll_c = (max_c1 + ops.log(sum_c1)).reshape(-1) - label_c
+        nll_c, exp_cV, sum_c1 = logits_nll(logits_cV, labels_c, self.expand)
         factor_c1 = weight_c.reshape(-1, 1) / sum_c1
         probs_cV = exp_cV * self.expand(factor_c1, exp_cV.shape)
         at_label_c2 = ops.stack((ops.arange(0, labels_c.shape[0], dtype=ms.int32), labels_c), 1)

@@ -28,9 +28,9 @@ from filelock import FileLock
 
 log = logging.getLogger("mindmoe.kernels")
 
-#: The library's sources: every ``.cc`` file is compiled; the header is part of the library's name too.
-SOURCES = tuple(sorted(Path(__file__).with_name("native").glob("*.cc"))) + (
-    Path(__file__).with_name("native") / "common.h",
+#: The library's sources: every ``.cc`` file is compiled; the headers are part of the library's name too.
+SOURCES = tuple(sorted(Path(__file__).with_name("native").glob("*.cc"))) + tuple(
+    sorted(Path(__file__).with_name("native").glob("*.h"))
 )
 SWITCH_ENV = "MINDMOE_NATIVE_KERNELS"
 #: Every flag is part of the library's name. No fast-math: the kernels keep IEEE semantics (NaN and inf propagate,
