@@ -12,7 +12,7 @@ import time
 import numpy as np
 
 from mindmoe.bench.peak_memory import current_rss, own_peak_rss
-from mindmoe.bench.specs import BenchSize, activation_bytes, model_config, theoretical_train_bytes
+from mindmoe.bench.specs import BENCH_MOE, BenchSize, activation_bytes, model_config, theoretical_train_bytes
 
 
 def _graph_mode():
@@ -72,7 +72,7 @@ def build_trainer(cfg, seed: int = 0, cell_reuse: bool = False):
     from mindmoe.train.optim import build_optimizer
     from mindmoe.train.step import CompiledStep
 
-    model = MoETransformer(cfg, seed=seed, cell_reuse=cell_reuse)
+    model = MoETransformer(cfg, seed=seed, cell_reuse=cell_reuse, moe=BENCH_MOE)
     optimizer = build_optimizer(model.trainable_params(), TrainConfig(max_steps=1000, warmup_ratio=0.0))
     trainer = CompiledStep(model, optimizer, grad_clip=1.0, accum_steps=1)
     num_params = sum(int(np.prod(p.shape)) for p in model.trainable_params())
@@ -210,7 +210,7 @@ def dispatch_seconds(cfg, num_tokens: int, repeats: int = 5) -> float:
     from mindmoe.model.moe.dispatch import capacity_slots, combine_from_slots, expert_capacity, gather_to_slots
     from mindmoe.model.moe.router import gather_weights, router_scores, select_experts
 
-    capacity = expert_capacity(num_tokens, cfg.top_k, cfg.num_experts, cfg.capacity_factor)
+    capacity = expert_capacity(num_tokens, cfg.top_k, cfg.num_experts, BENCH_MOE.capacity_factor)
 
     def route_and_move(x_TH, logits_TE):
         scores_TE = router_scores(logits_TE, cfg.score_func)

@@ -51,7 +51,6 @@ def model_config(topk: int):
         top_k=2,
         moe_intermediate_size=128,
         intermediate_size=512,
-        dispatch="dropless",
         dsa=dict(index_n_heads=8, index_head_dim=32, index_topk=topk),
     )
 
@@ -64,11 +63,12 @@ def measure_case(case: str, seq_len: int, batch: int) -> dict:
 
     from mindmoe.model import attention
     from mindmoe.model.kernels.host_runtime import configure_host_runtime
+    from mindmoe.model.moe_config import MoEConfig
     from mindmoe.model.transformer import MoETransformer
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
     configure_host_runtime("CPU")
-    model = MoETransformer(model_config(256))
+    model = MoETransformer(model_config(256), moe=MoEConfig(dispatch="dropless"))
     if case == "full":  # no sequence is past the block size: every DSA layer takes the whole mask
         attention.BLOCK_SIZE = seq_len
     rng = np.random.default_rng(0)

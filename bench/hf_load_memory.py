@@ -141,6 +141,7 @@ def load_in_this_process(directory: str):
 
     from mindmoe.model.deferred_init import checkpoint_weights
     from mindmoe.model.hf import load_hf_weights, plan_hf_weights, read_pretrained_config
+    from mindmoe.model.moe_config import MoEConfig
     from mindmoe.model.transformer import MoETransformer
 
     baseline = current_rss()
@@ -149,7 +150,7 @@ def load_in_this_process(directory: str):
     imported = read_pretrained_config(directory)
     plan = plan_hf_weights(directory, imported)
     with checkpoint_weights():
-        model = MoETransformer(imported.model_config)
+        model = MoETransformer(imported.model_config, moe=MoEConfig(dispatch="dropless"))
     built = time.perf_counter()
     peak_after_build = own_peak_rss()
     load_hf_weights(model, plan)

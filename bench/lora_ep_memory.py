@@ -5,7 +5,7 @@ Writes a random HF ``glm4_moe`` directory shaped like a shrunken GLM-4.5-Air (12
 with its correction bias, one shared expert, one dense layer first, routed experts holding most of the bytes; about
 ``--gib`` GiB of fp16 weights, with the bundled tiny tokenizer): layers are added until it is that large, or with
 ``--layers`` the layer count is fixed and the experts are widened instead. Then it runs ``mindmoe-train
-recipe=lora_business model.pretrained=<it> model.dispatch=dropless`` (the HF import's own choice, stated) in one process
+recipe=lora_business model.pretrained=<it> moe.dispatch=dropless`` (the HF import's own choice, stated) in one process
 and ``mindmoe-launch ... parallel.ep=2`` on 2 workers for ``--steps`` steps. It reports the per-step losses of both (the
 largest relative difference), whether the two PEFT adapter files are byte-identical, and each run's peak RSS above the
 framework baseline (RSS after importing MindSpore and mindmoe's trainer): the largest worker's for the launch. The
@@ -16,7 +16,7 @@ as in published checkpoints. The one process runs with the kernel threads of eac
 kernels split their sums by thread, so the comparison is then of the layouts alone (with all cores in the one process
 its adapter file differed from the workers' in the last bits). ``--dispatcher alltoall``: the workers split the tokens
 (each its own micro-batch of one conversation, ``parallel.ep_dispatcher=alltoall``) and both runs use ``lora.dropout=0``
-and ``model.aux_loss=none``: data-parallel ranks draw independent dropout masks, and the switch balancing loss is a
+and ``moe.aux_loss=none``: data-parallel ranks draw independent dropout masks, and the switch balancing loss is a
 function of the micro-batch's load. Prints one JSON object as its last line. Not part of the test suite (two real runs
 of a model of about a GiB).
 """
@@ -145,13 +145,13 @@ def measure(directory: Path, work: Path, steps: int, dispatcher: str = "allgathe
     split = dispatcher == "alltoall"
     # Per micro-batch terms differ when the micro-batches do: the dropout masks (drawn per data-parallel rank)
     # and the switch balancing loss (its load fractions are a micro-batch's).
-    overrides = ("lora.dropout=0", "model.aux_loss=none") if split else ()
+    overrides = ("lora.dropout=0", "moe.aux_loss=none") if split else ()
     overrides += (
         "recipe=lora_business",
         f"model.pretrained={directory}",
         # What the HF import chooses anyway (model/hf/config_map.py: HF's glm4_moe drops no token), stated so
         # the figures say which dispatch they are of: with alltoall the workers then exchange tokens.
-        "model.dispatch=dropless",
+        "moe.dispatch=dropless",
         # Two conversations per step: the activations stay small beside the weights, whose share ep divides.
         "data.global_batch_size=2",
         f"train.max_steps={steps}",

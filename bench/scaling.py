@@ -31,8 +31,8 @@ TIMEOUT_S = 900
 # The measurement: a tiny fine-grained MoE, default data (seq 128, 16 sequences per step).
 EXPERTS_BASE = ("model.top_k=8", "model.moe_intermediate_size=32")
 DISPATCH = {
-    "capacity": ("model.dispatch=capacity", "model.capacity_factor=1.25"),
-    "dropless": ("model.dispatch=dropless",),
+    "capacity": ("moe.dispatch=capacity", "moe.capacity_factor=1.25"),
+    "dropless": ("moe.dispatch=dropless",),
 }
 # One sequence per step; RoPE tables long enough for every length of the group.
 LENGTH_BASE = ("data.micro_batch_size=1", "data.global_batch_size=1", "model.max_position_embeddings=8192")

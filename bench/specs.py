@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe_config import MoEConfig
 
 
 @dataclass(frozen=True)
@@ -94,16 +95,16 @@ def model_config(size: BenchSize, kind: str, num_layers: int = 0, hidden_size: i
         moe_intermediate_size=int(size.expert_width * scale),
         intermediate_size=int(TOP_K * size.expert_width * scale),
         score_func="softmax",
-        aux_loss="switch",
-        z_loss_coeff=1e-3,
-        dispatch="capacity",
-        capacity_factor=CAPACITY_FACTOR,
     )
     if kind == "dense":
         return dataclasses.replace(base, first_k_dense=layers)
     if kind == "moe":
         return dataclasses.replace(base, first_k_dense=0)
     raise ValueError(f"model kind {kind!r}: expected 'dense' or 'moe'")
+
+
+#: The MoE policy every bench model trains with: capacity dispatch, the switch aux loss and the z-loss.
+BENCH_MOE = MoEConfig(dispatch="capacity", capacity_factor=CAPACITY_FACTOR, aux_loss="switch", z_loss_coeff=1e-3)
 
 
 def theoretical_train_bytes(num_params: int) -> int:
@@ -131,7 +132,7 @@ def activation_bytes(cfg: ModelConfig, batch: int, seq_len: int) -> int:
     q, kv = cfg.num_heads * head_dim, cfg.num_kv_heads * head_dim
     attention = 4 * hidden + (q + 2 * kv) + (q + kv) + cfg.num_heads * keys + q
     dense_ffn = 4 * cfg.intermediate_size
-    slots = cfg.top_k * (cfg.capacity_factor if cfg.dispatch == "capacity" else 1.0)
+    slots = cfg.top_k * (BENCH_MOE.capacity_factor if BENCH_MOE.dispatch == "capacity" else 1.0)
     moe_ffn = (
         slots * (4 * cfg.moe_intermediate_size + 2 * hidden)
         + 2 * cfg.num_experts

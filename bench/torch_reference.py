@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mindmoe.bench.specs import BenchSize, model_config
+from mindmoe.bench.specs import BENCH_MOE, BenchSize, model_config
 
 
 class RMSNorm(nn.Module):
@@ -89,7 +89,7 @@ class MoE(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.top_k, self.num_experts = cfg.top_k, cfg.num_experts
-        self.aux_coeff, self.z_coeff = cfg.aux_loss_coeff, cfg.z_loss_coeff
+        self.aux_coeff, self.z_coeff = BENCH_MOE.aux_loss_coeff, BENCH_MOE.z_loss_coeff
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
 

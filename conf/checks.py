@@ -16,6 +16,7 @@ from typing import Optional
 
 from mindmoe.conf.explicit_keys import explicit_keys, model_fields
 from mindmoe.conf.key_effects import warn_keys_without_effect
+from mindmoe.conf.moe_policy import run_moe_config
 from mindmoe.conf.ranges import check_ranges
 from mindmoe.data.config import validate_batch_sizes
 from mindmoe.launch.config import validate_launch_config, world_size
@@ -58,6 +59,7 @@ def validate_run_config(cfg, device_target: Optional[str]) -> None:
     validate_batch_sizes(cfg.data)
     validate_train_config(cfg.train)
     validate_precision(cfg.train, device_target)
+    run_moe_config(cfg)
     if device_target == "CPU" and cfg.lora.enabled and cfg.lora.base_dtype == "bf16":
         raise ValueError(
             "lora.base_dtype=bf16: the CPU backend of MindSpore 2.9 has no bf16 kernel for the copies the train "

@@ -26,7 +26,7 @@ ROOT_CONFIG = "config.yaml"
 
 
 def explicit_keys(task_overrides: Iterable[str], runtime=None) -> Set[str]:
-    """Dotted keys (``model.expert_lock``, ``train.lr``, ``model.rope_scaling.type``) set by the command
+    """Dotted keys (``moe.expert_lock``, ``train.lr``, ``model.rope_scaling.type``) set by the command
     line (Hydra's ``overrides.task``) or by a chosen group option's YAML file.
 
     ``runtime``: Hydra's ``hydra.runtime`` node (``choices``, ``config_sources``) when a Hydra job

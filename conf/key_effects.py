@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Tuple
 
+from mindmoe.conf.moe_policy import run_moe_config
 from mindmoe.model.config import GQA_ONLY_KEYS
 
 log = logging.getLogger("mindmoe.config")
@@ -35,14 +36,17 @@ RULES = (
         lambda cfg, model: "model.attention_type=mla reads its own widths (q_lora_rank .. v_head_dim), not GQA's",
     ),
     NoEffectRule(
-        ("model.capacity_factor",),
-        lambda cfg, model: model.dispatch == "dropless",
-        lambda cfg, model: "model.dispatch=dropless drops no token, so there is no capacity",
+        ("moe.capacity_factor",),
+        lambda cfg, model: run_moe_config(cfg).dropless,
+        lambda cfg, model: (
+            "moe.dispatch=dropless drops no token, so there is no capacity"
+            + (" (auto: the weights come from a checkpoint)" if cfg.moe.dispatch == "auto" else "")
+        ),
     ),
     NoEffectRule(
-        ("model.lock_run_length", "model.lock_span", "model.isolation_decay", "model.isolation_mode"),
-        lambda cfg, model: not model.expert_lock,
-        lambda cfg, model: "model.expert_lock=false: locking and its gradient isolation are off",
+        ("moe.lock_run_length", "moe.lock_span", "moe.isolation_decay", "moe.isolation_mode"),
+        lambda cfg, model: not cfg.moe.expert_lock,
+        lambda cfg, model: "moe.expert_lock=false: locking and its gradient isolation are off",
     ),
     NoEffectRule(
         ("train.loss_scale", "train.loss_scale_window"),

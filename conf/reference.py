@@ -1,6 +1,6 @@
 """Markdown reference tables of config sections, generated from the dataclasses (key, default, meaning).
 
-Each key is documented once, by the ``#:`` comment above its dataclass field; the README's key tables
+Each key is documented once, by the ``#:`` comment above its dataclass field; docs/configuration.md's key tables
 are this output (a test compares them), so a default or a description cannot drift between the two.
 
     python -m mindmoe.conf.reference launch     # the table of the launch.* keys

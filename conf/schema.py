@@ -15,6 +15,7 @@ from mindmoe.data.config import DataConfig
 from mindmoe.launch.config import LaunchConfig, ParallelConfig, PlanConfig
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lora import LoraConfig
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.eval_config import EvalConfig
 from mindmoe.train.export_config import ExportConfig
@@ -24,7 +25,10 @@ SAMPLES_DIR = Path(__file__).resolve().parent.parent / "data" / "samples"
 
 @dataclass
 class Config:
+    #: The architecture (what a checkpoint's ``config.json`` / ``state.json`` stores) and where it comes from.
     model: ModelConfig = field(default_factory=ModelConfig)
+    #: MoE training policy: token dispatch, balancing losses, bias update, expert locking.
+    moe: MoEConfig = field(default_factory=MoEConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -4,9 +4,12 @@ Training does the same on demand; running it first (once per cluster node or sha
 keeps workers from waiting on each other.
 """
 
+import sys
+
 import hydra
 
 from mindmoe.conf.exit_codes import reports_errors
+from mindmoe.conf.moved_keys import exit_on_moved_keys
 from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 
@@ -28,4 +31,5 @@ def _main(cfg) -> None:
 
 def main() -> None:
     quiet_framework_logs()
+    exit_on_moved_keys("mindmoe-data", sys.argv[1:])
     _main()

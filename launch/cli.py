@@ -25,6 +25,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from mindmoe.conf.checks import check_launch_config
 from mindmoe.conf.exit_codes import CONFIG_ERRORS, reports_errors
+from mindmoe.conf.moved_keys import exit_on_moved_keys
 from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 from mindmoe.launch.config import validate_launch_config
@@ -90,6 +91,7 @@ def _main(cfg) -> None:
 
 def main() -> None:
     quiet_framework_logs()
+    exit_on_moved_keys("mindmoe-launch", sys.argv[1:])
     _main()
 
 

@@ -102,7 +102,7 @@ phases: built, compiled, stepping; one factor changed at a time around the tiny 
   they are counted for the one rebuilt layer (not measured); MTP blocks are kept layers (not measured).
 """
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from math import gcd
 from typing import List
 
@@ -121,6 +121,7 @@ from mindmoe.launch.plan_activations import (  # noqa: F401 (the planner's names
 )
 from mindmoe.launch.plan_params import RankParameters, Trained, rank_parameters
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe_config import MoEConfig
 
 GIB = 2**30
 #: model/attention.py BLOCKWISE_DEVICES (copied so that a plan imports no MindSpore; tests/unit/test_plan.py checks
@@ -189,6 +190,8 @@ class Setup:
     zero: int = 0
     #: ``train.grad_clip > 0``: the update reads a clipped copy of the gradients.
     clip: bool = True
+    #: ``moe.*``, ``dispatch`` resolved (capacity dispatch buffers ``capacity_factor`` rows per assignment).
+    moe: MoEConfig = field(default_factory=lambda: MoEConfig(dispatch="capacity"))
 
     @property
     def compute_bytes(self) -> int:
@@ -273,7 +276,7 @@ def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig
     if replicas > 1 or layout.expert_replicas > 1:
         memory.comm += 4 * params.trained
     if layout.ep > 1:
-        rows = routed_rows_per_token(cfg, layout)
+        rows = routed_rows_per_token(cfg, layout, setup.moe)
         memory.comm += 2 * rows * batch.tokens * cfg.hidden_size * setup.compute_bytes
     if setup.device == "CPU":
         add_cpu_runtime(memory, cfg, layout, batch)

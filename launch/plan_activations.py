@@ -6,6 +6,7 @@ their ``compute_bytes`` / ``blockwise`` and ``routed`` / ``ep`` are read, so not
 """
 
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe_config import MoEConfig
 
 #: model/lm_loss.py CHUNK_BYTES (copied so that a plan imports no MindSpore; tests/unit/test_plan.py checks it).
 LOSS_CHUNK_BYTES = 32 * 2**20
@@ -21,10 +22,10 @@ BLOCK_SIZE = 512
 DSA_BLOCK_TENSORS = (3, 4)
 
 
-def routed_rows_per_token(cfg: ModelConfig, layout) -> float:
-    """Expert input rows per token of this rank's micro-batch (module docstring)."""
-    if cfg.dispatch != "dropless":
-        return cfg.top_k * cfg.capacity_factor
+def routed_rows_per_token(cfg: ModelConfig, layout, moe: MoEConfig) -> float:
+    """Expert input rows per token of this rank's micro-batch under policy ``moe`` (module docstring)."""
+    if not moe.dropless:
+        return cfg.top_k * moe.capacity_factor
     if layout.routed:
         return layout.ep * min(cfg.top_k, cfg.num_experts // layout.ep)
     return cfg.top_k
@@ -153,7 +154,7 @@ def loss_bytes(cfg: ModelConfig, tokens: int, head_trained: bool) -> float:
 def activation_memory(cfg: ModelConfig, layout, batch, setup) -> float:
     """Activations of one micro-batch of ``batch.tokens`` tokens on one rank (module docstring)."""
     c, tokens = setup.compute_bytes, batch.tokens
-    rows = routed_rows_per_token(cfg, layout)
+    rows = routed_rows_per_token(cfg, layout, setup.moe)
     per_layer = [
         activation_bytes_per_token(cfg, layer >= cfg.first_k_dense, batch.seq_len, setup, rows)
         for layer in range(cfg.num_layers)

@@ -1,6 +1,6 @@
 """``mindmoe-plan``: parameter counts and per-device training memory of the trainer, from the config alone.
 
-    mindmoe-plan model=glm45_air model.bias_update_rate=0 lora.enabled=true plan.devices=8 plan.device_memory_gb=64
+    mindmoe-plan model=glm45_air moe.bias_update_rate=0 lora.enabled=true plan.devices=8 plan.device_memory_gb=64
 
 The first two lines are always ``total parameters: N`` and ``active parameters: N``; then the
 breakdown and the memory of one layout: the ``parallel.*`` / ``train.recompute`` layout when one is
@@ -16,6 +16,8 @@ import hydra
 from omegaconf import OmegaConf
 
 from mindmoe.conf.exit_codes import CONFIG_ERROR, reports_errors
+from mindmoe.conf.moe_policy import run_moe_config
+from mindmoe.conf.moved_keys import exit_on_moved_keys
 from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 from mindmoe.launch.plan import (
@@ -33,6 +35,7 @@ from mindmoe.launch.plan import (
 from mindmoe.launch.plan_params import Trained, lora_trained
 from mindmoe.launch.plan_report import memory_lines, search_lines
 from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.moe_config import validate_moe_config
 from mindmoe.model.param_count import CATEGORIES, count_parameters, mtp_layer_parameters
 
 register_configs()
@@ -159,7 +162,9 @@ def run_setup(cfg, model: ModelConfig, plan_cfg: PlanConfig) -> Setup:
     if zero not in (0, 1):
         raise ValueError(f"parallel.zero={zero} must be 0 or 1 (ZeRO-1; ZeRO-2 and 3 are not implemented)")
     clip = cfg.train.grad_clip > 0
-    return Setup(device=plan_cfg.device, compute_dtype=dtype, trained=trained, zero=zero, clip=clip)
+    moe = run_moe_config(cfg)
+    validate_moe_config(moe, model.expert_bias)
+    return Setup(device=plan_cfg.device, compute_dtype=dtype, trained=trained, zero=zero, clip=clip, moe=moe)
 
 
 def given_layout(cfg, devices: int) -> Layout:
@@ -231,6 +236,7 @@ def _main(cfg) -> None:
 
 def main() -> None:
     quiet_framework_logs()
+    exit_on_moved_keys("mindmoe-plan", sys.argv[1:])
     removed = removed_key_error(sys.argv[1:])
     if removed:
         print(f"mindmoe-plan: error: {removed}", file=sys.stderr)

@@ -45,7 +45,7 @@ def activation_note(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup) 
         attention = "full S x S scores"
     else:
         attention = "blockwise DSA (indexed_attention)" if dsa_active(model) else "blockwise attention"
-    rows = routed_rows_per_token(model, plan.layout)
+    rows = routed_rows_per_token(model, plan.layout, setup.moe)
     mtp = f"; {model.mtp_layers} MTP depth(s) kept whole" if model.mtp_layers else ""
     return f"{kept}; {attention}; {rows:g} expert rows per token{mtp}, train.dtype={setup.compute_dtype}"
 

@@ -10,6 +10,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import List, Optional
 
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe_config import MOE_KEYS, MoEConfig
 
 #: Parameters by their model names (safetensors).
 MODEL_FILE = "model.safetensors"
@@ -40,6 +41,21 @@ def checkpoint_model_config(checkpoint_dir: Path) -> ModelConfig:
     if not isinstance(state, dict) or "model_config" not in state:
         raise ValueError(f"{state_path} has no 'model_config'")
     return ModelConfig.from_dict(state["model_config"], f"{state_path} model_config")
+
+
+def checkpoint_moe_config(checkpoint_dir: Path) -> MoEConfig:
+    """The MoE policy a checkpoint was trained with (``state.json`` ``moe_config``; a checkpoint written before
+    the ``moe.*`` section kept those keys in ``model_config``); the defaults when it records neither."""
+    state_path = Path(checkpoint_dir) / STATE_FILE
+    try:
+        state = read_state(checkpoint_dir)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{state_path}: cannot be read ({err})") from None
+    if isinstance(state, dict) and isinstance(state.get("moe_config"), dict):
+        return MoEConfig.from_dict(state["moe_config"], f"{state_path} moe_config")
+    recorded = state.get("model_config") if isinstance(state, dict) else None
+    legacy = {key: recorded[key] for key in MOE_KEYS if isinstance(recorded, dict) and key in recorded}
+    return MoEConfig(**legacy)
 
 
 def checkpoint_tokenizer_names(checkpoint_dir: Path) -> Optional[List[str]]:

@@ -10,15 +10,13 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from mindmoe.model.dsa_config import DSAConfig, dsa_config, validate_dsa
+from mindmoe.model.moe_config import MOE_KEYS
 from mindmoe.model.rope_scaling import RopeScalingConfig, rope_scaling_config, validate_rope_scaling
 
 SCORE_FUNCS = ("softmax", "sigmoid")
-AUX_LOSS_TYPES = ("switch", "seq", "none")
-ISOLATION_MODES = ("expert_update", "token_grad")
 ATTENTION_TYPES = ("gqa", "mla")
 #: GQA keys an MLA model does not read (its widths are the ``qk_*`` / ``v_head_dim`` / ``*_lora_rank`` keys).
 GQA_ONLY_KEYS = ("num_kv_heads", "head_dim", "qkv_bias", "qk_norm", "partial_rotary_factor")
-DISPATCH_MODES = ("capacity", "dropless")
 
 
 @dataclass
@@ -27,9 +25,9 @@ class ModelConfig:
 
     #: A local HF checkpoint directory (config.json, *.safetensors, tokenizer files) to start from:
     #: its config.json gives the architecture, its weights the initial parameters and its tokenizer the
-    #: data's. ``model.*`` keys set explicitly (command line, chosen recipe or model group) may change
-    #: training settings (dispatch, capacity, balancing, locking, RoPE scaling); architecture keys must
-    #: agree with config.json.
+    #: data's. Other ``model.*`` keys set explicitly must agree with config.json, except the context keys
+    #: (``max_position_embeddings``, ``rope_scaling``), ``initializer_range`` and how many of its MTP depths
+    #: to train (``mtp_layers``); how it trains is ``moe.*`` and ``dsa.*``.
     pretrained: Optional[str] = None
 
     #: Vocabulary size; 0 = take it from the tokenizer.
@@ -92,11 +90,9 @@ class ModelConfig:
     #: Router score function: softmax or sigmoid (GLM-4.5: sigmoid).
     score_func: str = "softmax"
     #: Aux-loss-free balancing (DeepSeek-V3 / GLM-4.5 ``e_score_correction_bias``): a per-expert bias
-    #: added to the scores for selection only; the combine weights use the unbiased scores.
+    #: added to the scores for selection only; the combine weights use the unbiased scores. How fast it
+    #: moves is training policy (``moe.bias_update_rate``).
     expert_bias: bool = False
-    #: Bias step per optimizer step, ``b += rate * sign(mean_load - load)`` from the effective routing
-    #: counts of the whole global batch; 0 keeps the bias fixed (e.g. an imported one).
-    bias_update_rate: float = 0.0
     #: Expert groups for group-limited routing; 1 = no grouping.
     n_group: int = 1
     #: Groups a token may route into (group score = sum of its top-2 scores).
@@ -105,29 +101,6 @@ class ModelConfig:
     norm_topk_prob: bool = True
     #: Multiplier on the routed output (GLM-4.5: 2.5).
     routed_scaling_factor: float = 1.0
-    #: Load-balancing loss: switch (coeff * E * sum_e f_e P_e, f_e = c_e / (k T), over the micro-batch),
-    #: seq (the same per sequence, averaged over sequences; DeepSeek-V3) or none.
-    aux_loss: str = "switch"
-    #: Coefficient of the aux loss; perfectly balanced routing gives exactly this value per layer.
-    aux_loss_coeff: float = 1e-2
-    #: Coefficient of the router z-loss, coeff * mean(logsumexp(logits)^2); 0 disables it.
-    z_loss_coeff: float = 1e-3
-    #: capacity (static buffers, overflow dropped by position) or dropless (exact, no token dropped).
-    dispatch: str = "capacity"
-    #: Expert capacity = ceil(capacity_factor * tokens * top_k / num_experts) per micro-batch.
-    capacity_factor: float = 1.25
-    #: Expert locking: after ``lock_run_length`` consecutive tokens of a document with the same natural
-    #: top-k set, the next ``lock_span`` tokens are routed to that set.
-    expert_lock: bool = False
-    #: Identical consecutive routing decisions that start a lock.
-    lock_run_length: int = 5
-    #: Tokens after a qualifying run that stay locked.
-    lock_span: int = 10
-    #: lambda: how much locked tokens still train the experts they are locked to (1 = no isolation).
-    isolation_decay: float = 0.3
-    #: expert_update (scale expert e's optimizer update by 1-(1-lambda)*f_e, f_e = locked share of its
-    #: tokens; survives Adam's scale invariance) or token_grad (scale locked tokens' expert gradients).
-    isolation_mode: str = "expert_update"
     #: Share the input embedding with the LM head.
     tie_word_embeddings: bool = False
     #: Standard deviation of the normal initialisation of every matrix.
@@ -155,6 +128,9 @@ class ModelConfig:
         ValueError naming ``source`` for a key this version does not have."""
         if not isinstance(values, dict):
             raise ValueError(f"{source}: must be an object of model.* keys, got {type(values).__name__}")
+        # state.json of a run from before the moe.* section recorded the MoE policy here
+        # (:func:`model.checkpoint_files.checkpoint_moe_config` reads it from there).
+        values = {key: value for key, value in values.items() if key not in MOE_KEYS}
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"{source}: unknown model keys {', '.join(unknown)} (written by another mindmoe version?)")
@@ -194,12 +170,9 @@ SIZE_KEYS = (
     "top_k",
     "max_position_embeddings",
 )
-NON_NEGATIVE_KEYS = ("aux_loss_coeff", "z_loss_coeff", "rms_norm_eps", "initializer_range", "rope_theta")
+NON_NEGATIVE_KEYS = ("rms_norm_eps", "initializer_range", "rope_theta")
 CHOICES = {
     "score_func": SCORE_FUNCS,
-    "aux_loss": AUX_LOSS_TYPES,
-    "dispatch": DISPATCH_MODES,
-    "isolation_mode": ISOLATION_MODES,
     "attention_type": ATTENTION_TYPES,
 }
 #: MLA widths, each >= 1 (``q_lora_rank`` may also be null).
@@ -277,11 +250,6 @@ def _check_routing(cfg: ModelConfig, fail) -> None:
     for key, choices in CHOICES.items():
         if getattr(cfg, key) not in choices:
             fail(key, f"must be one of {choices}")
-    if not 0.0 <= cfg.isolation_decay <= 1.0:
-        fail("isolation_decay", "must be in [0, 1]")
-    for key in ("lock_run_length", "lock_span"):
-        if getattr(cfg, key) < 1:
-            fail(key, "must be >= 1")
     if cfg.n_group < 1 or cfg.num_experts % cfg.n_group:
         fail("n_group", f"must divide model.num_experts={cfg.num_experts}")
     if cfg.n_group > 1 and cfg.num_experts // cfg.n_group < 2:
@@ -290,9 +258,3 @@ def _check_routing(cfg: ModelConfig, fail) -> None:
         fail("topk_group", f"must be between 1 and model.n_group={cfg.n_group}")
     if cfg.n_group > 1 and cfg.top_k > cfg.topk_group * (cfg.num_experts // cfg.n_group):
         fail("top_k", f"exceeds the experts in model.topk_group={cfg.topk_group} groups")
-    if cfg.bias_update_rate < 0:
-        fail("bias_update_rate", "must be >= 0")
-    if cfg.bias_update_rate > 0 and not cfg.expert_bias:
-        fail("bias_update_rate", "needs model.expert_bias=true (there is no bias to update)")
-    if cfg.capacity_factor <= 0:
-        fail("capacity_factor", "must be > 0")

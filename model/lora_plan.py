@@ -127,11 +127,6 @@ def plan_adapters(
     """
     model_type = model_type or names_type(model_cfg)
     validate_lora_config(cfg)
-    if model_cfg.expert_bias and model_cfg.bias_update_rate > 0 and model_cfg.num_moe_layers > 0:
-        raise ValueError(
-            f"model.bias_update_rate={model_cfg.bias_update_rate}: LoRA keeps the base "
-            "model frozen, router correction biases included; set it to 0"
-        )
     candidates = adaptable_projections(model_cfg, model_type)
     adapted = []
     for target in candidates:
@@ -239,7 +234,7 @@ def merge_and_unload(model):
     # A half base is merged in fp32: the merged weight is the rounded base plus the fp32 delta.
     arrays = {p.name: numpy_of(p).astype(np.float32) for p in model.get_parameters()}
     arrays.update(merged_weights(model.adapter_plan, arrays, arrays))
-    plain = MoETransformer(model.config)
+    plain = MoETransformer(model.config, moe=model.moe_config)
     for param in plain.get_parameters():
         param.set_data(Tensor(arrays[param.name], dtype=param.dtype))
     return plain

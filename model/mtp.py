@@ -45,9 +45,15 @@ def mtp_layer_class(decoder_layer_cls):
         ``(h^k [B, S, H] before shared_head.norm, aux, z, routing_stats, layer_stats)``."""
 
         def __init__(
-            self, cfg: ModelConfig, layer_idx: int, rng: np.random.Generator, expert_dispatcher=None, lora=NO_LORA
+            self,
+            cfg: ModelConfig,
+            layer_idx: int,
+            rng: np.random.Generator,
+            expert_dispatcher=None,
+            lora=NO_LORA,
+            moe=None,
         ):
-            super().__init__(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=lora)
+            super().__init__(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=lora, moe=moe)
             hidden = cfg.hidden_size
             self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
             self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)

@@ -5,7 +5,7 @@ and under the same names; ``tests/unit/test_plan.py`` asserts this against an in
 the planner's counts, the HF import's checks (:mod:`model.hf.load`) and the HF export cannot drift
 from the network. Pure Python: nothing is allocated.
 
-Conventions (the README "Planning a run" section repeats them):
+Conventions (docs/planning.md, "Counting convention", states them for users):
 
 - **total** = every trained parameter, input embedding and LM head included (counted once when
   tied). This equals HF ``Glm4MoeForCausalLM(config).num_parameters()``.

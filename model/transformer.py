@@ -1,6 +1,6 @@
 """The decoder-only MoE transformer (GLM-4.5 layout, HF ``glm4_moe`` parameter names).
 
-Parameter names are the checkpoint format (see README "Checkpoint format"):
+Parameter names are the checkpoint format (docs/checkpoints.md, "Parameter names"):
 
     embed_tokens.weight                                  [V, H]
     layers.{i}.input_layernorm.weight                    [H]
@@ -39,6 +39,7 @@ from mindmoe.model.lora_layers import NO_LORA, AdapterScope
 from mindmoe.model.mla import MLAttention
 from mindmoe.model.mlp import SwiGLU
 from mindmoe.model.moe.layer import LAYER_STATS, ROUTING_STATS, MoELayer
+from mindmoe.model.moe_config import MoEConfig, moe_policy, validate_moe_config
 from mindmoe.model.mtp import mtp_layer_class
 from mindmoe.model.norm import RMSNorm
 from mindmoe.model.rope import RotaryEmbedding
@@ -76,6 +77,7 @@ class DecoderLayer(nn.Cell):
         rng: np.random.Generator,
         expert_dispatcher=None,
         lora: AdapterScope = NO_LORA,
+        moe: MoEConfig = None,
     ):
         super().__init__()
         self.is_moe = layer_idx >= cfg.first_k_dense
@@ -84,7 +86,7 @@ class DecoderLayer(nn.Cell):
         self.self_attn = attention_cls(cfg, rng, lora.child("self_attn"))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
-            self.mlp = MoELayer(cfg, rng, expert_dispatcher=expert_dispatcher, lora=lora.child("mlp"))
+            self.mlp = MoELayer(cfg, rng, expert_dispatcher=expert_dispatcher, lora=lora.child("mlp"), moe=moe)
         else:
             self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size, cfg.initializer_range, rng, lora.child("mlp"))
 
@@ -159,9 +161,15 @@ def reused_layer_class(layer_cls):
     class Reused(layer_cls):
         @lazy_inline(attrs=["is_moe"])
         def __init__(
-            self, cfg: ModelConfig, layer_idx: int, rng: np.random.Generator, expert_dispatcher=None, lora=NO_LORA
+            self,
+            cfg: ModelConfig,
+            layer_idx: int,
+            rng: np.random.Generator,
+            expert_dispatcher=None,
+            lora=NO_LORA,
+            moe: MoEConfig = None,
         ):
-            super().__init__(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=lora)
+            super().__init__(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=lora, moe=moe)
 
     Reused.__name__ = Reused.__qualname__ = "Reused" + layer_cls.__name__
     return Reused
@@ -178,7 +186,7 @@ class MoETransformer(nn.Cell):
 
     ``cell_reuse`` (``train.cell_reuse``, Ascend only) builds the layers with :func:`reused_layer_class`.
     ``expert_dispatcher``: a :class:`model.moe.token_dispatcher.ExpertPlacement` that decides which
-    experts this process holds and how tokens reach them (default: one process, ``model.dispatch``);
+    experts this process holds and how tokens reach them (default: one process, ``moe.dispatch``);
     expert parallelism passes its own (``mindmoe.train.expert_parallel``).
 
     The serving graphs reuse the parts: :meth:`embed`, ``layers`` (see :class:`DecoderLayer`),
@@ -199,9 +207,21 @@ class MoETransformer(nn.Cell):
     layers take the whole document-causal mask (no causal chunks, no blockwise attention).
     """
 
-    def __init__(self, cfg: ModelConfig, seed: int = 0, cell_reuse: bool = False, expert_dispatcher=None, lora=None):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        seed: int = 0,
+        cell_reuse: bool = False,
+        expert_dispatcher=None,
+        lora=None,
+        moe: MoEConfig = None,
+    ):
         super().__init__()
         validate_model_config(cfg)
+        moe = moe_policy(moe).resolved(trained_weights=False)
+        validate_moe_config(moe, cfg.expert_bias)
+        #: The MoE training policy the layers were built with (``moe.*``; ``auto`` resolved).
+        self.moe_config = moe
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer takes it from the tokenizer)")
         self.config = cfg
@@ -217,7 +237,7 @@ class MoETransformer(nn.Cell):
             if cell_reuse:
                 layer_cls = reused_layer_class(layer_cls)
             layer_lora = adapters.child(f"layers.{layer_idx}")
-            layers.append(layer_cls(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=layer_lora))
+            layers.append(layer_cls(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=layer_lora, moe=moe))
         self.layers = nn.CellList(layers)
         self.num_dense = cfg.first_k_dense
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -233,7 +253,14 @@ class MoETransformer(nn.Cell):
             mtp_cls = mtp_layer_class(MoEDecoderLayer)
             self.mtp_layers = nn.CellList(
                 [
-                    mtp_cls(cfg, cfg.num_layers + depth, rng, expert_dispatcher, adapters.child(f"mtp_layers.{depth}"))
+                    mtp_cls(
+                        cfg,
+                        cfg.num_layers + depth,
+                        rng,
+                        expert_dispatcher,
+                        adapters.child(f"mtp_layers.{depth}"),
+                        moe=moe,
+                    )
                     for depth in range(cfg.mtp_layers)
                 ]
             )

@@ -15,6 +15,7 @@ from hydra.core.hydra_config import HydraConfig
 
 from mindmoe.conf.exit_codes import reports_errors
 from mindmoe.conf.explicit_keys import explicit_keys, model_fields
+from mindmoe.conf.moved_keys import exit_on_moved_keys
 from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 from mindmoe.launch.msrun import WORKER_BANNER
@@ -69,6 +70,7 @@ def check_run_dir(argv) -> None:
 
 def main() -> None:
     quiet_framework_logs()
+    exit_on_moved_keys("mindmoe-train", sys.argv[1:])
     if os.environ.get("MS_ROLE") == "MS_WORKER":
         # mindmoe-launch maps the pid msrun reports for a failed worker to this rank's log.
         print(WORKER_BANNER.format(rank=os.environ.get("RANK_ID", "?"), pid=os.getpid()), flush=True)

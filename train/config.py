@@ -6,16 +6,12 @@ from pathlib import Path
 from typing import List
 
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.hf.config_map import OVERRIDABLE_FIELDS
 
 #: ``train.dtype`` values; :mod:`train.precision` maps each to its MindSpore dtype.
 COMPUTE_DTYPE_NAMES = ("fp32", "bf16", "fp16")
 ON_CORRUPT_CHECKPOINT = ("error", "previous")
-#: Model fields that define what the weights mean: all but the pretrained path and the training settings
-#: a pretrained import may change too (``max_position_embeddings``, ``rope_scaling``, balancing, ...).
-ARCHITECTURE_FIELDS = tuple(
-    f.name for f in dataclasses.fields(ModelConfig) if f.name != "pretrained" and f.name not in OVERRIDABLE_FIELDS
-)
+#: What a resumed run compares with its checkpoint: the whole ``model.*`` but where it came from.
+ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "pretrained")
 #: What ``train.resume_allow_changes`` may list (:mod:`train.resume_checks` checks these on resume).
 ALLOWABLE_CHANGES = ("data.seq_len", "train.seed", *(f"model.{name}" for name in ARCHITECTURE_FIELDS))
 

@@ -6,12 +6,14 @@ Prints the table and writes ``long_context.json`` and ``long_context.md`` into `
 (default: the Hydra run dir). Keys: ``eval.*`` (conf/eval/default.yaml), ``data.valid_files``.
 """
 
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from mindmoe.conf.exit_codes import reports_errors
+from mindmoe.conf.moved_keys import exit_on_moved_keys
 from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 
@@ -33,6 +35,7 @@ def _main(cfg) -> None:
 
 def main() -> None:
     quiet_framework_logs()
+    exit_on_moved_keys("mindmoe-eval", sys.argv[1:])
     _main()
 
 

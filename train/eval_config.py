@@ -3,7 +3,6 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
-from mindmoe.model.config import DISPATCH_MODES
 from mindmoe.model.rope_scaling import ROPE_SCALING_TYPES
 
 
@@ -57,8 +56,8 @@ def validate_eval_config(cfg: EvalConfig) -> None:
         fail("factor", "must be 0 (L / trained length per column) or >= 1")
     if cfg.trained_length < 0:
         fail("trained_length", "must be >= 0 (0 = read data.seq_len of the checkpoint's run)")
-    if cfg.dispatch not in DISPATCH_MODES:
-        fail("dispatch", f"must be one of {DISPATCH_MODES}")
+    if cfg.dispatch not in ("capacity", "dropless"):
+        fail("dispatch", "must be one of ('capacity', 'dropless')")
     if cfg.batch_size < 1:
         fail("batch_size", "must be >= 1")
     if cfg.max_windows < 0:

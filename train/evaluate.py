@@ -37,8 +37,10 @@ from omegaconf import OmegaConf
 
 from mindmoe.data.mindrecord import EvalLoader
 from mindmoe.data.prepare import prepare_data
+from mindmoe.model.checkpoint_files import checkpoint_moe_config
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.kernels.host_runtime import configure_host_runtime
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.checkpoint import (
@@ -83,7 +85,7 @@ def column_factor(eval_cfg: EvalConfig, length: int, trained_length: int) -> flo
 
 
 def scaled_model_config(
-    model_cfg: ModelConfig, scaling_type: str, factor: float, trained_length: int, length: int, dispatch: str
+    model_cfg: ModelConfig, scaling_type: str, factor: float, trained_length: int, length: int
 ) -> ModelConfig:
     """The checkpoint's config with RoPE scaling ``scaling_type`` for windows of ``length`` tokens."""
     if scaling_type == "none":
@@ -96,7 +98,6 @@ def scaled_model_config(
     return dataclasses.replace(
         model_cfg,
         rope_scaling=scaling,
-        dispatch=dispatch,
         max_position_embeddings=max(model_cfg.max_position_embeddings, length),
     )
 
@@ -197,6 +198,8 @@ def evaluate_checkpoint(cfg) -> dict:
         raise ValueError("data.valid_files is empty: mindmoe-eval measures loss on validation text")
     ms.set_context(mode=ms.GRAPH_MODE)
     configure_host_runtime()
+    # The policy the checkpoint trained with (its expert locking), with the dispatch eval.dispatch names.
+    moe = dataclasses.replace(checkpoint_moe_config(checkpoint_dir), dispatch=eval_cfg.dispatch)
     columns, rows = [], []
     for length in eval_cfg.context_lengths:
         batches, prepared, windows = length_windows(cfg, tokenizer_path, length, eval_cfg)
@@ -216,8 +219,10 @@ def evaluate_checkpoint(cfg) -> dict:
             }
         )
         for scaling_type in eval_cfg.scaling_types:
-            scaled = scaled_model_config(model_cfg, scaling_type, factor, trained_length, length, eval_cfg.dispatch)
-            rows.append(evaluate_cell(scaled, length, checkpoint_dir, batches, trained_length, eval_cfg.cross_document))
+            scaled = scaled_model_config(model_cfg, scaling_type, factor, trained_length, length)
+            rows.append(
+                evaluate_cell(scaled, length, checkpoint_dir, batches, trained_length, eval_cfg.cross_document, moe)
+            )
     return {
         "checkpoint": str(checkpoint_dir),
         "step": state.get("step"),
@@ -232,12 +237,18 @@ def evaluate_checkpoint(cfg) -> dict:
 
 
 def evaluate_cell(
-    scaled: ModelConfig, length: int, checkpoint_dir: Path, batches, trained_length: int, cross_document: bool
+    scaled: ModelConfig,
+    length: int,
+    checkpoint_dir: Path,
+    batches,
+    trained_length: int,
+    cross_document: bool,
+    moe: MoEConfig = None,
 ) -> dict:
     """One table cell: the checkpoint's weights under the RoPE scaling of ``scaled``, on ``batches`` of
     windows of ``length`` tokens."""
     started = time.perf_counter()
-    model = MoETransformer(scaled, seed=0)
+    model = MoETransformer(scaled, seed=0, moe=moe)
     load_model_weights(list(model.get_parameters()), checkpoint_dir)
     cell = evaluate_model(model, batches, trained_length, cross_document)
     del model

@@ -2,7 +2,7 @@
 
 The model is written for one device; :class:`ExpertParallelDispatch` is the ``expert_dispatcher``
 argument of ``MoETransformer``: every MoE layer then creates only this rank's ``E/ep`` experts and
-wraps its local dispatcher (``model.dispatch``) in an :class:`AllGatherDispatcher`. Nothing is
+wraps its local dispatcher (``moe.dispatch``) in an :class:`AllGatherDispatcher`. Nothing is
 swapped after the build.
 
 The ``ep`` ranks of an expert group form one data-parallel replica: they read the same
@@ -44,7 +44,7 @@ from mindspore import Tensor, nn, ops
 from mindmoe.model.linear import numpy_of
 from mindmoe.model.moe.experts import routed_expert_cells
 from mindmoe.model.moe.layer import MoELayer
-from mindmoe.model.moe.token_dispatcher import CapacityDispatcher, ExpertPlacement, local_dispatcher
+from mindmoe.model.moe.token_dispatcher import DroplessDispatcher, ExpertPlacement, local_dispatcher
 from mindmoe.train.exact_sum import ExactGroupSum
 from mindmoe.train.grouped_exchange import GroupedExchange
 from mindmoe.train.token_exchange import AllToAllDispatcher
@@ -205,16 +205,14 @@ class ExpertParallelDispatch(ExpertPlacement):
         num_local = num_experts // self.ep
         return range(self.rank_in_group * num_local, (self.rank_in_group + 1) * num_local)
 
-    def dispatcher(self, cfg):
+    def dispatcher(self, cfg, moe=None):
         held = self.held_experts(cfg.num_experts)
+        local = local_dispatcher(cfg, moe)
         if self.ep_dispatcher == "alltoall":
-            if cfg.dispatch == "dropless":
+            if isinstance(local, DroplessDispatcher):
                 return GroupedExchange(cfg.num_experts, self.rank_in_group, self.ep, self.group)
-            local = CapacityDispatcher(cfg.num_experts, cfg.capacity_factor)
             return AllToAllDispatcher(local, len(held), self.rank_in_group, self.ep, self.group)
-        return AllGatherDispatcher(
-            local_dispatcher(cfg), held.start, len(held), self.rank_in_group, self.ep, self.group
-        )
+        return AllGatherDispatcher(local, held.start, len(held), self.rank_in_group, self.ep, self.group)
 
 
 EXPERT_PARALLEL_DISPATCHERS = (AllGatherDispatcher, AllToAllDispatcher, GroupedExchange)

@@ -23,8 +23,11 @@ from typing import Optional
 import mindspore as ms
 from omegaconf import OmegaConf
 
+from mindmoe.conf.explicit_keys import explicit_keys
+from mindmoe.conf.moe_policy import run_moe_config
 from mindmoe.data.prepare import file_sha256
 from mindmoe.data.tokenizer_files import copy_tokenizer, open_tokenizer, special_token_ids
+from mindmoe.model.checkpoint_files import checkpoint_moe_config
 from mindmoe.model.checkpoint_shards import model_files
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.export.runner import MANIFEST_FILE
@@ -38,6 +41,7 @@ from mindmoe.model.hf import (
 )
 from mindmoe.model.hf.load import weight_files
 from mindmoe.model.kernels.host_runtime import configure_host_runtime
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.train.checkpoint import (
     STATE_FILE,
     checkpoint_model_config,
@@ -66,6 +70,9 @@ class ExportSource:
     sha256: dict
     step: Optional[int] = None
     notes: list = dataclasses.field(default_factory=list)
+    #: The MoE policy the model was trained with (a checkpoint's ``state.json``; the run's ``moe.*`` for a HF
+    #: directory), explicit ``moe.*`` keys on top; serving replays its expert locking, always dropless.
+    moe_config: MoEConfig = dataclasses.field(default_factory=MoEConfig)
 
 
 def command_line_model_overrides(cfg, override_args, runtime=None) -> dict:
@@ -76,8 +83,15 @@ def command_line_model_overrides(cfg, override_args, runtime=None) -> dict:
     return model_overrides(OmegaConf.to_object(cfg.model), explicit_model_keys(override_args, runtime))
 
 
-def resolve_source(cfg, model_overrides: dict) -> ExportSource:
-    """The export source named by ``checkpoint`` or ``model.pretrained`` (exactly one of them)."""
+def command_line_moe_overrides(cfg, override_args, runtime=None) -> dict:
+    """``moe.*`` keys set explicitly (command line, chosen recipe or model group), with their values from ``cfg``."""
+    keys = {key.split(".")[1] for key in explicit_keys(override_args, runtime) if key.startswith("moe.")}
+    return {key: cfg.moe[key] for key in sorted(keys)}
+
+
+def resolve_source(cfg, model_overrides: dict, moe_overrides: Optional[dict] = None) -> ExportSource:
+    """The export source named by ``checkpoint`` or ``model.pretrained`` (exactly one of them); ``moe_overrides``:
+    explicit ``moe.*`` keys that replace the policy the checkpoint records."""
     checkpoint, pretrained = cfg.checkpoint, cfg.model.pretrained
     if checkpoint and pretrained:
         raise ValueError(
@@ -99,6 +113,7 @@ def resolve_source(cfg, model_overrides: dict) -> ExportSource:
             Path(pretrained).expanduser(),
             {path.name: file_sha256(path) for path in files},
             notes=list(imported.notes),
+            moe_config=run_moe_config(cfg),
         )
     try:
         checkpoint_dir = resolve_checkpoint(checkpoint)
@@ -135,6 +150,7 @@ def resolve_source(cfg, model_overrides: dict) -> ExportSource:
         # The hashes of the files holding the model's tensors (one file in one process, one per rank otherwise).
         {name: state["files"][name] for name in sorted(model_files(checkpoint_dir))},
         step=state.get("step"),
+        moe_config=dataclasses.replace(checkpoint_moe_config(checkpoint_dir), **(moe_overrides or {})),
     )
 
 
@@ -195,18 +211,18 @@ def _adapter_of(cfg, source: "ExportSource"):
 def build_serving_model(source: ExportSource, model_overrides: dict):
     """The training model with the source's weights and dropless MoE dispatch (see model/export/serving.py);
     DeepSeek Sparse Attention in stage sparse unless ``model.dsa.stage`` is off (:func:`serve_dsa_sparse`)."""
+    moe = dataclasses.replace(source.moe_config, dispatch="dropless")
     if source.kind == "pretrained":
         from mindmoe.model.hf import load_hf_pretrained
 
-        _, model, notes = load_hf_pretrained(source.path, dict(model_overrides, dispatch="dropless"))
+        _, model, notes = load_hf_pretrained(source.path, model_overrides, moe=moe)
         source.notes += [note for note in notes if note not in source.notes]
         return serve_dsa_sparse(model, source.notes)
     from mindmoe.model.transformer import MoETransformer
     from mindmoe.train.checkpoint import load_model_weights
 
-    model_cfg = dataclasses.replace(source.model_config, dispatch="dropless")
-    validate_model_config(model_cfg)
-    model = MoETransformer(model_cfg)
+    validate_model_config(source.model_config)
+    model = MoETransformer(source.model_config, moe=moe)
     load_model_weights(list(model.get_parameters()), source.path)
     return serve_dsa_sparse(model, source.notes)
 
@@ -270,6 +286,7 @@ def build_manifest(
         "cache": cache_layout(model_config, export_cfg.dtype),
         "tokenizer_files": tokenizer_files,
         "model_config": dataclasses.asdict(model_config),
+        "moe_config": dataclasses.asdict(dataclasses.replace(source.moe_config, dispatch="dropless")),
         "limits": [
             "every prompt of a prefill batch has the same length (no padding, no attention_mask)",
             "decode: position < cache_len <= model_config.max_position_embeddings; cache_len fixed per sequence",
@@ -302,12 +319,13 @@ def run_export(cfg, run_dir: Path, override_args=None, runtime=None) -> Path:
     of it and renamed into place once complete (:func:`train.export_target.staged_export`)."""
     export_cfg: ExportConfig = OmegaConf.to_object(cfg.export)
     model_overrides = command_line_model_overrides(cfg, override_args, runtime)
-    source = resolve_source(cfg, model_overrides)
+    moe_overrides = command_line_moe_overrides(cfg, override_args, runtime)
+    source = resolve_source(cfg, model_overrides, moe_overrides)
     validate_export_config(export_cfg, source.model_config.max_position_embeddings)
     adapter, model_type = _adapter_of(cfg, source)
-    if export_cfg.format == "mindir" and model_overrides.get("dispatch", "dropless") != "dropless":
+    if export_cfg.format == "mindir" and moe_overrides.get("dispatch", "dropless") not in ("dropless", "auto"):
         raise ValueError(
-            f"model.dispatch={model_overrides['dispatch']!r}: exported graphs always use dropless "
+            f"moe.dispatch={moe_overrides['dispatch']!r}: exported graphs always use dropless "
             "dispatch (under a capacity a token's logits would depend on the rest of the batch)"
         )
     target = export_target(cfg, export_cfg, source, adapter, run_dir)

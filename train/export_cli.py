@@ -7,12 +7,14 @@
 Keys: ``export.*`` (conf/export/default.yaml), ``checkpoint``, ``model.pretrained``, ``data.tokenizer``.
 """
 
+import sys
 from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
 
 from mindmoe.conf.exit_codes import reports_errors
+from mindmoe.conf.moved_keys import exit_on_moved_keys
 from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 
@@ -31,6 +33,7 @@ def _main(cfg) -> None:
 
 def main() -> None:
     quiet_framework_logs()
+    exit_on_moved_keys("mindmoe-export", sys.argv[1:])
     _main()
 
 

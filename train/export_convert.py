@@ -116,7 +116,7 @@ def _atc_section(batch_sizes: list, lengths: list) -> list:
         "import mindspore as ms",
         "from mindspore import Tensor",
         "from mindmoe.model.export.serving import PrefillGraph",
-        "# model: the MoETransformer with the checkpoint's weights and model.dispatch=dropless",
+        "# model: the MoETransformer with the checkpoint's weights and moe.dispatch=dropless",
         "ms.export(PrefillGraph(model), Tensor(shape=[None, None], dtype=ms.int32), file_name='prefill', "
         "file_format='AIR')",
         "```",

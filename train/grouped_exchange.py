@@ -1,8 +1,8 @@
-"""Grouped dropless dispatch over a token-routed expert group (for ``model.dispatch=dropless`` with
+"""Grouped dropless dispatch over a token-routed expert group (for ``moe.dispatch=dropless`` with
 ``parallel.ep_dispatcher=alltoall``): each rank sends only its routed rows, so the experts run on about
 ep times the routed rows of one micro-batch instead of every expert on every token.
 
-Selected by :class:`train.expert_parallel.ExpertParallelDispatch` for ``model.dispatch=dropless``; capacity
+Selected by :class:`train.expert_parallel.ExpertParallelDispatch` for ``moe.dispatch=dropless``; capacity
 dispatch keeps the fixed ``[e, C, H]`` exchange of :mod:`train.token_exchange`. Where the experts run from tokens
 to tokens (``kernels.token_experts``: a CPU training graph) the layer calls :meth:`GroupedExchange.token_experts`
 instead, and the group's tokens travel rather than the rows (:mod:`train.token_gather`); the row exchange below is

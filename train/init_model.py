@@ -4,7 +4,8 @@ first; then the model is built once, with the LoRA adapters in place when ``lora
 
 With ``model.pretrained`` the architecture is the directory's ``config.json``; the ``model.*`` keys
 the user set explicitly (command line, chosen recipe, non-default model group: :mod:`conf.explicit_keys`)
-may change training settings only, architecture keys must agree with it, and the weights are
+may change the context keys only (:data:`model.hf.OVERRIDABLE_FIELDS`), the others must agree with it, and
+the weights are
 streamed in from its safetensors before anything compiles (a graph does not see later
 ``set_data``). A model whose base weights a checkpoint provides (``model.pretrained``,
 ``lora.base_checkpoint``) is built with them deferred (:mod:`model.deferred_init`): nothing is drawn
@@ -20,6 +21,7 @@ from omegaconf import OmegaConf
 
 from mindmoe.conf.explicit_keys import explicit_keys, model_fields
 from mindmoe.conf.key_effects import warn_keys_without_effect as warn_no_effect
+from mindmoe.conf.moe_policy import run_moe_config
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.train.lora_setup import check_base_vocab, checkpoint_base_config, load_checkpoint_base, run_lora_config
 
@@ -28,8 +30,8 @@ log = logging.getLogger("mindmoe.train")
 
 def explicit_model_keys(task_overrides, runtime=None) -> set:
     """Fields of ``model.*`` set explicitly: by the command line (Hydra's ``overrides.task``, e.g.
-    ``["model.dispatch=capacity", "model.rope_scaling.factor=4"]`` -> ``{"dispatch", "rope_scaling"}``)
-    or by a chosen recipe / model group (``recipe=pretrain_tiny_aux_free`` -> ``expert_lock``, ...);
+    ``["model.rope_theta=1e6", "model.rope_scaling.factor=4"]`` -> ``{"rope_theta", "rope_scaling"}``)
+    or by a chosen recipe / model group (``recipe=pretrain_tiny_aux_free`` -> ``score_func``, ...);
     ``model.pretrained`` itself excluded. ``runtime``: see :func:`conf.explicit_keys.explicit_keys`.
     Their values are read from the composed config."""
     return model_fields(explicit_keys(task_overrides, runtime))
@@ -94,6 +96,7 @@ def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = Tru
         cell_reuse=cfg.train.cell_reuse,
         expert_dispatcher=expert_dispatcher,
         lora=adapters,
+        moe=run_moe_config(cfg),
     )
 
 
@@ -109,7 +112,11 @@ def _checkpoint_base(cfg, vocab_size: int, lora_cfg, expert_dispatcher):
     adapters = plan_adapters(model_cfg, lora_cfg, cfg.train.seed)
     with checkpoint_weights():  # every base weight comes from the checkpoint: none is drawn first
         model = MoETransformer(
-            model_cfg, cell_reuse=cfg.train.cell_reuse, expert_dispatcher=expert_dispatcher, lora=adapters
+            model_cfg,
+            cell_reuse=cfg.train.cell_reuse,
+            expert_dispatcher=expert_dispatcher,
+            lora=adapters,
+            moe=run_moe_config(cfg),
         )
     load_checkpoint_base(model, directory, path)
     finish_deferred(model)
@@ -131,12 +138,19 @@ def _pretrained(cfg, vocab_size: int, overrides: dict, load_weights: bool, lora_
             lora=lora_cfg,
             lora_seed=cfg.train.seed,
             expert_dispatcher=expert_dispatcher,
+            moe=run_moe_config(cfg),
         )
     else:
         imported = read_pretrained_config(path, overrides, max_seq_len=seq_len)
         model_cfg, notes = imported.model_config, imported.notes
         adapters = None if lora_cfg is None else plan_adapters(model_cfg, lora_cfg, cfg.train.seed, imported.model_type)
-        model = MoETransformer(model_cfg, cell_reuse=cell_reuse, expert_dispatcher=expert_dispatcher, lora=adapters)
+        model = MoETransformer(
+            model_cfg,
+            cell_reuse=cell_reuse,
+            expert_dispatcher=expert_dispatcher,
+            lora=adapters,
+            moe=run_moe_config(cfg),
+        )
     for note in notes:
         log.info("model.pretrained: %s", note)
     model_cfg = dataclasses.replace(model_cfg, pretrained=str(path))

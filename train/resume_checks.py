@@ -2,8 +2,7 @@
 
 ``state.json`` records what a resumed run must not change silently: the tokenizer (``tokenizer_sha256``,
 the sha256 of its files), ``data.seq_len`` (``seq_len``), ``train.seed`` (``data_seed``) and the architecture
-(``model_config``; the training settings a pretrained import may change too, :data:`model.hf.OVERRIDABLE_FIELDS`
-such as ``max_position_embeddings``, ``rope_scaling`` or the balancing coefficients, are not checked). A
+(``model_config``, every ``model.*`` key but ``pretrained``; how the MoE layers train, ``moe.*``, may change). A
 difference is an error naming the key and both values, unless ``train.resume_allow_changes`` lists the key
 (long-context continuation changes ``data.seq_len``, often with ``model.rope_theta``). The tokenizer is never
 allowed to change: token ids of another tokenizer would feed the trained embeddings the wrong rows.
@@ -14,6 +13,7 @@ once the data is. The keys ``train.resume_allow_changes`` accepts are checked wi
 (:mod:`train.config`).
 """
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -51,7 +51,7 @@ def architecture(model_cfg: ModelConfig) -> dict:
     """``{"model.<field>": value}`` of the architecture fields, ``head_dim`` resolved (0 = hidden_size /
     num_heads), ``dsa`` as the indexer's shape and ``vocab_size`` left out while 0 (a planned model whose
     tokenizer is not read yet)."""
-    values = {name: getattr(model_cfg, name) for name in ARCHITECTURE_FIELDS}
+    values = {name: value for name, value in dataclasses.asdict(model_cfg).items() if name in ARCHITECTURE_FIELDS}
     values["head_dim"] = model_cfg.resolved_head_dim
     if "dsa" in values:  # the indexer's weights; its stage, top-k and loss weight are training settings
         values["dsa"] = {"index_n_heads": model_cfg.dsa.index_n_heads, "index_head_dim": model_cfg.dsa.index_head_dim}

@@ -55,11 +55,12 @@ class RouterStepUpdates:
 
     def __init__(self, model, cfg: ModelConfig):
         moe_blocks = [layer.mlp for layer in model.layers if layer.is_moe]
-        self.updates_bias = cfg.expert_bias and cfg.bias_update_rate > 0 and bool(moe_blocks)
+        moe = model.moe_config
+        self.updates_bias = cfg.expert_bias and moe.bias_update_rate > 0 and bool(moe_blocks)
         self.scales_updates = (
-            cfg.expert_lock and cfg.isolation_mode == "expert_update" and cfg.isolation_decay < 1.0 and bool(moe_blocks)
+            moe.expert_lock and moe.isolation_mode == "expert_update" and moe.isolation_decay < 1.0 and bool(moe_blocks)
         )
-        self.isolation_decay = float(cfg.isolation_decay)
+        self.isolation_decay = float(moe.isolation_decay)
         biases = [block.router.e_score_correction_bias for block in moe_blocks] if self.updates_bias else []
         # One entry per MoE layer: that layer's trained 3-D expert tensors (expert on axis 0): the
         # expert weights, or with LoRA the frozen weights' per-expert adapters instead; and the first
@@ -73,7 +74,7 @@ class RouterStepUpdates:
             else []
         )
         self.first_experts = [getattr(block.experts, "first_expert", 0) for block in moe_blocks]
-        self._update_biases = _compile_bias_update(biases, float(cfg.bias_update_rate))
+        self._update_biases = _compile_bias_update(biases, float(moe.bias_update_rate))
 
     def update_scales(self, params, dist=None):
         """The optimizer's per-parameter update scales as a function of the step's routing statistics

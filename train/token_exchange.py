@@ -16,7 +16,7 @@ The exchange has fixed sizes (``[e, C, H]`` from every rank to every rank), so i
 Capacity, dropping, the aux loss and the statistics are the local dispatcher's, per micro-batch, exactly
 as one process computes them for that micro-batch.
 
-``model.dispatch=dropless`` does not go through this fixed exchange (it would need ``C = T`` slots, the
+``moe.dispatch=dropless`` does not go through this fixed exchange (it would need ``C = T`` slots, the
 all-experts cost): :mod:`train.grouped_exchange` sends each rank only its routed rows.
 """
 

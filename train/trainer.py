@@ -315,6 +315,7 @@ class Trainer:
             "data_seed": self.cfg.train.seed,
             "tokens_seen": step * self.tokens_per_step,
             "model_config": dataclasses.asdict(self.model_cfg),
+            "moe_config": dataclasses.asdict(self.model.moe_config),
             **self.run_state,
             **dropout_checkpoint_state(self.model),
         }

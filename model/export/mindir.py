@@ -87,8 +87,9 @@ def mla_layout(cfg) -> dict:
     return {"kind": kind, "shape": [cfg.num_layers, BATCH, CAPACITY, start], "description": description, "row": row}
 
 
-def graph_signatures(cfg, dtype: str) -> dict:
-    """Inputs and outputs of both graphs, in call order, for the manifest."""
+def graph_signatures(cfg, dtype: str, lock_state: bool = False) -> dict:
+    """Inputs and outputs of both graphs, in call order, for the manifest; ``lock_state``: the decode graph
+    carries the expert-lock state (:func:`model.export.serving.carries_lock_state`)."""
     layout = cache_layout(cfg, dtype)
 
     def cache(length: str) -> dict:
@@ -106,7 +107,7 @@ def graph_signatures(cfg, dtype: str) -> dict:
         return {"name": "logits", "shape": [BATCH, cfg.vocab_size], "dtype": "float32", "description": what}
 
     def lock() -> list:
-        if not carries_lock_state(cfg):
+        if not lock_state:
             return []
         return [
             {
@@ -166,7 +167,7 @@ def export_mindir(model, out_dir, dtype: str = "fp32") -> dict:
         )
     out.mkdir(parents=True, exist_ok=True)
     cast_parameters(model, dtype)
-    signatures = graph_signatures(model.config, dtype)
+    signatures = graph_signatures(model.config, dtype, carries_lock_state(model))
     dtype_map = {"int32": ms.int32, "float32": ms.float32, DTYPE_NAMES[dtype]: EXPORT_DTYPES[dtype]}
     cells = {"prefill": PrefillGraph(model), "decode": decode_graph(model)}
     graphs = {}

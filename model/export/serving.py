@@ -24,7 +24,7 @@ with DeepSeek Sparse Attention the indexer's key, whose top-k selection prefill 
   with zeros along :func:`cache_length_axis`).
 
 Every prompt is one document and the prompts of a batch have one length (no padding). MoE layers
-run with the (grouped) :class:`~model.moe.token_dispatcher.DroplessDispatcher` whatever ``model.dispatch``
+run with the (grouped) :class:`~model.moe.token_dispatcher.DroplessDispatcher` whatever ``moe.dispatch``
 is: which tokens an expert drops under a capacity would depend on the other requests in the batch, and a
 served token's logits must not. It is exact and gives one graph for any token count: its block size is
 fixed when the graph is built (``tokens_hint``: a typical prompt batch, or one token per sequence), and
@@ -41,9 +41,10 @@ from mindmoe.model.export.mla_serving import MLALatentCacheAttention, check_dsa_
 from mindmoe.model.moe.token_dispatcher import DroplessDispatcher
 
 
-def carries_lock_state(cfg) -> bool:
-    """Whether the serving graphs take and return the expert-lock state (locking on, some MoE layer)."""
-    return cfg.expert_lock and cfg.num_moe_layers > 0
+def carries_lock_state(model) -> bool:
+    """Whether the serving graphs of ``model`` take and return the expert-lock state (it was built with
+    ``moe.expert_lock`` and has an MoE layer)."""
+    return model.moe_config.expert_lock and model.config.num_moe_layers > 0
 
 
 def cache_attention(cfg) -> nn.Cell:
@@ -93,9 +94,9 @@ class _ServingGraph(nn.Cell):
         self.cache_axis = cache_length_axis(cfg)
         self.num_dense = cfg.first_k_dense
         self.top_k = cfg.top_k
-        self.expert_lock = carries_lock_state(cfg)
-        self.lock_run_length = cfg.lock_run_length
-        self.lock_span = cfg.lock_span
+        self.expert_lock = carries_lock_state(model)
+        self.lock_run_length = model.moe_config.lock_run_length
+        self.lock_span = model.moe_config.lock_span
         block = kernels.grouped_alignment()(self.tokens_hint * cfg.top_k, cfg.num_experts)
         self.dispatcher = DroplessDispatcher(cfg.num_experts, alignment=block)
 
@@ -195,6 +196,5 @@ class LockedDecodeGraph(DecodeGraph):
 
 
 def decode_graph(model):
-    """The decode graph matching ``model``'s config (with lock state iff expert locking is on)."""
-    cfg = model.config
-    return LockedDecodeGraph(model) if carries_lock_state(cfg) else DecodeGraph(model)
+    """The decode graph matching ``model`` (with lock state iff it was built with expert locking)."""
+    return LockedDecodeGraph(model) if carries_lock_state(model) else DecodeGraph(model)

@@ -109,7 +109,6 @@ def _grouped_sigmoid_moe_fields(reader, model_type: str, first_k_dense=None) -> 
         num_shared_experts=shared,
         score_func="sigmoid",
         expert_bias=True,
-        bias_update_rate=0.0,
         n_group=reader.int("n_group"),
         topk_group=reader.int("topk_group"),
         norm_topk_prob=reader.bool("norm_topk_prob"),

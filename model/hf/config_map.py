@@ -61,20 +61,9 @@ ARCHITECTURES = {
 #: Architectures whose attention is MLA (``model.attention_type=mla``); the others are GQA.
 MLA_MODEL_TYPES = ("deepseek_v3", "glm4_moe_lite", "glm_moe_dsa")
 
-#: ModelConfig fields an import may change: they alter training or the context length, never the
-#: shape or meaning of a pretrained weight. Every other field comes from config.json.
+#: ModelConfig fields an import may change: the context length and the initialisation of what is new (adapters,
+#: extra MTP depths), never the shape or meaning of a pretrained weight. Every other field comes from config.json.
 OVERRIDABLE_FIELDS = (
-    "dispatch",
-    "capacity_factor",
-    "aux_loss",
-    "aux_loss_coeff",
-    "z_loss_coeff",
-    "bias_update_rate",
-    "expert_lock",
-    "lock_run_length",
-    "lock_span",
-    "isolation_decay",
-    "isolation_mode",
     "initializer_range",
     "max_position_embeddings",
     "rope_scaling",
@@ -210,7 +199,6 @@ def _common_fields(reader: _Reader, model_type: str) -> dict:
         top_k=reader.int("num_experts_per_tok"),
         tie_word_embeddings=reader.bool("tie_word_embeddings"),
         initializer_range=reader.float("initializer_range"),
-        dispatch="dropless",
     )
     if model_type not in MLA_MODEL_TYPES:
         head_dim = reader.raw("head_dim")

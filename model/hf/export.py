@@ -16,12 +16,13 @@ from typing import Optional
 
 import numpy as np
 
-from mindmoe.model.checkpoint_files import MODEL_FILE, checkpoint_model_config
+from mindmoe.model.checkpoint_files import MODEL_FILE, checkpoint_model_config, checkpoint_moe_config
 from mindmoe.model.checkpoint_shards import read_tensors
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.config_map import ARCHITECTURES, MLA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, HFCheckpointError
 from mindmoe.model.hf.safetensors_io import ShardedWriter
 from mindmoe.model.hf.weights import MTP_SHARED_COPIES, NameMap, is_stacked_expert
+from mindmoe.model.moe_config import MoEConfig, moe_policy
 from mindmoe.model.param_count import parameter_shapes
 
 DEFAULT_MAX_SHARD_BYTES = 2 * 2**30
@@ -36,6 +37,7 @@ def export_hf(
     special_token_ids: Optional[dict] = None,
     model_type: str = "",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    moe: MoEConfig = None,
 ) -> list:
     """Write ``source`` (a ``MoETransformer`` or a mindmoe checkpoint directory) to ``out_dir``.
 
@@ -43,12 +45,15 @@ def export_hf(
     ``state.json``. ``special_token_ids``: ``bos_token_id`` / ``eos_token_id`` / ``pad_token_id`` of
     the tokenizer that ships with the model, written into ``config.json``. Returns notes (what HF will
     do differently, e.g. expert locking). Tensors are written one shard at a time, so memory holds the
-    source plus one shard.
+    source plus one shard. ``moe``: the policy the model was trained with, for the notes (default: the model's
+    own, or the checkpoint's ``state.json``).
     """
     if out_dir is None:
         raise ValueError("export_hf: out_dir is required")
     cfg, tensors = _source(source, model_config)
-    model_type, hf_config, notes = hf_config_from_model(cfg, model_type)
+    if moe is None:
+        moe = source.moe_config if hasattr(source, "moe_config") else _checkpoint_policy(source)
+    model_type, hf_config, notes = hf_config_from_model(cfg, model_type, moe)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     stale = sorted(
@@ -111,9 +116,10 @@ def hf_named_tensors(cfg: ModelConfig, model_type: str, named_arrays):
             yield f"model.layers.{cfg.num_layers + depth}.{suffix}", copy
 
 
-def hf_config_from_model(cfg: ModelConfig, model_type: str = "") -> tuple:
+def hf_config_from_model(cfg: ModelConfig, model_type: str = "", moe: MoEConfig = None) -> tuple:
     """``(model_type, config.json dict, notes)`` for the first architecture that reproduces ``cfg``
-    (``model_type`` forces one). Raises :class:`HFCheckpointError` with every architecture's reasons."""
+    (``model_type`` forces one); the notes say where HF differs from a model trained with policy ``moe``.
+    Raises :class:`HFCheckpointError` with every architecture's reasons."""
     candidates = [model_type] if model_type else list(SUPPORTED_MODEL_TYPES)
     reasons = {}
     for candidate in candidates:
@@ -121,7 +127,7 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str = "") -> tuple:
             raise HFCheckpointError(f"export model_type={candidate!r}: must be one of {SUPPORTED_MODEL_TYPES}")
         problems = _export_problems(cfg, candidate)
         if not problems:
-            return candidate, _export_dict(cfg, candidate), _export_notes(cfg, candidate)
+            return candidate, _export_dict(cfg, candidate), _export_notes(cfg, candidate, moe_policy(moe))
         reasons[candidate] = problems
     lines = [f"  {name}: " + "; ".join(problems) for name, problems in reasons.items()]
     raise HFCheckpointError(
@@ -179,20 +185,20 @@ def _export_problems(cfg: ModelConfig, model_type: str) -> list:
     return problems
 
 
-def _export_notes(cfg: ModelConfig, model_type: str) -> list:
+def _export_notes(cfg: ModelConfig, model_type: str, moe: MoEConfig) -> list:
     notes = []
     if model_type == "glm_moe_dsa" and cfg.dsa.stage != "sparse":
         notes.append(
             f"model.dsa.stage={cfg.dsa.stage!r}: transformers' glm_moe_dsa always keeps each query's index_topk="
             f"{cfg.dsa.index_topk} best keys (stage sparse), so logits of longer sequences differ"
         )
-    if cfg.expert_lock:
+    if moe.expert_lock:
         notes.append(
-            "expert locking (model.expert_lock) is a mindmoe routing rule; HF routes without it, so "
+            "expert locking (moe.expert_lock) is a mindmoe routing rule; HF routes without it, so "
             "logits of sequences that would lock differ"
         )
-    if cfg.dispatch == "capacity":
-        notes.append("HF MoE layers are dropless; logits match mindmoe with model.dispatch=dropless")
+    if moe.dispatch == "capacity":
+        notes.append("HF MoE layers are dropless; logits match mindmoe with moe.dispatch=dropless")
     return notes
 
 
@@ -324,6 +330,14 @@ def _glm_moe_dsa_keys(out: dict, cfg: ModelConfig) -> None:
         indexer_types=["full"] * cfg.num_layers,
         num_nextn_predict_layers=num_nextn,
     )
+
+
+def _checkpoint_policy(source) -> MoEConfig:
+    """The policy a checkpoint directory records (the defaults when it cannot be read: the notes only)."""
+    try:
+        return checkpoint_moe_config(Path(source).expanduser())
+    except (ValueError, TypeError):
+        return MoEConfig()
 
 
 def _source(source, model_config):

@@ -29,6 +29,7 @@ from mindmoe.model.hf.param_stream import ParamStreamer
 from mindmoe.model.hf.safetensors_io import INDEX_FILE, READABLE_DTYPES, SINGLE_FILE, read_header, read_tensor
 from mindmoe.model.hf.weights import MTP_SHARED_COPIES, NameMap, hf_layer_index, is_stacked_expert
 from mindmoe.model.lora import is_adapter
+from mindmoe.model.moe_config import moe_policy
 from mindmoe.model.param_count import parameter_shapes
 
 CONFIG_FILE = "config.json"
@@ -52,10 +53,6 @@ def read_pretrained_config(path, overrides: dict = None, max_seq_len: int = 0) -
     imported = read_hf_config(hf, str(config_path), max_seq_len)
     if overrides:
         imported.model_config = apply_overrides(imported, overrides, str(config_path))
-    if imported.model_config.dispatch == "dropless":
-        imported.notes.append(
-            "MoE layers use dispatch=dropless (capacity dropping would change the pretrained model's logits)"
-        )
     return imported
 
 
@@ -67,6 +64,7 @@ def load_hf_pretrained(
     lora=None,
     lora_seed: int = 0,
     expert_dispatcher=None,
+    moe=None,
 ):
     """``(ModelConfig, MoETransformer with the HF weights, notes)`` from a local HF directory.
 
@@ -74,7 +72,8 @@ def load_hf_pretrained(
     ``max_seq_len``: the longest sequence that will be run (checked against sliding windows);
     ``cell_reuse``: see :class:`model.transformer.MoETransformer`; ``lora``: a :class:`model.lora.LoraConfig`
     whose adapters the model is built with (targets matched on this architecture's HF names, every
-    ``lora_A`` drawn from ``lora_seed``); the HF weights fill the frozen base.
+    ``lora_A`` drawn from ``lora_seed``); the HF weights fill the frozen base. ``moe``: the run's
+    :class:`model.moe_config.MoEConfig` (default: the defaults, ``auto`` dispatch resolving to dropless).
     """
     # MindSpore code, imported only when needed: the config readers of this package must not pull it in.
     from mindmoe.model.deferred_init import checkpoint_weights
@@ -84,9 +83,14 @@ def load_hf_pretrained(
     imported = read_pretrained_config(path, overrides, max_seq_len)
     plan = plan_hf_weights(path, imported)
     adapters = None if lora is None else plan_adapters(imported.model_config, lora, lora_seed, imported.model_type)
+    moe = moe_policy(moe).resolved(trained_weights=True)
+    if moe.dropless:
+        imported.notes.append(
+            "MoE layers use moe.dispatch=dropless (capacity dropping would change the pretrained model's logits)"
+        )
     with checkpoint_weights():  # no weight the checkpoint provides is drawn or allocated before it is read
         model = MoETransformer(
-            imported.model_config, cell_reuse=cell_reuse, lora=adapters, expert_dispatcher=expert_dispatcher
+            imported.model_config, cell_reuse=cell_reuse, lora=adapters, expert_dispatcher=expert_dispatcher, moe=moe
         )
     held = None if expert_dispatcher is None else expert_dispatcher.held_experts(imported.model_config.num_experts)
     notes = imported.notes + load_hf_weights(model, plan, held)

@@ -1,7 +1,7 @@
 """How MindSpore's host side runs a compiled graph, per device target: set once per process, before its first
 graph runs (every entry point calls :func:`configure_host_runtime` right after ``set_context``).
 
-CPU (measured on 2-core machines, tiny model, one ``mindmoe-train`` process; README "Current figures"):
+CPU (measured on 2-core machines with the tiny model; figures in BENCHMARKS.md):
 
 - **Single-threaded dispatch** (``MS_DEV_HOST_BLOCKING_RUN=1``, MindSpore's documented switch). By default a
   graph's kernels are handed through a pipeline of queue threads that busy-wait for work; on CPU those threads

@@ -5,7 +5,7 @@ ran in NumPy's OpenBLAS on two threads each and its element-wise work (SwiGLU, g
 about a quarter of its time used one core of two. Here each thread takes whole experts and runs every product on one
 BLAS thread, so the element-wise work runs on every core. Every product then has the same bits whatever the thread
 count (OpenBLAS's two-thread products differ from its one-thread ones in the last bits: measured on [512, 512] x
-[512, 512]). Same-process A/B on the MoE bench step with ``model.dispatch=dropless`` (BENCHMARKS.md): 3.07 s against
+[512, 512]). Same-process A/B on the MoE bench step with ``moe.dispatch=dropless`` (BENCHMARKS.md): 3.07 s against
 3.48 s and 3.08 against 3.37 s in two runs.
 
 The thread count is the kernel threads ``host_runtime`` gives a worker (``cores // MINDMOE_LOCAL_WORKERS``), else the

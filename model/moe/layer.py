@@ -15,6 +15,7 @@ from mindmoe.model.moe.locking import flip_rate
 from mindmoe.model.moe.lora_experts import routed_experts
 from mindmoe.model.moe.router import Router
 from mindmoe.model.moe.token_dispatcher import SINGLE_DEVICE
+from mindmoe.model.moe_config import MoEConfig, moe_policy
 
 #: Rows of the ``routing_stats`` output ``[ROUTING_STATS, E]`` of every MoE layer.
 ROUTING_STATS = ("chosen", "kept", "locked_kept")
@@ -45,15 +46,21 @@ class MoELayer(nn.Cell):
     """
 
     def __init__(
-        self, cfg: ModelConfig, rng: np.random.Generator, expert_dispatcher=None, lora: AdapterScope = NO_LORA
+        self,
+        cfg: ModelConfig,
+        rng: np.random.Generator,
+        expert_dispatcher=None,
+        lora: AdapterScope = NO_LORA,
+        moe: MoEConfig = None,
     ):
         super().__init__()
         placement = SINGLE_DEVICE if expert_dispatcher is None else expert_dispatcher
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
-        self.isolate_token_grad = cfg.expert_lock and cfg.isolation_mode == "token_grad"
-        self.isolation_decay = cfg.isolation_decay
-        self.router = Router(cfg, rng)
+        moe = moe_policy(moe)
+        self.isolate_token_grad = moe.expert_lock and moe.isolation_mode == "token_grad"
+        self.isolation_decay = moe.isolation_decay
+        self.router = Router(cfg, rng, moe)
         self.experts = routed_experts(
             cfg.num_experts,
             cfg.hidden_size,
@@ -63,7 +70,7 @@ class MoELayer(nn.Cell):
             lora.child("experts"),
             held_experts=placement.held_experts(cfg.num_experts),
         )
-        self.dispatcher = placement.dispatcher(cfg)
+        self.dispatcher = placement.dispatcher(cfg, moe)
         # CPU training with dropless dispatch: the experts run from tokens to tokens in one host kernel, so no
         # expert row lives in the graph (kernels.token_experts; Ascend keeps the grouped path).
         self.routes_tokens = self.dispatcher.routes_tokens and self.experts.build_token_kernel(cfg.top_k)

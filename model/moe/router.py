@@ -18,6 +18,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.linear import normal_init
 from mindmoe.model.moe.locking import lock_routing
+from mindmoe.model.moe_config import MoEConfig, moe_policy
 
 # Keeps the renormalisation finite when every chosen sigmoid score underflows (HF uses the same).
 NORM_EPS = 1e-20
@@ -197,7 +198,7 @@ class Router(nn.Cell):
     optimizer never sees it; the trainer moves it once per step from the observed load.
     """
 
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator):
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, moe: MoEConfig = None):
         super().__init__()
         self.weight = Parameter(
             normal_init((cfg.num_experts, cfg.hidden_size), cfg.initializer_range, rng), name="weight"
@@ -214,12 +215,13 @@ class Router(nn.Cell):
         self.routed_scaling_factor = cfg.routed_scaling_factor
         self.n_group = cfg.n_group
         self.topk_group = cfg.topk_group
-        self.expert_lock = cfg.expert_lock
-        self.lock_run_length = cfg.lock_run_length
-        self.lock_span = cfg.lock_span
-        self.aux_loss_type = cfg.aux_loss
-        self.aux_loss_coeff = cfg.aux_loss_coeff
-        self.z_loss_coeff = cfg.z_loss_coeff
+        moe = moe_policy(moe)
+        self.expert_lock = moe.expert_lock
+        self.lock_run_length = moe.lock_run_length
+        self.lock_span = moe.lock_span
+        self.aux_loss_type = moe.aux_loss
+        self.aux_loss_coeff = moe.aux_loss_coeff
+        self.z_loss_coeff = moe.z_loss_coeff
         # Megatron computes the balancing loss on the plain top-K of the scores, whatever bias or
         # group limits did to selection; only then do the two differ.
         self.aux_needs_plain_topk = cfg.expert_bias or cfg.n_group > 1
@@ -251,7 +253,7 @@ class Router(nn.Cell):
         return gather_weights(scores_TE, topk_idx_TK, self.norm_topk_prob, self.routed_scaling_factor)
 
     def balance_loss(self, scores_TE, natural_TK, batch: int, seq_len: int):
-        """The configured aux loss (``model.aux_loss``: switch, seq or none) of the natural routing."""
+        """The configured aux loss (``moe.aux_loss``: switch, seq or none) of the natural routing."""
         if self.aux_loss_type == "none":
             return ops.zeros((), ms.float32)
         aux_topk_TK = natural_TK
@@ -265,7 +267,7 @@ class Router(nn.Cell):
         return switch_aux_loss(probs_TE, aux_topk_TK, self.aux_loss_coeff)
 
     def router_z_loss(self, logits_TE):
-        """:func:`z_loss` with ``model.z_loss_coeff`` (zero when it is 0)."""
+        """:func:`z_loss` with ``moe.z_loss_coeff`` (zero when it is 0)."""
         if self.z_loss_coeff > 0:
             return z_loss(logits_TE, self.z_loss_coeff)
         return ops.zeros((), ms.float32)

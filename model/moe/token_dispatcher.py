@@ -17,7 +17,7 @@ inside its (compiled) ``construct``:
 - ``kept(state) -> kept_A`` fp32: 1 for each assignment an expert processed, 0 for a dropped one.
 
 Which dispatcher a layer uses is fixed when the model is built (a compiled graph has one data path):
-:func:`local_dispatcher` picks it from ``model.dispatch``; an :class:`ExpertPlacement` (the
+:func:`local_dispatcher` picks it from ``moe.dispatch``; an :class:`ExpertPlacement` (the
 ``expert_dispatcher`` argument of the model) decides which experts this process holds and may wrap
 the local dispatcher (expert parallelism, ``mindmoe.train.expert_parallel``).
 """
@@ -37,6 +37,7 @@ from mindmoe.model.moe.dispatch import (
     grouped_row_count,
     grouped_rows,
 )
+from mindmoe.model.moe_config import moe_policy
 
 
 class CapacityDispatcher(nn.Cell):
@@ -152,7 +153,7 @@ class DroplessDispatcher(nn.Cell):
 
 
 class AllExpertsDispatcher(nn.Cell):
-    """The all-experts reference of dropless dispatch (tests only; no ``model.dispatch`` selects it):
+    """The all-experts reference of dropless dispatch (tests only; no ``moe.dispatch`` selects it):
     every expert runs on every token (``C = T``) and the outputs are combined with a ``[T, E]`` weight
     matrix that is zero off the chosen experts: exact and static, at E / K times the routed FLOPs."""
 
@@ -183,11 +184,13 @@ class AllExpertsDispatcher(nn.Cell):
         return None
 
 
-def local_dispatcher(cfg):
-    """The single-device dispatcher ``model.dispatch`` names (``capacity`` or ``dropless``)."""
-    if cfg.dispatch == "dropless":
+def local_dispatcher(cfg, moe=None):
+    """The single-device dispatcher ``moe.dispatch`` names (``dropless``; ``capacity``, also for an unresolved
+    ``auto``: a model initialised here) for the experts of model config ``cfg``."""
+    moe = moe_policy(moe)
+    if moe.dispatch == "dropless":
         return DroplessDispatcher(cfg.num_experts)
-    return CapacityDispatcher(cfg.num_experts, cfg.capacity_factor)
+    return CapacityDispatcher(cfg.num_experts, moe.capacity_factor)
 
 
 class ExpertPlacement:
@@ -199,9 +202,10 @@ class ExpertPlacement:
         """The experts whose weights this process creates and runs."""
         return range(num_experts)
 
-    def dispatcher(self, cfg):
-        """A new dispatcher for one MoE layer of ``cfg`` (cells are not shared between layers)."""
-        return local_dispatcher(cfg)
+    def dispatcher(self, cfg, moe=None):
+        """A new dispatcher for one MoE layer of ``cfg`` under policy ``moe`` (cells are not shared between
+        layers)."""
+        return local_dispatcher(cfg, moe)
 
 
 SINGLE_DEVICE = ExpertPlacement()

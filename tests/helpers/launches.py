@@ -17,7 +17,7 @@ from tests.helpers.runs import REPO, losses_by_step
 # 8 steps, checkpoints at 4 and 8: a resume from step 4 still runs 4 steps.
 LAUNCH_RUN = [
     "recipe=pretrain_tiny_aux_free",
-    "model.bias_update_rate=0.01",
+    "moe.bias_update_rate=0.01",
     "model.num_layers=2",
     "model.hidden_size=64",
     "model.num_heads=4",

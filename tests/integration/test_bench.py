@@ -198,8 +198,8 @@ def test_scaling_runs_are_the_issues_commands_and_compose_into_configs():
     for label, overrides in experts:
         assert overrides["model.num_experts"] == label.split("/")[0]
         assert (overrides["model.top_k"], overrides["model.moe_intermediate_size"]) == ("8", "32")
-        assert overrides["model.dispatch"] == label.split()[1]
-        assert overrides.get("model.capacity_factor", "1.25") == "1.25"
+        assert overrides["moe.dispatch"] == label.split()[1]
+        assert overrides.get("moe.capacity_factor", "1.25") == "1.25"
     one_sequence = {
         "data.micro_batch_size": "1",
         "data.global_batch_size": "1",

@@ -30,7 +30,7 @@ SAVED = int(next(o for o in LAUNCH_RUN if o.startswith("train.save_every=")).spl
 
 
 #: Micro-batches of 2 with grouped dropless dispatch: the 4-worker layouts (each rank or group reads 2 or 4 of them).
-DROPLESS_MB2 = ("data.micro_batch_size=2", "model.dispatch=dropless")
+DROPLESS_MB2 = ("data.micro_batch_size=2", "moe.dispatch=dropless")
 #: One multi-token-prediction depth: its MoE block's experts are sharded and exchanged like the main layers'.
 MTP = ("model.mtp_layers=1", "train.mtp_loss_coeff=0.3")
 

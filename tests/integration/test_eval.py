@@ -26,6 +26,7 @@ from mindmoe.conf.schema import register_configs
 from mindmoe.data.config import DataConfig
 from mindmoe.data.prepare import prepare_data
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.checkpoint import CarriedFiles, load_model_weights, save_checkpoint
@@ -131,8 +132,8 @@ def reference_windows(tokenizer_path, valid_file, length, count=MAX_WINDOWS):
 def reference_losses(model_cfg, checkpoint, rope_scaling, ids, docs, cross_document=False):
     """(mean NLL over scored labels, mean NLL over those whose input is >= TRAINED tokens into its
     document, or into the window when attention crosses documents)."""
-    cfg = dataclasses.replace(model_cfg, rope_scaling=rope_scaling, dispatch="dropless")
-    model = MoETransformer(cfg, seed=0)
+    cfg = dataclasses.replace(model_cfg, rope_scaling=rope_scaling)
+    model = MoETransformer(cfg, seed=0, moe=MoEConfig(dispatch="dropless"))
     load_model_weights(list(model.get_parameters()), checkpoint)
     attention_docs = np.zeros_like(docs) if cross_document else docs
     ms.set_context(mode=ms.PYNATIVE_MODE)
@@ -245,7 +246,7 @@ def test_cross_document_attention_reaches_the_window_and_scores_the_same_labels(
     # Windows where a document starts after the trained length, so crossing documents matters.
     with_boundary = np.flatnonzero((np.diff(docs[:, TRAINED:-1], axis=1) != 0).any(axis=1))[:2]
     ids, docs = ids[with_boundary], docs[with_boundary]
-    model = MoETransformer(dataclasses.replace(model_cfg, dispatch="dropless"), seed=0)
+    model = MoETransformer(model_cfg, seed=0, moe=MoEConfig(dispatch="dropless"))
     load_model_weights(list(model.get_parameters()), checkpoint)
     result = evaluate_model(model, [{"input_ids": ids, "doc_ids": docs}], TRAINED, cross_document=True)
     loss, loss_beyond = reference_losses(model_cfg, checkpoint, RopeScalingConfig(), ids, docs, cross_document=True)

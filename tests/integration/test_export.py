@@ -24,6 +24,7 @@ from mindmoe.data.tokenizer import train_sentencepiece
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.export.runner import ExportedModel, sample_next
 from mindmoe.model.moe import lock_routing
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.checkpoint import MODEL_FILE, CarriedFiles, load_model_weights, save_checkpoint
 
@@ -45,12 +46,10 @@ CONFIG = ModelConfig(
     score_func="sigmoid",
     expert_bias=True,
     routed_scaling_factor=2.5,
-    dispatch="capacity",
-    expert_lock=True,
-    lock_run_length=2,
-    lock_span=3,
     max_position_embeddings=256,
 )
+#: How the checkpoint trained: capacity dispatch and expert locking (serving replays the lock rule).
+POLICY = MoEConfig(dispatch="capacity", expert_lock=True, lock_run_length=2, lock_span=3)
 
 
 def run_cli(module: str, *args: str):
@@ -78,13 +77,13 @@ def checkpoint(tmp_path_factory, tokenizer_bytes):
     the copy alone."""
     work = tmp_path_factory.mktemp("export_source")
     tokenizer, _ = tokenizer_bytes
-    model = MoETransformer(CONFIG, seed=3)
+    model = MoETransformer(CONFIG, seed=3, moe=POLICY)
     for layer in model.layers:  # not a slice: slicing a CellList renames the parameters
         if not layer.is_moe:
             continue
         bias = layer.mlp.router.e_score_correction_bias
         bias.set_data(Tensor(np.random.default_rng(1).normal(0, 0.05, bias.shape).astype(np.float32)))
-    state = {"model_config": dataclasses.asdict(CONFIG)}
+    state = {"model_config": dataclasses.asdict(CONFIG), "moe_config": dataclasses.asdict(POLICY)}
     carried = CarriedFiles.of_run(tokenizer, "data:\n  seq_len: 64\n")
     saved = save_checkpoint(work / "run" / "checkpoints", 5, list(model.get_parameters()), [], state, 1, None, carried)
     copied = shutil.copytree(saved, work / "elsewhere" / saved.name)
@@ -115,7 +114,7 @@ def exported(export_dir):
 @pytest.fixture(scope="module")
 def training_model(checkpoint):
     """The training model with the checkpoint's weights, compiled once for any [B, S] (dropless dispatch)."""
-    model = MoETransformer(dataclasses.replace(CONFIG, dispatch="dropless"))
+    model = MoETransformer(CONFIG, moe=dataclasses.replace(POLICY, dispatch="dropless"))
     load_model_weights(list(model.get_parameters()), checkpoint)
     model.set_inputs(Tensor(shape=[None, None], dtype=ms.int32), Tensor(shape=[None, None], dtype=ms.int32))
 
@@ -182,8 +181,8 @@ def test_decoding_step_by_step_locks_like_full_sequence_lock_routing(exported, t
         reference, _ = lock_routing(
             Tensor(natural_MBSK[layer]),
             Tensor(np.zeros((batch, length), np.int32)),
-            CONFIG.lock_run_length,
-            CONFIG.lock_span,
+            POLICY.lock_run_length,
+            POLICY.lock_span,
         )
         np.testing.assert_array_equal(locked_MBS[layer], reference.asnumpy())
     assert locked_MBS.any() and not locked_MBS.all()  # the sequence exercises both cases
@@ -193,7 +192,8 @@ def test_manifest_describes_graphs_source_and_tokenizer(export_dir, checkpoint, 
     manifest = json.loads((export_dir / "manifest.json").read_text(encoding="utf-8"))
     assert manifest["mindspore_version"] == ms.__version__
     assert manifest["source"]["sha256"][MODEL_FILE] == file_sha256(checkpoint / MODEL_FILE)
-    assert manifest["model_config"]["dispatch"] == "dropless"
+    assert manifest["moe_config"]["dispatch"] == "dropless" and manifest["dispatch"] == "dropless"
+    assert manifest["moe_config"]["expert_lock"] and manifest["moe_config"]["lock_span"] == POLICY.lock_span
     prefill, decode = manifest["graphs"]["prefill"], manifest["graphs"]["decode"]
     assert [entry["name"] for entry in prefill["inputs"]] == ["input_ids"]
     assert [entry["name"] for entry in decode["inputs"]] == ["input_ids", "kv_cache", "position", "lock_state"]
@@ -267,7 +267,7 @@ def test_export_format_hf_from_checkpoint_loads_in_transformers(hf_dir, checkpoi
     with torch.no_grad():
         hf_logits = hf(torch.tensor(ids, dtype=torch.long)).logits.numpy()
     # HF routes without expert locking (a mindmoe rule), so the reference here has it off.
-    model = MoETransformer(dataclasses.replace(CONFIG, dispatch="dropless", expert_lock=False))
+    model = MoETransformer(CONFIG, moe=MoEConfig(dispatch="dropless"))
     load_model_weights(list(model.get_parameters()), checkpoint)
     expected = model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
     np.testing.assert_allclose(hf_logits, expected, rtol=0, atol=1e-4)
@@ -279,9 +279,9 @@ def test_pretrained_hf_directory_exports_with_routing_overrides(hf_dir, tmp_path
     result = run_cli(
         "mindmoe.train.export_cli",
         f"model.pretrained={hf_dir}",
-        "model.expert_lock=true",
-        "model.lock_run_length=2",
-        "model.lock_span=3",
+        "moe.expert_lock=true",
+        "moe.lock_run_length=2",
+        "moe.lock_span=3",
         f"export.out={out}",
         "export.ascend_prompt_lengths=[16]",
         f"hydra.run.dir={tmp_path / 'hydra'}",
@@ -330,7 +330,7 @@ def test_export_errors_name_the_key(args, expected, tmp_path):
 @pytest.mark.parametrize(
     "arg, expected",
     [
-        ("model.dispatch=capacity", "model.dispatch='capacity': exported graphs always use dropless"),
+        ("moe.dispatch=capacity", "moe.dispatch='capacity': exported graphs always use dropless"),
         ("model.hidden_size=64", "model.hidden_size=64 conflicts with"),
         ("export.dtype=fp8", "export.dtype='fp8': must be one of"),
     ],
@@ -358,7 +358,7 @@ def test_fp16_graphs_with_weights_beside_them_run_on_cpu(monkeypatch, tmp_path, 
     from mindmoe.model.export.mindir import export_mindir
 
     monkeypatch.setattr(serialization, "TOTAL_SAVE", 1)  # KiB
-    model = MoETransformer(dataclasses.replace(CONFIG, dispatch="dropless", expert_lock=False))
+    model = MoETransformer(CONFIG, moe=MoEConfig(dispatch="dropless"))
     load_model_weights(list(model.get_parameters()), checkpoint)
     graphs = export_mindir(model, tmp_path, "fp16")
     assert graphs["prefill"]["file"] == "prefill_graph.mindir"

@@ -21,6 +21,7 @@ from mindmoe.model.attention import document_causal_mask
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.export.mindir import cache_layout, export_mindir
 from mindmoe.model.export.runner import MANIFEST_FILE, ExportedModel
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.export import ExportSource, build_manifest, serve_dsa_sparse
 from mindmoe.train.export_config import ExportConfig
@@ -35,10 +36,13 @@ CONFIG = tiny_dsa_config(
     num_layers=3,
     kv_lora_rank=RANK,
     qk_rope_head_dim=ROPE,
-    dispatch="dropless",
     max_position_embeddings=64,
     dsa=dict(index_n_heads=8, index_head_dim=INDEX_DIM, index_topk=TOPK),
 )
+
+
+#: Serving runs dropless; the training models it is compared with do too.
+DROPLESS = MoEConfig(dispatch="dropless")
 
 
 def with_stage(stage: str, cfg: ModelConfig = CONFIG) -> ModelConfig:
@@ -83,9 +87,9 @@ class IndexerScores(nn.Cell):
 def models(tmp_path_factory):
     """``(training model (sparse, dynamic shapes), the same weights with stage off, indexer scores cell, exported)``;
     O(1) random weights (tests/helpers/dsa_models.py), so attention is far from uniform and the scores spread."""
-    model = MoETransformer(CONFIG)
+    model = MoETransformer(CONFIG, moe=DROPLESS)
     randomize(model)
-    dense = MoETransformer(with_stage("off"))
+    dense = MoETransformer(with_stage("off"), moe=DROPLESS)
     weights = {param.name: param for param in model.get_parameters()}
     for param in dense.get_parameters():
         param.set_data(Tensor(weights[param.name].asnumpy()))
@@ -176,9 +180,9 @@ def test_stage_off_caches_the_plain_latent_and_exports_serve_dense_warmup_sparse
     assert [part["name"] for part in layout["row"]] == ["c_kv", "k_rope"]
     warmup = dataclasses.replace(CONFIG, dsa=dataclasses.replace(CONFIG.dsa, stage="dense_warmup", warmup_steps=3))
     notes = []
-    model = serve_dsa_sparse(MoETransformer(warmup), notes)
+    model = serve_dsa_sparse(MoETransformer(warmup, moe=DROPLESS), notes)
     assert model.config.dsa.stage == "sparse" and model.config.dsa.warmup_steps == 0
     assert all(layer.self_attn.dsa_stage == "sparse" for layer in model.layers)
     assert "model.dsa.stage='dense_warmup' exported as 'sparse'" in notes[0]
-    off = MoETransformer(with_stage("off"))
+    off = MoETransformer(with_stage("off"), moe=DROPLESS)
     assert serve_dsa_sparse(off, notes).config.dsa.stage == "off" and len(notes) == 1

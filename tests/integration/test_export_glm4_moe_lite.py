@@ -151,7 +151,7 @@ def test_prefill_mindir_gives_transformers5_last_position_logits_and_the_latent_
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_latent_cache_greedy_decoding_equals_the_training_models_greedy(source, exported, name):
     directory = source(name)[0]
-    _, ours, _ = load_hf_pretrained(directory, {"dispatch": "dropless"})
+    _, ours, _ = load_hf_pretrained(directory)  # dropless: an import's default
     ours.set_inputs(Tensor(shape=[None, None], dtype=ms.int32), Tensor(shape=[None, None], dtype=ms.int32))
     ids = prompt(2, 11, seed=5)  # 11 + 8 positions pass YaRN's original 16
     # full recompute of the whole sequence at every step

@@ -20,10 +20,10 @@ from tests.helpers.processes import free_port
 from tests.helpers.runs import REPO, metrics_rows
 
 STEPS = 4
-# LoRA needs a frozen router bias (model.bias_update_rate=0); the default target_modules adapt the attention,
+# LoRA needs a frozen router bias (moe.bias_update_rate=0); the default target_modules adapt the attention,
 # the dense MLP and every routed expert's projections. A large learning rate makes the adapters matter.
 LORA = [
-    "model.bias_update_rate=0",
+    "moe.bias_update_rate=0",
     "lora.enabled=true",
     "lora.r=4",
     "train.lr=0.01",

@@ -132,7 +132,7 @@ def test_run_uses_the_hf_architecture_tokenizer_and_dropless_dispatch(pretrained
     assert model_config["num_experts"] == hf.config.n_routed_experts
     assert model_config["vocab_size"] == hf.config.vocab_size
     assert model_config["score_func"] == "sigmoid" and model_config["expert_bias"]
-    assert model_config["dispatch"] == "dropless"
+    assert "dispatch" not in model_config and state["moe_config"]["dispatch"] == "dropless"  # auto, resolved
     assert model_config["pretrained"] == str(directory)
     # The checkpoint carries the HF tokenizer's files (not a path to them), config.json for its fallback ids.
     assert "tokenizer/tokenizer.json" in state["tokenizer"] and "tokenizer/config.json" in state["tokenizer"]
@@ -156,7 +156,7 @@ def test_resume_of_a_pretrained_run_continues_from_its_checkpoint(pretrained_dir
     assert steps == [1, 2, 3]
 
 
-def test_command_line_training_keys_apply_and_architecture_keys_must_agree(pretrained_dir, tmp_path):
+def test_command_line_policy_and_context_keys_apply_and_architecture_keys_must_agree(pretrained_dir, tmp_path):
     from mindmoe.train.init_model import build_model, explicit_model_keys
 
     directory, data_file, hf = pretrained_dir
@@ -164,15 +164,15 @@ def test_command_line_training_keys_apply_and_architecture_keys_must_agree(pretr
         directory,
         data_file,
         tmp_path,
-        "model.dispatch=capacity",
-        "model.capacity_factor=2.0",
+        "moe.dispatch=capacity",
+        "moe.capacity_factor=2.0",
         "model.rope_scaling.type=linear",
         "model.rope_scaling.factor=2.0",
     )
     keys = explicit_model_keys(overrides)
-    assert keys == {"dispatch", "capacity_factor", "rope_scaling"}
-    model_cfg, _ = build_model(compose_config(overrides), hf.config.vocab_size, keys, load_weights=False)
-    assert (model_cfg.dispatch, model_cfg.capacity_factor) == ("capacity", 2.0)
+    assert keys == {"rope_scaling"}
+    model_cfg, model = build_model(compose_config(overrides), hf.config.vocab_size, keys, load_weights=False)
+    assert (model.moe_config.dispatch, model.moe_config.capacity_factor) == ("capacity", 2.0)
     assert (model_cfg.rope_scaling.type, model_cfg.rope_scaling.factor) == ("linear", 2.0)
     assert model_cfg.hidden_size == hf.config.hidden_size
 
@@ -193,9 +193,10 @@ def test_tokenizer_larger_than_the_pretrained_vocabulary_is_refused(pretrained_d
 
 
 def test_a_recipes_training_keys_apply_on_top_of_config_json(pretrained_dir, tmp_path):
-    """``recipe=pretrain_tiny_aux_free`` sets expert locking and aux-free balancing: with ``model.pretrained``
-    they count as if typed (they used to be dropped); the command line's routed scaling matches config.json."""
-    from mindmoe.train.export import command_line_model_overrides
+    """``recipe=pretrain_tiny_aux_free`` sets expert locking and aux-free balancing (``moe.*``): they apply to
+    the imported model; its ``model.*`` keys count as if typed, and the command line's routed scaling matches
+    config.json."""
+    from mindmoe.train.export import command_line_moe_overrides
     from mindmoe.train.init_model import build_model, explicit_model_keys
 
     directory, data_file, hf = pretrained_dir
@@ -203,13 +204,15 @@ def test_a_recipes_training_keys_apply_on_top_of_config_json(pretrained_dir, tmp
         directory, data_file, tmp_path, "recipe=pretrain_tiny_aux_free", f"model.routed_scaling_factor={2.5}"
     )
     keys = explicit_model_keys(overrides)
-    assert {"expert_lock", "bias_update_rate", "aux_loss", "routed_scaling_factor"} <= keys
+    assert keys == {"score_func", "expert_bias", "routed_scaling_factor"}
     cfg = compose_config(overrides)
-    model_cfg, _ = build_model(cfg, hf.config.vocab_size, keys, load_weights=False)
-    assert model_cfg.expert_lock and model_cfg.bias_update_rate == 0.002 and model_cfg.aux_loss == "seq"
+    model_cfg, model = build_model(cfg, hf.config.vocab_size, keys, load_weights=False)
+    policy = model.moe_config
+    assert policy.expert_lock and policy.bias_update_rate == 0.002 and policy.aux_loss == "seq"
+    assert policy.dispatch == "dropless"  # auto: the weights come from the HF directory
     assert model_cfg.hidden_size == hf.config.hidden_size and model_cfg.routed_scaling_factor == 2.5
     # mindmoe-export reads the same keys.
-    assert command_line_model_overrides(cfg, overrides)["expert_lock"] is True
+    assert command_line_moe_overrides(cfg, overrides)["expert_lock"] is True
 
 
 def test_a_recipes_architecture_key_that_disagrees_with_config_json_fails_naming_both(pretrained_dir, tmp_path):
@@ -228,8 +231,8 @@ def test_a_recipes_architecture_key_that_disagrees_with_config_json_fails_naming
         check_launch_config(cfg, [], overrides)
     # The default model group and recipe set nothing: config.json alone decides.
     plain = run_overrides(directory, data_file, tmp_path)
-    model_cfg, _ = build_model(compose_config(plain), hf.config.vocab_size, explicit_model_keys(plain), False)
-    assert model_cfg.routed_scaling_factor == 2.5 and model_cfg.dispatch == "dropless"
+    model_cfg, model = build_model(compose_config(plain), hf.config.vocab_size, explicit_model_keys(plain), False)
+    assert model_cfg.routed_scaling_factor == 2.5 and model.moe_config.dispatch == "dropless"
 
 
 def test_a_recipe_in_a_user_config_dir_applies_through_the_hydra_runtime(pretrained_dir, tmp_path):
@@ -240,7 +243,7 @@ def test_a_recipe_in_a_user_config_dir_applies_through_the_hydra_runtime(pretrai
     directory, data_file, hf = pretrained_dir
     (tmp_path / "conf" / "recipe").mkdir(parents=True)
     (tmp_path / "conf" / "recipe" / "locked.yaml").write_text(
-        "# @package _global_\nmodel:\n  expert_lock: true\n  lock_span: 4\n  num_experts: 3\n"
+        "# @package _global_\nmodel:\n  num_experts: 3\nmoe:\n  expert_lock: true\n  lock_span: 4\n"
     )
     overrides = run_overrides(directory, data_file, tmp_path, "recipe=locked")
     register_configs()
@@ -249,9 +252,9 @@ def test_a_recipe_in_a_user_config_dir_applies_through_the_hydra_runtime(pretrai
             "config", overrides=[*overrides, f"hydra.searchpath=[file://{tmp_path / 'conf'}]"], return_hydra_config=True
         )
     keys = explicit_model_keys(cfg.hydra.overrides.task, cfg.hydra.runtime)
-    assert keys == {"expert_lock", "lock_span", "num_experts"}
+    assert keys == {"num_experts"}
     with pytest.raises(ValueError, match=rf"model.num_experts=3 conflicts with .*gives {hf.config.n_routed_experts}"):
         build_model(cfg, hf.config.vocab_size, keys, load_weights=False)
     keys.discard("num_experts")
-    model_cfg, _ = build_model(cfg, hf.config.vocab_size, keys, load_weights=False)
-    assert model_cfg.expert_lock and model_cfg.lock_span == 4
+    _, model = build_model(cfg, hf.config.vocab_size, keys, load_weights=False)
+    assert model.moe_config.expert_lock and model.moe_config.lock_span == 4

@@ -32,8 +32,8 @@ def start_train(run_dir, data_cache, **env):
         "train.save_every=100",
         "train.peak_gflops=50",
         # Two keys the run ignores (dropless has no capacity; fp32 has no loss scale): one warning of ours.
-        "model.dispatch=dropless",
-        "model.capacity_factor=2.0",
+        "moe.dispatch=dropless",
+        "moe.capacity_factor=2.0",
         "train.loss_scale=1024",
         f"data.cache_dir={data_cache}",
         f"hydra.run.dir={run_dir}",
@@ -72,7 +72,7 @@ def test_a_default_run_hides_the_framework_warnings_and_keeps_its_own_lines(outp
     assert "[mindmoe.train][INFO] - model: " in quiet and "run dir: " in quiet
     assert quiet.count(NO_EFFECT_WARNING) == 1
     warning = next(line for line in quiet.splitlines() if NO_EFFECT_WARNING in line)
-    assert "[WARNING]" in warning and "model.capacity_factor (model.dispatch=dropless" in warning
+    assert "[WARNING]" in warning and "moe.capacity_factor (moe.dispatch=dropless" in warning
     assert "train.loss_scale (train.dtype=fp32" in warning
 
 

@@ -279,18 +279,20 @@ def test_the_receiver_sorts_whole_blocks_by_local_expert_then_source_and_its_gro
 
 
 def test_token_routed_dropless_sends_the_routed_rows_and_capacity_keeps_the_fixed_exchange():
-    """``model.dispatch=dropless`` with ``parallel.ep_dispatcher=alltoall`` is the grouped exchange: a slot
+    """``moe.dispatch=dropless`` with ``parallel.ep_dispatcher=alltoall`` is the grouped exchange: a slot
     holds at most one source's assignments for one rank's experts plus their padding, so a rank runs its
     experts on about ``ep * T * K`` rows, not the ``E * T`` of a capacity exchange with ``C = T`` slots."""
     from mindmoe.model.config import ModelConfig
+    from mindmoe.model.moe_config import MoEConfig
     from mindmoe.train.expert_parallel import ExpertParallelDispatch
     from mindmoe.train.grouped_exchange import GroupedExchange, slot_rows
     from mindmoe.train.token_exchange import AllToAllDispatcher
 
     placement = ExpertParallelDispatch(1, 2, "hccl_world_group", "alltoall")
-    grouped = placement.dispatcher(ModelConfig(num_experts=128, top_k=8, dispatch="dropless"))
+    cfg = ModelConfig(num_experts=128, top_k=8)
+    grouped = placement.dispatcher(cfg, MoEConfig(dispatch="dropless"))
     assert isinstance(grouped, GroupedExchange) and (grouped.num_local, grouped.ep) == (64, 2)
-    capacity = placement.dispatcher(ModelConfig(num_experts=128, top_k=8, dispatch="capacity"))
+    capacity = placement.dispatcher(cfg, MoEConfig(dispatch="capacity"))
     assert isinstance(capacity, AllToAllDispatcher)
     tokens, top_k, block = 4096, 8, 32
     rows = 2 * slot_rows(tokens, top_k, 64, block)

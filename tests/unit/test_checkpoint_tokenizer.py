@@ -1,4 +1,4 @@
-"""Self-contained checkpoints: the tokenizer and config a checkpoint carries, and who reads them.
+"""Self-contained checkpoints: the tokenizer, config and MoE policy a checkpoint carries, and who reads them.
 
 A checkpoint names its tokenizer files in ``state.json`` ``tokenizer``, relative to its directory; export,
 eval, resume and ``lora.base_checkpoint`` read those files and nothing outside the checkpoint.
@@ -16,12 +16,15 @@ from mindmoe.data.hf_tokenizer import HFSentencePieceTokenizer
 from mindmoe.data.tokenizer import train_sentencepiece
 from mindmoe.data.tokenizer_files import open_tokenizer, special_token_ids
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.train.checkpoint import CarriedFiles, save_checkpoint
 from mindmoe.train.checkpoint_tokenizer import checkpoint_tokenizer, run_data_config
 from mindmoe.train.evaluate import load_checkpoint_config
 from mindmoe.train.export import resolve_source
 from tests.helpers.runs import compose_config
 
+#: The policy the checkpoints below were trained with (serving replays its expert locking).
+TRAINED_MOE = MoEConfig(dispatch="dropless", aux_loss="seq", expert_lock=True, lock_span=4)
 TEXTS = [f"invoice {i} was reissued on day {i % 7} for order number {i * 37}" for i in range(200)]
 
 
@@ -43,7 +46,7 @@ def hf_dir(tmp_path, spm_model):
 
 def write_checkpoint(root, carried=None, step=3):
     params = [Parameter(Tensor(np.arange(4, dtype=np.float32)), name="w")]
-    state = {"model_config": dataclasses.asdict(ModelConfig())}
+    state = {"model_config": dataclasses.asdict(ModelConfig()), "moe_config": dataclasses.asdict(TRAINED_MOE)}
     return save_checkpoint(root / "checkpoints", step, params, [], state, 2, None, carried)
 
 
@@ -145,3 +148,17 @@ def test_resume_and_lora_base_checkpoint_prepare_data_with_the_carried_tokenizer
     # An older checkpoint: the config's tokenizer, as before (its recorded path is not read).
     edit_state(checkpoint, tokenizer="/nowhere/spm.model")
     assert not run_data_config(compose_config([]), checkpoint).tokenizer
+
+
+def test_export_and_eval_read_the_moe_policy_the_checkpoint_records_old_or_new(tmp_path, spm_model):
+    checkpoint = write_checkpoint(tmp_path, CarriedFiles.of_run(spm_model))
+    assert resolve_source(compose_config([f"checkpoint={checkpoint}"]), {}).moe_config == TRAINED_MOE
+    explicit = resolve_source(compose_config([f"checkpoint={checkpoint}", "moe.lock_span=3"]), {}, {"lock_span": 3})
+    assert explicit.moe_config == dataclasses.replace(TRAINED_MOE, lock_span=3)
+    # A checkpoint written before the moe.* section kept the policy inside model_config.
+    state = json.loads((checkpoint / "state.json").read_text())
+    del state["moe_config"]
+    state["model_config"].update(dataclasses.asdict(TRAINED_MOE))
+    (checkpoint / "state.json").write_text(json.dumps(state))
+    assert resolve_source(compose_config([f"checkpoint={checkpoint}"]), {}).moe_config == TRAINED_MOE
+    assert load_checkpoint_config(str(checkpoint))[2] == ModelConfig()

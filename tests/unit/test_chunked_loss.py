@@ -13,6 +13,7 @@ from mindspore import Tensor, ops
 from mindmoe.bench.earlier_loss import EarlierTokenNLL
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lm_loss import TokenNLL, chunk_rows
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train import head_loss as head_loss_module
 from mindmoe.train.config import TrainConfig
@@ -138,17 +139,15 @@ MODEL = ModelConfig(
     moe_intermediate_size=16,
     num_experts=4,
     top_k=2,
-    dispatch="dropless",
-    aux_loss_coeff=0.0,
-    z_loss_coeff=0.0,
     tie_word_embeddings=True,
 )
+MOE = MoEConfig(dispatch="dropless", aux_loss_coeff=0.0, z_loss_coeff=0.0)
 SEQ = 16
 
 
 def test_head_loss_follows_the_head_trainability_and_the_compute_dtype():
     assert chunk_rows(151552) == 55 and chunk_rows(4096) == 2048  # the default run's 2048 tokens: one chunk
-    model = MoETransformer(MODEL, seed=3)
+    model = MoETransformer(MODEL, seed=3, moe=MOE)
     assert head_loss(model, model.trainable_params()).head_trainable
     model.embed_tokens.weight.requires_grad = False  # a LoRA run with the head frozen
     assert not head_loss(model, model.trainable_params()).head_trainable
@@ -166,7 +165,7 @@ def test_train_step_with_chunks_gives_the_loss_and_gradients_of_the_plain_log_so
     batch = {"input_ids": ids, "doc_ids": np.zeros_like(ids), "loss_mask": loss_mask}
     # Reference: the plain log-softmax of construct's logits, MindSpore autograd; labels are scored
     # where the label position's mask is 1 (one document).
-    model = MoETransformer(MODEL, seed=3)
+    model = MoETransformer(MODEL, seed=3, moe=MOE)
     scored = Tensor(loss_mask[:, 1:].astype(np.float32))
     one_hot = Tensor(np.eye(MODEL.vocab_size, dtype=np.float32)[ids[:, 1:]])
 
@@ -178,7 +177,7 @@ def test_train_step_with_chunks_gives_the_loss_and_gradients_of_the_plain_log_so
     loss, grads = grad_fn(Tensor(ids[:, :-1]), Tensor(np.zeros((2, SEQ), np.int32)))
     # 32 tokens in chunks of 5: seven chunks, the last of 2.
     monkeypatch.setattr(head_loss_module, "chunk_rows", lambda vocab_size: 5)
-    chunked_model = MoETransformer(MODEL, seed=3)
+    chunked_model = MoETransformer(MODEL, seed=3, moe=MOE)
     optimizer = GradientCapture(chunked_model.trainable_params())
     step = CompiledStep(chunked_model, optimizer, grad_clip=0.0, accum_steps=1)
     assert step.token_nll.rows == 5 and step.token_nll.head_trainable

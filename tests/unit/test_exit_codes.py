@@ -3,6 +3,7 @@
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,53 @@ def test_launch_imports_nothing_of_train():
         if module.startswith("mindmoe.train")
     }
     assert not offending
+
+
+def test_a_moved_key_exits_2_naming_its_new_place_and_the_check_is_a_leaf(capsys):
+    from mindmoe.conf.moved_keys import exit_on_moved_keys
+
+    with pytest.raises(SystemExit) as exited:
+        exit_on_moved_keys("mindmoe-test", ["train.lr=0.1", "model.dispatch=dropless"])
+    printed = capsys.readouterr()
+    assert exited.value.code == CONFIG_ERROR and printed.out == ""
+    assert printed.err.startswith("mindmoe-test: error: model.dispatch is now moe.dispatch")
+    assert exit_on_moved_keys("mindmoe-test", ["moe.dispatch=dropless", "model.expert_bias=true"]) is None
+    # a leaf (conf/moved_keys.py): the key lists and exit codes, no MindSpore, no Hydra, nothing of train/ or launch/
+    probe = (
+        "import sys, mindmoe.conf.moved_keys; "
+        "print(sorted(m for m in sys.modules if m.startswith(('mindspore', 'hydra', 'omegaconf', 'mindmoe.'))))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    leaf = (
+        "mindmoe.conf",
+        "mindmoe.conf.exit_codes",
+        "mindmoe.conf.moved_keys",
+        "mindmoe.model",
+        "mindmoe.model.moe_config",
+    )
+    assert result.stdout.strip() == str(list(leaf))
+
+
+def test_every_command_taking_config_keys_checks_for_moved_keys_first():
+    """Hydra alone would answer ``Could not override 'model.dispatch'`` without saying where the key went."""
+    scripts = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["scripts"]
+    checked = set()
+    for prog, target in scripts.items():
+        path = REPO / (target.split(":")[0].removeprefix("mindmoe.").replace(".", "/") + ".py")
+        if not any(module.split(".")[0] == "hydra" for module in imported_modules(path)):
+            continue  # argparse commands (mindmoe-generate, mindmoe-bench) take no config key
+        main = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name == "main")
+        calls = [n for n in ast.walk(main) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+        names = [call.func.id for call in calls]
+        assert "exit_on_moved_keys" in names and "_main" in names, prog
+        assert names.index("exit_on_moved_keys") < names.index("_main"), prog  # before Hydra composes
+        assert calls[names.index("exit_on_moved_keys")].args[0].value == prog
+        checked.add(prog)
+    assert {
+        "mindmoe-train",
+        "mindmoe-data",
+        "mindmoe-plan",
+        "mindmoe-eval",
+        "mindmoe-export",
+        "mindmoe-launch",
+    } <= checked

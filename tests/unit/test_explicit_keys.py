@@ -16,11 +16,11 @@ from mindmoe.model.config import ModelConfig
 AUX_FREE_KEYS = {
     "model.score_func",
     "model.expert_bias",
-    "model.bias_update_rate",
-    "model.aux_loss",
-    "model.aux_loss_coeff",
+    "moe.bias_update_rate",
+    "moe.aux_loss",
+    "moe.aux_loss_coeff",
     "model.routed_scaling_factor",
-    "model.expert_lock",
+    "moe.expert_lock",
 }
 
 
@@ -34,17 +34,17 @@ def hydra_job(overrides, search_dir=None):
 
 
 def test_command_line_keys_are_explicit_and_group_choices_are_not_keys():
-    keys = explicit_keys(["model.dispatch=capacity", "+model.rope_scaling.factor=4", "train.lr=1e-4", "checkpoint=x"])
-    assert keys == {"model.dispatch", "model.rope_scaling.factor", "train.lr", "checkpoint"}
-    assert model_fields(keys | {"model.pretrained"}) == {"dispatch", "rope_scaling"}
+    keys = explicit_keys(["moe.dispatch=capacity", "+model.rope_scaling.factor=4", "train.lr=1e-4", "checkpoint=x"])
+    assert keys == {"moe.dispatch", "model.rope_scaling.factor", "train.lr", "checkpoint"}
+    assert model_fields(keys | {"model.pretrained"}) == {"rope_scaling"}  # moe.* is no model field
 
 
 def test_a_named_recipe_sets_its_keys_as_if_typed_and_the_default_recipe_sets_none():
     assert AUX_FREE_KEYS <= explicit_keys(["recipe=pretrain_tiny_aux_free"])
     assert explicit_keys(["recipe=pretrain_tiny_aux_free"]) - AUX_FREE_KEYS == set()
-    # pretrain_tiny (the default, which pins model.dispatch) is the baseline unless named.
+    # pretrain_tiny (the default) is the baseline unless named; it sets nothing (the section defaults are its job).
     assert explicit_keys(["model.pretrained=/hf"]) == {"model.pretrained"}
-    assert explicit_keys(["recipe=pretrain_tiny"]) == {"model.dispatch"}
+    assert explicit_keys(["recipe=pretrain_tiny"]) == set()
     _, hydra = hydra_job(["recipe=pretrain_tiny_aux_free", "train.lr=0.1"])
     assert explicit_keys(hydra.overrides.task, hydra.runtime) == AUX_FREE_KEYS | {"train.lr"}
     _, hydra = hydra_job(["model.pretrained=/hf"])
@@ -53,23 +53,30 @@ def test_a_named_recipe_sets_its_keys_as_if_typed_and_the_default_recipe_sets_no
 
 def test_a_non_default_model_group_sets_every_key_of_its_file_and_the_default_group_none():
     glm45 = explicit_keys(["model=glm45"])
-    assert {"model.hidden_size", "model.num_layers", "model.num_experts", "model.dispatch"} <= glm45
+    assert {
+        "model.hidden_size",
+        "model.num_layers",
+        "model.num_experts",
+        "moe.bias_update_rate",
+        "moe.aux_loss",
+    } <= glm45
     assert "model.qk_norm" not in glm45  # not in the file: the dataclass default
+    assert "moe.dispatch" not in glm45  # left at auto
     assert explicit_keys(["model=tiny_moe"]) == set()
 
 
 def test_recipes_of_a_user_config_dir_count_with_their_package(tmp_path):
     (tmp_path / "recipe").mkdir()
     (tmp_path / "recipe" / "mine.yaml").write_text(
-        "# @package _global_\n# A user's recipe.\nmodel:\n  expert_lock: true\n  rope_scaling:\n    type: linear\n"
-        "train:\n  lr: 0.001\n"
+        "# @package _global_\n# A user's recipe.\nmoe:\n  expert_lock: true\n"
+        "model:\n  rope_scaling:\n    type: linear\ntrain:\n  lr: 0.001\n"
     )
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "small.yaml").write_text("defaults:\n  - base_model\nhidden_size: 96\n")
     cfg, hydra = hydra_job(["recipe=mine", "model=small"], search_dir=tmp_path)
-    assert cfg.model.expert_lock and cfg.model.hidden_size == 96  # Hydra reads the same files
+    assert cfg.moe.expert_lock and cfg.model.hidden_size == 96  # Hydra reads the same files
     keys = explicit_keys(hydra.overrides.task, hydra.runtime)
-    assert keys == {"model.expert_lock", "model.rope_scaling.type", "train.lr", "model.hidden_size"}
+    assert keys == {"moe.expert_lock", "model.rope_scaling.type", "train.lr", "model.hidden_size"}
 
 
 def model_and_cfg(overrides, **model):
@@ -82,12 +89,15 @@ def model_and_cfg(overrides, **model):
 @pytest.mark.parametrize(
     "overrides, model, idle",
     [
-        (["model.capacity_factor=2.0", "model.dispatch=dropless"], {}, ["model.capacity_factor"]),
-        (["model.capacity_factor=2.0"], {}, []),
-        # With model.pretrained the mode is the model the run builds (HF imports are dropless).
-        (["model.capacity_factor=2.0"], {"dispatch": "dropless"}, ["model.capacity_factor"]),
-        (["model.lock_span=3", "model.isolation_mode=token_grad"], {}, ["model.isolation_mode", "model.lock_span"]),
-        (["model.lock_span=3", "model.expert_lock=true"], {}, []),
+        (["moe.capacity_factor=2.0", "moe.dispatch=dropless"], {}, ["moe.capacity_factor"]),
+        (["moe.capacity_factor=2.0"], {}, []),
+        # moe.dispatch=auto is dropless for weights trained elsewhere, capacity unless then.
+        (["moe.capacity_factor=2.0", "model.pretrained=/hf"], {}, ["moe.capacity_factor"]),
+        (["moe.capacity_factor=2.0", "lora.enabled=true", "lora.base_checkpoint=/ckpt"], {}, ["moe.capacity_factor"]),
+        (["moe.capacity_factor=2.0", "lora.base_checkpoint=/ckpt"], {}, []),
+        (["moe.capacity_factor=2.0", "moe.dispatch=capacity", "model.pretrained=/hf"], {}, []),
+        (["moe.lock_span=3", "moe.isolation_mode=token_grad"], {}, ["moe.isolation_mode", "moe.lock_span"]),
+        (["moe.lock_span=3", "moe.expert_lock=true"], {}, []),
         (["train.loss_scale=1024", "train.loss_scale_window=10"], {}, ["train.loss_scale", "train.loss_scale_window"]),
         (["data.format=sft", "data.text_field=body", "data.num_proc=4"], {}, ["data.num_proc", "data.text_field"]),
         (["data.text_field=body", "data.num_proc=4"], {}, []),
@@ -114,19 +124,28 @@ def test_the_rule_table_names_explicit_keys_that_have_no_effect(overrides, model
 
 
 def test_keys_left_at_their_defaults_are_never_named():
-    # fp32 + dropless-free defaults: loss_scale and lock keys exist but nobody set them.
-    cfg, model_cfg = model_and_cfg([], dispatch="dropless")
+    # fp32, dropless and no locking: capacity_factor, loss_scale and the lock keys exist but nobody set them.
+    cfg, model_cfg = model_and_cfg(["moe.dispatch=dropless"])
     assert keys_without_effect(set(), cfg, model_cfg) == []
 
 
+def test_the_reason_says_when_auto_made_the_dispatch_dropless():
+    cfg, model_cfg = model_and_cfg(["model.pretrained=/hf"])
+    [(key, why)] = keys_without_effect({"moe.capacity_factor"}, cfg, model_cfg)
+    assert (
+        why
+        == "moe.dispatch=dropless drops no token, so there is no capacity (auto: the weights come from a checkpoint)"
+    )
+
+
 def test_one_warning_names_every_idle_key_with_the_reason(caplog):
-    overrides = ["model.dispatch=dropless", "model.capacity_factor=2.0", "train.loss_scale=1024", "train.lr=0.1"]
+    overrides = ["moe.dispatch=dropless", "moe.capacity_factor=2.0", "train.loss_scale=1024", "train.lr=0.1"]
     cfg, model_cfg = model_and_cfg(overrides)
     with caplog.at_level(logging.WARNING, logger="mindmoe.config"):
         warn_keys_without_effect(explicit_keys(overrides), cfg, model_cfg)
     records = [r for r in caplog.records if r.name == "mindmoe.config"]
     assert len(records) == 1 and records[0].levelno == logging.WARNING
     message = records[0].getMessage()
-    assert "model.capacity_factor (model.dispatch=dropless" in message
+    assert "moe.capacity_factor (moe.dispatch=dropless" in message
     assert "train.loss_scale (train.dtype=fp32" in message
     assert "train.lr" not in message

@@ -90,7 +90,7 @@ def test_expert_parameter_names_are_the_routed_experts_and_their_adapters():
     from mindmoe.train.init_model import build_model
     from tests.helpers.runs import compose_config
 
-    cfg = compose_config(["lora.enabled=true", "lora.r=2", "model.bias_update_rate=0", "model.mtp_layers=1"])
+    cfg = compose_config(["lora.enabled=true", "lora.r=2", "moe.bias_update_rate=0", "model.mtp_layers=1"])
     _, model = build_model(cfg, vocab_size=64)
     names = expert_parameter_names(model)
     assert names == {p.name for p in model.get_parameters() if ".mlp.experts." in p.name}
@@ -112,7 +112,7 @@ def test_expert_shards_are_every_expert_tensor_with_its_first_row_and_a_whole_mo
         def held_experts(self, num_experts):
             return range(num_experts // 2, num_experts)
 
-    overrides = ["lora.enabled=true", "lora.r=2", "model.bias_update_rate=0", "model.mtp_layers=1"]
+    overrides = ["lora.enabled=true", "lora.r=2", "moe.bias_update_rate=0", "model.mtp_layers=1"]
     cfg = compose_config(overrides)
     _, model = build_model(cfg, vocab_size=64, expert_dispatcher=SecondHalf())
     experts = cfg.model.num_experts

@@ -1,4 +1,4 @@
-"""Grouped dropless dispatch (``model.dispatch=dropless``) against the all-experts reference.
+"""Grouped dropless dispatch (``moe.dispatch=dropless``) against the all-experts reference.
 
 The reference, :class:`AllExpertsDispatcher`, runs every expert on every token and combines with a
 ``[T, E]`` weight matrix that is zero off the chosen experts: exact by construction. The grouped
@@ -18,6 +18,7 @@ from mindmoe.model.lora_layers import AdapterSpec
 from mindmoe.model.moe import AllExpertsDispatcher, DroplessDispatcher, MoELayer, RoutedExperts, local_dispatcher
 from mindmoe.model.moe.dispatch import grouped_rows
 from mindmoe.model.moe.lora_experts import LoraRoutedExperts
+from mindmoe.model.moe_config import MoEConfig
 from tests.helpers.moe import build_layer
 from tests.unit.test_locking import lock_layer_config, runs_input
 
@@ -138,7 +139,7 @@ def test_grouped_rows_sort_stably_by_expert_and_pad_each_group_to_the_block():
 
 
 def test_model_dispatch_dropless_is_the_grouped_dispatcher_and_reports_its_groups():
-    dispatcher = local_dispatcher(ModelConfig(num_experts=EXPERTS, dispatch="dropless"))
+    dispatcher = local_dispatcher(ModelConfig(num_experts=EXPERTS), MoEConfig(dispatch="dropless"))
     assert type(dispatcher) is DroplessDispatcher and dispatcher.alignment is None
     assert not list(dispatcher.get_parameters())
 
@@ -154,12 +155,12 @@ def layer_loss(layer, probe, doc_ids):
 def test_locked_moe_layer_with_grouped_dispatch_equals_the_reference_layer(static_path):
     """A whole MoE layer with locking on (locks trigger on this input): output, losses, statistics and
     the gradients of input, router and experts equal those of the layer on the all-experts reference."""
-    cfg = lock_layer_config("dropless", 1.0, isolation_mode="token_grad")
+    cfg, moe = lock_layer_config("dropless", 1.0, isolation_mode="token_grad")
     x, doc_ids = runs_input()
     probe = Tensor(np.random.default_rng(2).normal(size=x.shape).astype(np.float32))
     results = []
     for dispatcher in (DroplessDispatcher(cfg.num_experts, alignment=4), AllExpertsDispatcher(cfg.num_experts)):
-        layer = build_layer(cfg, seed=5)
+        layer = build_layer(cfg, moe, seed=5)
         layer.dispatcher = dispatcher
         params = layer.trainable_params()
         step = ms.jit(ms.value_and_grad(layer_loss(layer, probe, Tensor(doc_ids)), 0, params, has_aux=True))
@@ -241,5 +242,5 @@ def test_a_share_gets_its_rows_of_the_whole_expert_gradient_at_every_call_of_the
 
 
 def test_moe_layer_class_is_unchanged_for_capacity():
-    layer = MoELayer(ModelConfig(num_experts=EXPERTS, dispatch="capacity"), np.random.default_rng(0))
+    layer = MoELayer(ModelConfig(num_experts=EXPERTS), np.random.default_rng(0), moe=MoEConfig(dispatch="capacity"))
     assert layer.dispatcher.group_sizes(None) is None

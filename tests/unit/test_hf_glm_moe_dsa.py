@@ -89,6 +89,7 @@ def test_glm_moe_dsa_checkpoint_gives_transformers5_logits(variant, name):
     reference, _, cfg, ours = variant(name)
     assert reference["transformers"] == "5.23.0" and reference["model_class"] == "GlmMoeDsaForCausalLM"
     assert cfg.dsa.stage == "sparse" and cfg.dsa.index_topk < SEQ and cfg.rope_interleaved
+    assert ours.moe_config.dispatch == "dropless"  # moe.dispatch=auto on imported weights: no token dropped
     params = {p.name: p.asnumpy() for p in ours.get_parameters()}
     for layer in range(cfg.num_layers):
         scores = indexer_scores(params, layer, cfg, reference["captured"])
@@ -258,6 +259,8 @@ def test_an_indexer_is_exported_only_as_glm_moe_dsa_and_only_training_keys_overr
     assert "stage='off'" in hf_config_from_model(apply_overrides(imported, {"dsa": {"stage": "off"}}))[2][0]
     with pytest.raises(HFCheckpointError, match=r"model.dsa.index_topk=3 conflicts with .*which gives 5"):
         apply_overrides(imported, {"dsa": {"index_topk": 3}})
+    with pytest.raises(HFCheckpointError, match=r"model\.aux_loss: unknown key"):  # the MoE policy is moe.*
+        apply_overrides(imported, {"aux_loss": "seq"})
 
 
 def test_glm5_model_group_is_the_published_model_and_counts_its_parameters():
@@ -266,12 +269,17 @@ def test_glm5_model_group_is_the_published_model_and_counts_its_parameters():
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
+    from mindmoe.conf.moe_policy import run_moe_config
     from mindmoe.conf.schema import register_configs
     from mindmoe.model.param_count import count_parameters
 
     register_configs()
     with initialize_config_module(config_module="mindmoe.conf", version_base="1.3"):
-        group = OmegaConf.to_object(compose(config_name="config", overrides=["model=glm5"]).model)
+        composed = compose(config_name="config", overrides=["model=glm5"])
+        imported_run = compose(config_name="config", overrides=["model=glm5", "model.pretrained=glm5_dir"])
+    group = OmegaConf.to_object(composed.model)
+    # the published model runs dropless: moe.dispatch=auto gives that to an import of it
+    assert composed.moe.dispatch == "auto" and run_moe_config(imported_run).dispatch == "dropless"
     imported = read_hf_config({"model_type": "glm_moe_dsa", "rope_parameters": {"rope_theta": 1e6}}).model_config
     architecture = [
         "vocab_size", "hidden_size", "num_layers", "num_heads", "attention_type", "q_lora_rank", "kv_lora_rank",

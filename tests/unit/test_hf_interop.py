@@ -37,6 +37,7 @@ from mindmoe.model.hf import (
     read_hf_config,
     read_pretrained_config,
 )
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.param_count import parameter_shapes
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.export import export_hf_with_tokenizer
@@ -134,8 +135,8 @@ def test_glm4_moe_checkpoint_gives_hf_logits(glm4_variant, name):
         for layer in ungrouped.model.layers[hf.config.first_k_dense_replace :]:
             layer.mlp.gate.n_group = layer.mlp.gate.topk_group = 1
         assert np.abs(hf_logits(ungrouped, ids) - hf_logits(hf, ids)).max() > 1e-2
-    assert cfg.dispatch == "dropless" and cfg.expert_bias and cfg.score_func == "sigmoid"
-    assert any("dropless" in note for note in notes)
+    assert ours.moe_config.dispatch == "dropless" and cfg.expert_bias and cfg.score_func == "sigmoid"
+    assert any("moe.dispatch=dropless" in note for note in notes)
     if name == "groups_qknorm_linear":
         assert (directory / "model.safetensors.index.json").is_file()
         assert len(list(directory.glob("model-*.safetensors"))) > 1
@@ -313,10 +314,13 @@ def native_config(**overrides):
         num_shared_experts=1,
         score_func="sigmoid",
         routed_scaling_factor=2.5,
-        dispatch="dropless",
     )
     fields.update(overrides)
     return ModelConfig(**fields)
+
+
+#: The native models train like HF runs them: no token dropped.
+NATIVE_MOE = MoEConfig(dispatch="dropless")
 
 
 def test_native_model_exports_its_weights_under_hf_names_with_a_zero_bias(tmp_path):
@@ -327,8 +331,8 @@ def test_native_model_exports_its_weights_under_hf_names_with_a_zero_bias(tmp_pa
     from mindmoe.train.checkpoint import save_checkpoint
 
     cfg = native_config()
-    model = MoETransformer(cfg, seed=0)
-    export_hf(model, out_dir=tmp_path / "from_model")
+    model = MoETransformer(cfg, seed=0, moe=NATIVE_MOE)
+    assert export_hf(model, out_dir=tmp_path / "from_model") == []  # dropless, no locking: HF matches
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "from_model", attn_implementation="eager").eval()
     state = hf.state_dict()
     ours = {p.name: p.asnumpy() for p in model.get_parameters()}
@@ -348,10 +352,9 @@ def test_native_model_exports_its_weights_under_hf_names_with_a_zero_bias(tmp_pa
         state["model.layers.0.self_attn.q_norm.weight"].numpy(), ours["layers.0.self_attn.q_norm.weight"]
     )
     # A training checkpoint directory exports to the same files (config from its state.json).
-    checkpoint = save_checkpoint(
-        tmp_path / "ckpt", 7, model.get_parameters(), [], {"model_config": dataclasses.asdict(cfg)}, keep_last=1
-    )
-    export_hf(checkpoint, out_dir=tmp_path / "from_checkpoint")
+    state = {"model_config": dataclasses.asdict(cfg), "moe_config": dataclasses.asdict(NATIVE_MOE)}
+    checkpoint = save_checkpoint(tmp_path / "ckpt", 7, model.get_parameters(), [], state, keep_last=1)
+    assert export_hf(checkpoint, out_dir=tmp_path / "from_checkpoint") == []  # the policy of its state.json
     from_model = load_torch_file(tmp_path / "from_model" / "model.safetensors")
     from_checkpoint = load_torch_file(tmp_path / "from_checkpoint" / "model.safetensors")
     assert from_model.keys() == from_checkpoint.keys()
@@ -431,7 +434,7 @@ def test_expected_parameter_shapes_are_the_models():
             first_k_dense=0,
         ),
     ):
-        model = MoETransformer(cfg)
+        model = MoETransformer(cfg, moe=NATIVE_MOE)
         assert parameter_shapes(cfg, include_buffers=True) == {p.name: tuple(p.shape) for p in model.get_parameters()}
 
 
@@ -601,16 +604,19 @@ def test_auto_map_config_loads_as_data_and_never_runs_shipped_code(glm4_dir, tmp
     assert not marker.exists()
 
 
-def test_architecture_overrides_must_agree_and_training_overrides_apply(glm4_dir):
+def test_architecture_overrides_must_agree_and_the_moe_policy_reaches_the_model(glm4_dir):
     with pytest.raises(HFCheckpointError, match=r"model\.hidden_size=64 conflicts with .*config.json.*gives 32"):
         read_pretrained_config(glm4_dir, {"hidden_size": 64})
-    imported = read_pretrained_config(
-        glm4_dir,
-        {"hidden_size": HIDDEN, "vocab_size": 0, "dispatch": "capacity", "bias_update_rate": 1e-3, "aux_loss": "seq"},
-    )
-    cfg = imported.model_config
-    assert (cfg.dispatch, cfg.bias_update_rate, cfg.aux_loss) == ("capacity", 1e-3, "seq")
-    assert not any("dropless" in note for note in imported.notes)
+    # the policy is no model key: an import takes it from moe.*, never as a model override
+    with pytest.raises(HFCheckpointError, match=r"model\.dispatch: unknown key"):
+        read_pretrained_config(glm4_dir, {"hidden_size": HIDDEN, "dispatch": "capacity"})
+    moe = MoEConfig(dispatch="capacity", bias_update_rate=1e-3, aux_loss="seq")
+    cfg, model, notes = load_hf_pretrained(glm4_dir, {"hidden_size": HIDDEN, "vocab_size": 0}, moe=moe)
+    assert model.moe_config == moe and cfg.hidden_size == HIDDEN
+    moe_layers = [layer.mlp for layer in model.layers[cfg.first_k_dense :]]
+    assert moe_layers and all(type(mlp.dispatcher).__name__ == "CapacityDispatcher" for mlp in moe_layers)
+    assert all(mlp.router.aux_loss_type == "seq" for mlp in moe_layers)
+    assert not any("dropless" in note for note in notes)
 
 
 # ----------------------------------------------------------------------------- config.json mapping

@@ -21,8 +21,9 @@ from mindspore import Tensor, ops
 from mindmoe.model.attention import document_causal_mask
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe import MoELayer
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.transformer import MoETransformer
-from tests.helpers.moe import EXPERTS, TOP_K, build_layer, layer_weights
+from tests.helpers.moe import EXPERTS, TOP_K, build_layer, layer_weights, split_fields
 from tests.unit.test_locking import (
     BATCH,
     SEQ,
@@ -39,15 +40,16 @@ DECAY = 0.3
 # ---- token_grad: gradients of one layer vs torch autograd -------------------------------------
 
 
-def torch_reference_grads(x, doc_ids, probe, weights, cfg, capacity):
-    """Gradients of ``sum(out * probe)`` for the locked layer, by torch autograd in float64.
+def torch_reference_grads(x, doc_ids, probe, weights, cfg, moe, capacity):
+    """Gradients of ``sum(out * probe)`` for the locked layer (architecture ``cfg``, policy ``moe``), by
+    torch autograd in float64.
 
     Input, router and shared-expert gradients come from the plain loss. Expert gradients come from the
     per-token definition: ``sum_t scale_t * sum_k w_tk * <SwiGLU_{e_tk}(x_t), probe_t>`` with the
     combine weights and the input held constant (they do not depend on expert weights) and
     ``scale_t = lambda`` for locked tokens. Also returns the expert gradients with every scale 1.
     """
-    _, _, routed, locked, kept, _ = naive_locked_moe(x, doc_ids, weights, cfg, capacity)
+    _, _, routed, locked, kept, _ = naive_locked_moe(x, doc_ids, weights, cfg, moe, capacity)
     t = {
         name: torch.tensor(value, dtype=torch.float64, requires_grad=True)
         for name, value in weights.items()
@@ -89,7 +91,7 @@ def torch_reference_grads(x, doc_ids, probe, weights, cfg, capacity):
     dx = plain_grads[-1].numpy().reshape(x.shape)
 
     expert_names = ["experts.gate_proj", "experts.up_proj", "experts.down_proj"]
-    scale_T = torch.from_numpy(np.where(locked, cfg.isolation_decay, 1.0))
+    scale_T = torch.from_numpy(np.where(locked, moe.isolation_decay, 1.0))
     isolated_loss = (routed_output(x_TH.detach(), combine.detach(), scale_T) * probe_TH).sum()
     isolated = dict(zip(expert_names, torch.autograd.grad(isolated_loss, [t[n] for n in expert_names])))
     grads = {name: g.numpy() for name, g in plain.items()}
@@ -119,13 +121,13 @@ def layer_grads(layer, x, doc_ids, probe):
 def test_token_grad_scales_locked_tokens_expert_gradients_and_leaves_input_and_router_gradients(
     dispatch, capacity_factor
 ):
-    cfg = lock_layer_config(dispatch, capacity_factor, isolation_mode="token_grad", isolation_decay=DECAY)
-    layer = build_layer(cfg, seed=5)
+    cfg, moe = lock_layer_config(dispatch, capacity_factor, isolation_mode="token_grad", isolation_decay=DECAY)
+    layer = build_layer(cfg, moe, seed=5)
     x, doc_ids = runs_input()
     probe = np.random.default_rng(29).normal(size=x.shape).astype(np.float32)
     capacity = None if dispatch == "dropless" else int(np.ceil(capacity_factor * BATCH * SEQ * TOP_K / EXPERTS))
     ref, ref_dx, ref_unscaled, locked, kept = torch_reference_grads(
-        x, doc_ids, probe, layer_weights(layer), cfg, capacity
+        x, doc_ids, probe, layer_weights(layer), cfg, moe, capacity
     )
     assert 0.2 < locked.mean() < 0.8
     if capacity is not None:
@@ -144,7 +146,8 @@ def test_token_grad_scales_locked_tokens_expert_gradients_and_leaves_input_and_r
     if dispatch == "dropless":
         # The same layer without token-grad isolation (equivalently lambda = 1): identical input and
         # router gradients, expert gradients equal to the unscaled per-token sum.
-        plain = MoELayer(dataclasses.replace(cfg, isolation_mode="expert_update"), np.random.default_rng(1))
+        plain_moe = dataclasses.replace(moe, isolation_mode="expert_update")
+        plain = MoELayer(cfg, np.random.default_rng(1), moe=plain_moe)
         copy_parameters_by_name(layer, plain)
         plain_dx, plain_dparams = layer_grads(plain, x, doc_ids, probe)
         np.testing.assert_allclose(dx, plain_dx, rtol=1e-6, atol=1e-7)
@@ -161,6 +164,7 @@ VOCAB, STEP_BATCH, STEP_SEQ = 32, 2, 16
 
 
 def transformer_config(**overrides):
+    """``(ModelConfig, MoEConfig)`` of a tiny all-MoE transformer; ``overrides`` may name keys of either."""
     fields = dict(
         vocab_size=VOCAB,
         hidden_size=16,
@@ -187,7 +191,8 @@ def transformer_config(**overrides):
         z_loss_coeff=1e-3,
     )
     fields.update(overrides)
-    return ModelConfig(**fields)
+    model_fields, moe_fields = split_fields(fields)
+    return ModelConfig(**model_fields), MoEConfig(**moe_fields)
 
 
 def repeated_token_window():
@@ -220,7 +225,7 @@ def captured_moe_inputs(model, input_ids, doc_ids):
     return [moe_input.asnumpy() for moe_input in capture(input_ids, doc_ids)]
 
 
-def np_step_routing(moe_input_BSH, router_weight, bias, doc_ids_BS, cfg):
+def np_step_routing(moe_input_BSH, router_weight, bias, doc_ids_BS, cfg, moe):
     """Routing of one MoE layer in NumPy (sigmoid router): natural top-k of ``scores + bias``, locking
     if configured, capacity dropping; returns per-expert ``[chosen, kept, locked_kept]`` and the smallest
     gap at the top-k boundary (to rule out float32-vs-float64 near-ties)."""
@@ -232,15 +237,15 @@ def np_step_routing(moe_input_BSH, router_weight, bias, doc_ids_BS, cfg):
     margin = (ranked[:, cfg.top_k - 1] - ranked[:, cfg.top_k]).min()
     routed = order[:, : cfg.top_k]
     locked = np.zeros(routed.shape, bool)
-    if cfg.expert_lock:
+    if moe.expert_lock:
         locked, routed = np_lock_routing(
-            routed.reshape(batch, seq_len, -1), doc_ids_BS, cfg.lock_run_length, cfg.lock_span
+            routed.reshape(batch, seq_len, -1), doc_ids_BS, moe.lock_run_length, moe.lock_span
         )
         routed = routed.reshape(-1, cfg.top_k)
         locked = np.broadcast_to(locked.reshape(-1, 1), routed.shape)
     capacity = None
-    if cfg.dispatch == "capacity":
-        capacity = int(np.ceil(cfg.capacity_factor * batch * seq_len * cfg.top_k / cfg.num_experts))
+    if moe.dispatch == "capacity":
+        capacity = int(np.ceil(moe.capacity_factor * batch * seq_len * cfg.top_k / cfg.num_experts))
     kept = np_capacity_kept(routed, cfg.num_experts, capacity)
 
     def per_expert(mask):
@@ -249,14 +254,16 @@ def np_step_routing(moe_input_BSH, router_weight, bias, doc_ids_BS, cfg):
     return np.stack([per_expert(np.ones_like(kept)), per_expert(kept), per_expert(kept & locked)]), margin
 
 
-def np_model_routing(model, cfg, input_ids, doc_ids):
+def np_model_routing(model, cfg, moe, input_ids, doc_ids):
     """``[L, 3, E]`` routing statistics of a model whose layers are all MoE layers, from captured inputs."""
     assert all(layer.is_moe for layer in model.layers)
     stats = []
     for layer, moe_input in zip(model.layers, captured_moe_inputs(model, input_ids, Tensor(doc_ids))):
         router = layer.mlp.router
         bias = router.e_score_correction_bias.asnumpy().astype(np.float64) if cfg.expert_bias else 0.0
-        layer_stats, margin = np_step_routing(moe_input, router.weight.asnumpy().astype(np.float64), bias, doc_ids, cfg)
+        layer_stats, margin = np_step_routing(
+            moe_input, router.weight.asnumpy().astype(np.float64), bias, doc_ids, cfg, moe
+        )
         assert margin > 1e-6, "top-k boundary too close to a tie for a float32/float64 comparison"
         stats.append(layer_stats)
     return np.stack(stats)
@@ -288,8 +295,9 @@ def test_expert_update_scales_each_experts_adamw_update_by_one_minus_decay_times
     from mindmoe.train.routing import RouterStepUpdates
     from mindmoe.train.step import CompiledStep
 
-    cfg = transformer_config()
-    model = MoETransformer(cfg, seed=0)
+    cfg, moe = transformer_config()
+    model = MoETransformer(cfg, seed=0, moe=moe)
+    assert model.moe_config == moe
     optimizer = build_optimizer(
         model.trainable_params(), TrainConfig(lr=1e-2, warmup_ratio=0.0, max_steps=10, grad_clip=0.0)
     )
@@ -299,7 +307,7 @@ def test_expert_update_scales_each_experts_adamw_update_by_one_minus_decay_times
     doc_ids = window["doc_ids"][:, :-1].astype(np.int32)
 
     # Independent routing statistics: NumPy re-routing of the captured MoE inputs.
-    expected_stats = np_model_routing(model, cfg, input_ids, doc_ids)
+    expected_stats = np_model_routing(model, cfg, moe, input_ids, doc_ids)
     locked_share = expected_stats[:, 2] / np.maximum(expected_stats[:, 1], 1)
     multiplier = 1.0 - (1.0 - DECAY) * locked_share  # [L, E]
     assert ((locked_share > 0) & (locked_share < 1)).any() and (locked_share > 0).sum() >= 3
@@ -313,7 +321,9 @@ def test_expert_update_scales_each_experts_adamw_update_by_one_minus_decay_times
     isolated_stats = trainer.step([window])
     isolated = parameter_values(model.get_parameters())
     restore(state, before)
-    trainer.router_updates = RouterStepUpdates(model, dataclasses.replace(cfg, isolation_decay=1.0))
+    # The step updates read the policy from the model; lambda only scales updates outside the layers' graph.
+    model.moe_config = dataclasses.replace(moe, isolation_decay=1.0)
+    trainer.router_updates = RouterStepUpdates(model, cfg)
     plain_stats = trainer.step([window])
     plain = parameter_values(model.get_parameters())
 

@@ -13,7 +13,7 @@ import pytest
 from mindspore import Tensor
 
 from mindmoe.model.moe import MoELayer, flip_rate, lock_routing
-from tests.helpers.moe import EXPERTS, HIDDEN, TOP_K, build_layer, layer_weights, moe_config, np_swiglu
+from tests.helpers.moe import EXPERTS, HIDDEN, TOP_K, build_layer, layer_configs, layer_weights, np_swiglu
 
 # ---- brute-force NumPy transcriptions ----------------------------------------------------------
 
@@ -249,8 +249,8 @@ def np_capacity_kept(routed_TK, num_experts, capacity):
     return kept
 
 
-def naive_locked_moe(x_BSH, doc_ids_BS, weights, cfg, capacity=None):
-    """Per-token loop of the locked layer (sigmoid router) in float64.
+def naive_locked_moe(x_BSH, doc_ids_BS, weights, cfg, moe, capacity=None):
+    """Per-token loop of the locked layer (sigmoid router) in float64, architecture ``cfg``, policy ``moe``.
 
     Returns ``out``, the routed top-k, the locked mask, and per-assignment ``kept`` flags
     (capacity is taken per expert in token order, choices in rank order).
@@ -258,9 +258,9 @@ def naive_locked_moe(x_BSH, doc_ids_BS, weights, cfg, capacity=None):
     batch, seq_len, hidden = x_BSH.shape
     x_TH = x_BSH.reshape(-1, hidden).astype(np.float64)
     scores, natural = np_natural_routing(x_TH, weights, cfg.top_k)
-    if cfg.expert_lock:
+    if moe.expert_lock:
         locked, routed = np_lock_routing(
-            natural.reshape(batch, seq_len, -1), doc_ids_BS, cfg.lock_run_length, cfg.lock_span
+            natural.reshape(batch, seq_len, -1), doc_ids_BS, moe.lock_run_length, moe.lock_span
         )
         locked, routed = locked.reshape(-1), routed.reshape(-1, cfg.top_k)
     else:
@@ -300,6 +300,7 @@ def runs_input(seed=23):
 
 
 def lock_layer_config(dispatch, capacity_factor, **overrides):
+    """``(ModelConfig, MoEConfig)`` of a sigmoid layer with a correction bias and locking on."""
     fields = dict(
         score_func="sigmoid",
         expert_bias=True,
@@ -309,7 +310,7 @@ def lock_layer_config(dispatch, capacity_factor, **overrides):
         lock_span=3,
     )
     fields.update(overrides)
-    return moe_config(dispatch, capacity_factor, **fields)
+    return layer_configs(dispatch, capacity_factor, **fields)
 
 
 def copy_parameters_by_name(source, target):
@@ -323,12 +324,13 @@ def copy_parameters_by_name(source, target):
 def test_layer_with_locking_that_never_triggers_equals_layer_without_locking():
     dispatch = "capacity"
     run_length = SEQ + 1  # longer than any sequence: no token can qualify
-    locking = build_layer(lock_layer_config(dispatch, 4.0, lock_run_length=run_length, isolation_decay=1.0), seed=3)
-    plain = MoELayer(lock_layer_config(dispatch, 4.0, expert_lock=False), np.random.default_rng(1))
+    locking = build_layer(*lock_layer_config(dispatch, 4.0, lock_run_length=run_length, isolation_decay=1.0), seed=3)
+    plain_cfg, plain_moe = lock_layer_config(dispatch, 4.0, expert_lock=False)
+    plain = MoELayer(plain_cfg, np.random.default_rng(1), moe=plain_moe)
     copy_parameters_by_name(locking, plain)
     x, doc_ids = runs_input()
     # The same input does lock with the layer's usual run length, so nothing else hides the effect.
-    _, natural, _, _, _, _ = naive_locked_moe(x, doc_ids, layer_weights(locking), lock_layer_config(dispatch, 4.0))
+    _, natural, _, _, _, _ = naive_locked_moe(x, doc_ids, layer_weights(locking), *lock_layer_config(dispatch, 4.0))
     assert np_lock_routing(natural.reshape(BATCH, SEQ, -1), doc_ids, 2, 3)[0].any()
 
     ours = locking(Tensor(x), Tensor(doc_ids))
@@ -340,15 +342,15 @@ def test_layer_with_locking_that_never_triggers_equals_layer_without_locking():
 
 @pytest.mark.parametrize("dispatch,capacity_factor", [("dropless", 1.0), ("capacity", 0.75)])
 def test_locked_layer_matches_per_token_loop_with_inherited_experts_and_own_scores(dispatch, capacity_factor):
-    cfg = lock_layer_config(dispatch, capacity_factor)
-    layer = build_layer(cfg, seed=5)
+    cfg, moe = lock_layer_config(dispatch, capacity_factor)
+    layer = build_layer(cfg, moe, seed=5)
     weights = layer_weights(layer)
     assert np.abs(weights["router.e_score_correction_bias"]).max() > 0.1
     x, doc_ids = runs_input()
     capacity = None
     if dispatch == "capacity":
         capacity = int(np.ceil(capacity_factor * BATCH * SEQ * TOP_K / EXPERTS))
-    expected, natural, routed, locked, kept, _ = naive_locked_moe(x, doc_ids, weights, cfg, capacity)
+    expected, natural, routed, locked, kept, _ = naive_locked_moe(x, doc_ids, weights, cfg, moe, capacity)
     # Teeth: some locked tokens go to experts their own routing did not choose.
     assert (as_sets(routed)[locked] != as_sets(natural)[locked]).any(-1).sum() >= 2
     if capacity is not None:

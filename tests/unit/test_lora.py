@@ -29,10 +29,12 @@ from mindmoe.model.lora_plan import (
 )
 from mindmoe.model.moe.experts import RoutedExperts
 from mindmoe.model.moe.lora_experts import LoraRoutedExperts
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.param_count import parameter_shapes
 from mindmoe.model.transformer import MoETransformer
 
 HIDDEN, WIDTH, EXPERTS, ROWS, RANK = 12, 10, 3, 5, 4
+DROPLESS = MoEConfig(dispatch="dropless")  # the whole-model tests' policy: no token dropped, logits compare exactly
 
 
 def peft_linear(weight, bias, lora_A, lora_B, alpha, rslora, dropout=0.0):
@@ -242,7 +244,6 @@ def tiny_config(**overrides):
         top_k=2,
         moe_intermediate_size=8,
         num_shared_experts=1,
-        dispatch="dropless",
         max_position_embeddings=32,
         initializer_range=0.3,
     )
@@ -268,14 +269,15 @@ def test_merged_model_equals_unmerged_and_has_the_base_parameter_names():
     cfg = tiny_config()
     ids = np.random.default_rng(0).integers(0, cfg.vocab_size, size=(2, 10)).astype(np.int32)
     lora = LoraConfig(enabled=True, r=4, alpha=8.0)
-    base = MoETransformer(cfg, seed=3)
+    base = MoETransformer(cfg, seed=3, moe=DROPLESS)
     base_logits = logits(base, ids)
-    unmerged = MoETransformer(cfg, seed=3, lora=plan_adapters(cfg, lora, seed=1))
+    unmerged = MoETransformer(cfg, seed=3, lora=plan_adapters(cfg, lora, seed=1), moe=DROPLESS)
     randomize_adapters(unmerged, 2)
     base_names = [p.name for p in base.get_parameters()]
-    adapted = MoETransformer(cfg, seed=3, lora=plan_adapters(cfg, lora, seed=1))
+    adapted = MoETransformer(cfg, seed=3, lora=plan_adapters(cfg, lora, seed=1), moe=DROPLESS)
     randomize_adapters(adapted, 2)
     merged = merge_and_unload(adapted)
+    assert merged.moe_config == adapted.moe_config == DROPLESS  # the merged model routes as the adapted one
     assert [p.name for p in merged.get_parameters()] == base_names
     assert not any(isinstance(c, (LoraLinear, LoraRoutedExperts)) for _, c in merged.cells_and_names())
     unmerged_logits = logits(unmerged, ids)
@@ -285,9 +287,9 @@ def test_merged_model_equals_unmerged_and_has_the_base_parameter_names():
 
 def test_a_lora_build_freezes_the_base_and_counts_trainable_parameters():
     cfg = tiny_config()
-    total_base = sum(p.size for p in MoETransformer(cfg, seed=0).get_parameters())
+    total_base = sum(p.size for p in MoETransformer(cfg, seed=0, moe=DROPLESS).get_parameters())
     lora = LoraConfig(enabled=True, r=2, target_modules=["q_proj", "down_proj"])
-    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora, seed=0))
+    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora, seed=0), moe=DROPLESS)
     report = lora_report(model)
     trainable = {p.name: p.shape for p in model.trainable_params()}
     h, heads, d = cfg.hidden_size, cfg.num_heads, cfg.hidden_size // cfg.num_heads
@@ -318,7 +320,7 @@ def test_targets_follow_peft_name_rules():
     names = {hf for t in adaptable_projections(cfg) for hf, _ in t.hf_modules}
     assert "model.layers.1.mlp.experts.3.gate_proj" in names and "model.layers.0.mlp.up_proj" in names
     lora = LoraConfig(enabled=True, target_modules=r"model\.layers\.1\.mlp\.shared_experts\..*")
-    report = lora_report(MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora)))
+    report = lora_report(MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora), moe=DROPLESS))
     assert report.adapted == [f"layers.1.mlp.shared_experts.{p}.weight" for p in ("down_proj", "gate_proj", "up_proj")]
 
 
@@ -338,7 +340,7 @@ def test_bad_targets_are_errors_naming_the_key(targets, message):
 
 def test_modules_to_save_are_trained_in_full():
     lora = LoraConfig(enabled=True, target_modules=["v_proj"], modules_to_save=["lm_head"])
-    model = MoETransformer(tiny_config(), seed=0, lora=plan_adapters(tiny_config(), lora))
+    model = MoETransformer(tiny_config(), seed=0, lora=plan_adapters(tiny_config(), lora), moe=DROPLESS)
     assert {p.name for p in model.trainable_params()} == {
         "lm_head.weight",
         "layers.0.self_attn.v_proj.lora_A",
@@ -357,8 +359,8 @@ def test_routed_experts_skip_the_weight_gradient_of_exactly_the_frozen_projectio
     base of a LoRA build, not a modules_to_save projection, not a plain model's."""
     cfg = tiny_config()
     lora = LoraConfig(enabled=True, r=2, target_modules=["down_proj"], modules_to_save=["up_proj"])
-    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora, seed=0))
-    plain = MoETransformer(cfg, seed=0)
+    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora, seed=0), moe=DROPLESS)
+    plain = MoETransformer(cfg, seed=0, moe=DROPLESS)
     checked = 0
     for (name, cell), (_, plain_cell) in zip(model.cells_and_names(), plain.cells_and_names()):
         if isinstance(cell, RoutedExperts):
@@ -373,9 +375,10 @@ def test_routed_experts_skip_the_weight_gradient_of_exactly_the_frozen_projectio
 def test_expert_update_isolation_scales_expert_adapters_not_the_frozen_weights():
     from mindmoe.train.routing import RouterStepUpdates
 
-    cfg = tiny_config(expert_lock=True, isolation_mode="expert_update")
+    cfg = tiny_config()
+    moe = MoEConfig(dispatch="dropless", expert_lock=True, isolation_mode="expert_update")
     lora = LoraConfig(enabled=True, target_modules=["gate_proj", "down_proj"])
-    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora))
+    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora), moe=moe)
     updates = RouterStepUpdates(model, cfg)
     assert [[p.name for p in layer] for layer in updates.expert_params] == [
         [
@@ -393,7 +396,7 @@ def test_a_lora_model_is_built_with_its_adapters_named_from_the_config():
     ``<p>.lora_B [.., O, R]`` (PEFT's layout), and nothing else trains."""
     cfg = tiny_config(qkv_bias=True)
     lora = LoraConfig(enabled=True, r=3, target_modules=["k_proj", "up_proj"])
-    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora))
+    model = MoETransformer(cfg, seed=0, lora=plan_adapters(cfg, lora), moe=DROPLESS)
     expected = dict(parameter_shapes(cfg, include_buffers=True))
     for name, shape in parameter_shapes(cfg).items():
         if name.endswith(("k_proj.weight", "up_proj.weight", "experts.up_proj")):

@@ -12,10 +12,12 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
 from mindmoe.model.hf import load_hf_pretrained
 from mindmoe.model.lora import LoraConfig
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.peft_adapter import save_adapter
 from tests.helpers.runs import compose_config
 
 BASE = Path(__file__).resolve().parents[2] / "data" / "samples" / "tiny_base"
+DROPLESS = MoEConfig(dispatch="dropless")
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +75,11 @@ def test_mindir_export_with_adapter_equals_the_unmerged_model_with_adapters(adap
     out = tmp_path / "mindir"
     overrides = [f"model.pretrained={BASE}", f"export.out={out}", f"export.adapter={adapter_dir}"]
     run_export(compose_config(overrides), tmp_path, overrides)
-    _, unmerged, _ = load_hf_pretrained(BASE, {"dispatch": "dropless"}, lora=read_adapter_config(adapter_dir))
+    _, unmerged, _ = load_hf_pretrained(BASE, lora=read_adapter_config(adapter_dir), moe=DROPLESS)
     load_adapter(unmerged, adapter_dir)
     unmerged.set_train(False)
-    _, base, _ = load_hf_pretrained(BASE, {"dispatch": "dropless"})
+    _, base, _ = load_hf_pretrained(BASE, moe=DROPLESS)
+    assert unmerged.moe_config == base.moe_config == DROPLESS  # serving graphs are dropless
     exported = ExportedModel(out)
     ids = np.random.default_rng(3).integers(0, 4096, size=(2, 20)).astype(np.int32)
     expected = unmerged(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()[:, -1]

@@ -25,8 +25,8 @@ from tests.helpers.moe import (
     SEQ,
     TOP_K,
     build_layer,
+    layer_configs,
     layer_weights,
-    moe_config,
     np_swiglu,
 )
 
@@ -166,8 +166,8 @@ def layers():
     built = {}
     for dispatch in ("capacity", "dropless"):
         for score_func in ("softmax", "sigmoid"):
-            built[dispatch, score_func] = build_layer(moe_config(dispatch, 4.0, score_func))
-    built["overflow"] = build_layer(moe_config("capacity", 0.5, "softmax"))
+            built[dispatch, score_func] = build_layer(*layer_configs(dispatch, 4.0, score_func))
+    built["overflow"] = build_layer(*layer_configs("capacity", 0.5, "softmax"))
     return built
 
 
@@ -175,7 +175,7 @@ def layers():
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_moe_layer_without_overflow_equals_naive_per_token_loop(layers, dispatch, score_func):
     layer = layers[dispatch, score_func]
-    cfg = moe_config(dispatch, 4.0, score_func)
+    cfg, _ = layer_configs(dispatch, 4.0, score_func)
     assert expert_capacity(BATCH * SEQ, TOP_K, EXPERTS, 4.0) >= BATCH * SEQ  # nothing can overflow
     x = layer_input()
     out, _, _, routing_stats, layer_stats = layer(Tensor(x), single_document(x))
@@ -188,7 +188,7 @@ def test_moe_layer_without_overflow_equals_naive_per_token_loop(layers, dispatch
 
 def test_moe_layer_drops_exactly_the_assignments_beyond_capacity_in_token_order(layers):
     layer = layers["overflow"]
-    cfg = moe_config("capacity", 0.5, "softmax")
+    cfg, _ = layer_configs("capacity", 0.5, "softmax")
     capacity = expert_capacity(BATCH * SEQ, TOP_K, EXPERTS, 0.5)
     x = layer_input()
     out, _, _, routing_stats, layer_stats = layer(Tensor(x), single_document(x))
@@ -232,7 +232,7 @@ def hf_moe_from(layer, cfg):
     return module
 
 
-def torch_loss_and_grads(module, x, probe, cfg):
+def torch_loss_and_grads(module, x, probe, moe):
     """sum(out * probe) + Megatron switch aux (sigmoid normalised) + z-loss, by torch autograd."""
     x_TH = torch.from_numpy(x).reshape(-1, HIDDEN)
     out = module(torch.from_numpy(x))
@@ -241,8 +241,8 @@ def torch_loss_and_grads(module, x, probe, cfg):
     probs = scores / scores.sum(-1, keepdim=True)
     idx = torch.topk(scores, TOP_K, dim=-1).indices
     fraction = torch.bincount(idx.reshape(-1), minlength=EXPERTS).float() / (TOP_K * x_TH.shape[0])
-    aux = cfg.aux_loss_coeff * EXPERTS * (fraction * probs.mean(0)).sum()
-    z = cfg.z_loss_coeff * (torch.logsumexp(logits, -1) ** 2).mean()
+    aux = moe.aux_loss_coeff * EXPERTS * (fraction * probs.mean(0)).sum()
+    z = moe.z_loss_coeff * (torch.logsumexp(logits, -1) ** 2).mean()
     loss = (out * torch.from_numpy(probe)).sum() + aux + z
     loss.backward()
     grads = {"router.weight": module.gate.weight.grad}
@@ -256,8 +256,8 @@ def torch_loss_and_grads(module, x, probe, cfg):
 
 @pytest.mark.parametrize("dispatch", ["capacity", "dropless"])
 def test_moe_layer_loss_and_gradients_under_jit_match_hf_glm4_moe_with_torch_autograd(dispatch):
-    cfg = moe_config(dispatch, 4.0, "sigmoid", routed_scaling_factor=2.5)
-    layer = build_layer(cfg, seed=13)
+    cfg, moe = layer_configs(dispatch, 4.0, "sigmoid", routed_scaling_factor=2.5)
+    layer = build_layer(cfg, moe, seed=13)
     names = [name for name, _ in layer.parameters_and_names()]
     params = [param for _, param in layer.parameters_and_names()]
 
@@ -274,7 +274,7 @@ def test_moe_layer_loss_and_gradients_under_jit_match_hf_glm4_moe_with_torch_aut
     x = layer_input(seed=17)
     probe = np.random.default_rng(19).normal(size=x.shape).astype(np.float32)
     loss, grads = train_step(Tensor(x), Tensor(probe))
-    ref_loss, ref_grads = torch_loss_and_grads(hf_moe_from(layer, cfg), x, probe, cfg)
+    ref_loss, ref_grads = torch_loss_and_grads(hf_moe_from(layer, cfg), x, probe, moe)
 
     assert float(loss.asnumpy()) == pytest.approx(ref_loss, rel=1e-5, abs=1e-5)
     assert set(names) == set(ref_grads)

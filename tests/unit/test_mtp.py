@@ -6,11 +6,13 @@ import pytest
 from mindspore import Tensor, nn
 
 from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.param_count import count_parameters, mtp_layer_parameters, parameter_shapes
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.step import CompiledStep
 
 VOCAB, HIDDEN, SEQ = 23, 16, 12
+MOE = MoEConfig(dispatch="dropless")
 
 
 def tiny(**changes) -> ModelConfig:
@@ -23,7 +25,6 @@ def tiny(**changes) -> ModelConfig:
         intermediate_size=32,
         moe_intermediate_size=8,
         num_experts=4,
-        dispatch="dropless",
     )
     values.update(changes)
     return ModelConfig(**values)
@@ -96,7 +97,7 @@ def numpy_mtp_loss(model, window, doc_ids, hidden0_TH, coeff):
 @pytest.mark.parametrize("depths", [1, 2])
 def test_mtp_loss_equals_a_numpy_transcription_of_the_formula(depths):
     rng = np.random.default_rng(7)
-    model = MoETransformer(tiny(mtp_layers=depths), seed=3)
+    model = MoETransformer(tiny(mtp_layers=depths), seed=3, moe=MOE)
     make_blocks_identity(model, rng)
     window = rng.integers(0, VOCAB, (2, SEQ + 1))
     doc_ids = np.array([[0] * 5 + [1] * 8, [0] * 13])  # a document boundary inside the first window
@@ -110,7 +111,7 @@ def test_mtp_loss_equals_a_numpy_transcription_of_the_formula(depths):
 
 
 def test_without_mtp_layers_the_step_reports_no_mtp_loss_and_the_model_builds_none():
-    model = MoETransformer(tiny(), seed=3)
+    model = MoETransformer(tiny(), seed=3, moe=MOE)
     assert not any(p.name.startswith("mtp_layers.") for p in model.get_parameters())
     window = np.arange(2 * (SEQ + 1)).reshape(2, SEQ + 1) % VOCAB
     stats = CompiledStep(model, nn.SGD(model.trainable_params(), learning_rate=0.0), 0.0, 1).step(
@@ -122,14 +123,14 @@ def test_without_mtp_layers_the_step_reports_no_mtp_loss_and_the_model_builds_no
 def test_mtp_layers_do_not_change_the_main_model_outputs_or_initial_values():
     ids = Tensor(np.arange(16).reshape(2, 8).astype(np.int32) % VOCAB)
     docs = Tensor(np.zeros((2, 8), np.int32))
-    plain, with_mtp = MoETransformer(tiny(), seed=5), MoETransformer(tiny(mtp_layers=1), seed=5)
+    plain, with_mtp = MoETransformer(tiny(), seed=5, moe=MOE), MoETransformer(tiny(mtp_layers=1), seed=5, moe=MOE)
     np.testing.assert_array_equal(plain(ids, docs)[0].asnumpy(), with_mtp(ids, docs)[0].asnumpy())
     assert len(with_mtp(ids, docs)) == 5  # without future ids (evaluation, generation) MTP does not run
 
 
 def test_parameter_names_and_counts_of_the_mtp_layers():
     cfg = tiny(mtp_layers=2, vocab_size=VOCAB)
-    model = MoETransformer(cfg)
+    model = MoETransformer(cfg, moe=MOE)
     shapes = parameter_shapes(cfg, include_buffers=True)
     assert [(p.name, tuple(p.shape)) for p in model.get_parameters()] == list(shapes.items())
     one_depth = sum(int(np.prod(s)) for n, s in shapes.items() if n.startswith("mtp_layers.0."))

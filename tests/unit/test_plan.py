@@ -265,7 +265,7 @@ def test_cli_rejects_an_old_plan_key_before_composing():
     assert "mindmoe-plan: error: plan.zero: use parallel.zero" in result.stderr
 
 
-AIR_LORA = ["model=glm45_air", "model.bias_update_rate=0", "lora.enabled=true", "plan.device_memory_gb=64"]
+AIR_LORA = ["model=glm45_air", "moe.bias_update_rate=0", "lora.enabled=true", "plan.device_memory_gb=64"]
 
 
 def table_verdict(lines):
@@ -293,7 +293,7 @@ def test_glm45_air_lora_on_8_devices_of_64gb_fits_and_names_its_keys():
     )
 
 
-GLM5_LORA = ["model=glm5", "lora.enabled=true", "model.bias_update_rate=0", "plan.device_memory_gb=64"]
+GLM5_LORA = ["model=glm5", "lora.enabled=true", "moe.bias_update_rate=0", "plan.device_memory_gb=64"]
 
 
 def test_glm5_lora_needs_128_devices_of_64gb_and_names_its_keys():

@@ -8,9 +8,12 @@ import pytest
 
 from mindmoe.launch.config import PlanConfig
 from mindmoe.launch.plan import Batch, Layout, Setup, candidate_layouts, layout_errors, plan_layout
+from mindmoe.launch.plan_cli import run_setup
 from mindmoe.launch.plan_params import lora_trained
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lora import LoraConfig
+from mindmoe.model.moe_config import MoEConfig
+from tests.helpers.runs import compose_config
 
 # Hand-worked example: h=8, 2 layers (layer 0 dense, layer 1 MoE), 4 query heads / 2 KV heads of
 # width 2 (q = 8, kv = 4), QK-norm, q/k/v bias, dense FFN 16, 4 experts of width 4, top-2, one shared
@@ -33,9 +36,9 @@ HAND = dict(
     qk_norm=True,
     expert_bias=True,
     score_func="sigmoid",
-    dispatch="dropless",
     tie_word_embeddings=False,
 )
+DROPLESS = MoEConfig(dispatch="dropless")
 HAND_BATCH = Batch(seq_len=16, micro_batch=2, global_batch=8)
 T = 32
 MATRICES = 100 * 8 * 2 + 2 * (8 * 8 + 8 * 4 * 2 + 8 * 8) + 3 * 8 * 16 + 3 * 8 * 4  # embed+head, attn, dense, shared
@@ -52,8 +55,13 @@ KEPT = 4 * 8 * T + 4 * 100 * 8  # the gradients the loss computes in its forward
 LOSS = 7 * 4 * 100 * T + KEPT  # one chunk holds all T: its buffers + the kept gradients
 
 
+def hand_setup(device="CPU", **fields):
+    """The trainer's setup of the hand-worked model: its MoE layers dropless (``moe.dispatch``)."""
+    return Setup(device=device, moe=DROPLESS, **fields)
+
+
 def hand_plan(layout, setup=None, batch=HAND_BATCH, **model):
-    setup = setup or Setup(device="CPU")
+    setup = setup or hand_setup()
     return plan_layout(ModelConfig(**{**HAND, **model}), layout, batch, PlanConfig(), setup)
 
 
@@ -82,16 +90,16 @@ def test_recompute_alltoall_blockwise_and_zero():
     long = Batch(seq_len=1024, micro_batch=1, global_batch=1)
     tokens, attn = 1024, 4 * (16 + 16 + 8) + 4 * 12 + 4 * 4
     moe = attn + 4 * 2 * 8 + 8 * 4 + 2 * 4 * (2 * 8 + 3 * 4) + 3 * 4 * 4
-    blockwise = hand_plan(Layout(dp=1), Setup(device="Ascend"), long).memory
+    blockwise = hand_plan(Layout(dp=1), hand_setup(device="Ascend"), long).memory
     assert blockwise.activations == tokens * (attn + 4 * (2 * 8 + 3 * 16) + moe + moe + FINAL_NORM)
-    full = hand_plan(Layout(dp=1), Setup(device="CPU"), long).memory
+    full = hand_plan(Layout(dp=1), hand_setup(device="CPU"), long).memory
     assert full.activations > blockwise.activations + tokens * 4 * 4 * 1024  # the mask alone
     # parallel.zero=1: m, v and the working copy of the owned ranges, over the ranks holding the same tensors
-    sharded = hand_plan(Layout(dp=2, ep=2, dispatcher="alltoall"), Setup(device="CPU", zero=1)).memory
+    sharded = hand_plan(Layout(dp=2, ep=2, dispatcher="alltoall"), hand_setup(device="CPU", zero=1)).memory
     owned = (MATRICES + SMALL) / 2 + EXPERTS / 2 / 1
     assert sharded.optimizer == 12 * owned and sharded.update == 4 * owned + 4 * (MATRICES + SMALL + EXPERTS / 2)
     # allgather: the replicated tensors are split over all 4 devices, the experts over their 2 replicas
-    grouped = hand_plan(Layout(dp=2, ep=2, dispatcher="allgather"), Setup(device="CPU", zero=1)).memory
+    grouped = hand_plan(Layout(dp=2, ep=2, dispatcher="allgather"), hand_setup(device="CPU", zero=1)).memory
     assert grouped.optimizer == 12 * ((MATRICES + SMALL) / 4 + EXPERTS / 2 / 2)
 
 
@@ -117,20 +125,38 @@ def test_lora_memory_frozen_base_in_base_dtype_and_only_adapters_trained(device,
     model = ModelConfig(**HAND)
     trained = lora_trained(model, LoraConfig(enabled=True, r=2, base_dtype=base_dtype), device)
     assert trained.base_dtype == {("Ascend", "auto"): "bf16", ("CPU", "auto"): "fp16"}.get((device, base_dtype), "fp32")
-    memory = hand_plan(Layout(dp=1, ep=2), Setup(device=device, trained=trained), batch=Batch(16, 2, 2)).memory
+    memory = hand_plan(Layout(dp=1, ep=2), hand_setup(device=device, trained=trained), batch=Batch(16, 2, 2)).memory
     adapters = ADAPTERS + EXPERT_ADAPTERS / 2
     assert memory.weights == base_bytes * (MATRICES + EXPERTS / 2) + 4 * (SMALL + BUFFER) + 4 * adapters
     assert memory.grads == 4 * adapters and memory.optimizer == 8 * adapters
     assert memory.accumulation == 0  # one micro-batch per step
     assert memory.update == 4 * adapters  # the clipped copy
     assert memory.loss == 7 * 4 * 100 * T + 4 * 8 * T  # a frozen head: the loss keeps the rows' gradient only
-    unclipped = hand_plan(Layout(dp=1, ep=2), Setup(device=device, trained=trained, clip=False), Batch(16, 2, 2))
+    unclipped = hand_plan(Layout(dp=1, ep=2), hand_setup(device=device, trained=trained, clip=False), Batch(16, 2, 2))
     assert unclipped.memory.update == 0
 
 
 def test_lora_keeps_refusing_bias_updates():
-    with pytest.raises(ValueError, match=re.escape("model.bias_update_rate=0.001: LoRA keeps the base")):
-        lora_trained(ModelConfig(**HAND, bias_update_rate=0.001), LoraConfig(enabled=True), "Ascend")
+    cfg = compose_config(["lora.enabled=true", "moe.bias_update_rate=0.001"])
+    with pytest.raises(ValueError, match=re.escape("moe.bias_update_rate=0.001: LoRA keeps the base")):
+        run_setup(cfg, ModelConfig(**HAND), PlanConfig(device="Ascend"))
+
+
+def test_the_runs_moe_keys_reach_the_planned_setup():
+    """Capacity dispatch keeps top_k * capacity_factor expert rows a token (3 here) where dropless keeps top_k."""
+    cfg = compose_config(["moe.dispatch=capacity", "moe.capacity_factor=1.5"])
+    setup = run_setup(cfg, ModelConfig(**HAND), PlanConfig(device="CPU"))
+    assert setup.moe == MoEConfig(dispatch="capacity", capacity_factor=1.5)
+    moe_r3 = MOE_K2 + 4 * (2 * 8 + 3 * 4)
+    assert hand_plan(Layout(dp=1), setup).memory.activations == T * (DENSE + moe_r3 + MASK + moe_r3 + FINAL_NORM)
+    # moe.dispatch=auto: capacity for a model initialised here, dropless for weights trained elsewhere
+    assert run_setup(compose_config([]), ModelConfig(**HAND), PlanConfig(device="CPU")).moe.dispatch == "capacity"
+    pretrained = run_setup(compose_config(["model.pretrained=hf_dir"]), ModelConfig(**HAND), PlanConfig(device="CPU"))
+    assert pretrained.moe == DROPLESS
+    with pytest.raises(ValueError, match=re.escape("moe.bias_update_rate=0.001: needs model.expert_bias=true")):
+        run_setup(
+            compose_config(["moe.bias_update_rate=0.001"]), ModelConfig(**{**HAND, "expert_bias": False}), PlanConfig()
+        )
 
 
 def test_layout_errors_are_the_trainers():
@@ -172,7 +198,7 @@ def test_cpu_plans_add_the_runtimes_named_terms_and_ascend_plans_none():
     assert cpu.runtime_buffers == T * 2 * 4 * 100 * 8
     assert cpu.graphs == 0.12 * gib + 2 * 0.125 * gib
     assert cpu.library == 0.35 * gib
-    ascend = hand_plan(Layout(dp=1), Setup(device="Ascend")).memory
+    ascend = hand_plan(Layout(dp=1), hand_setup(device="Ascend")).memory
     assert ascend.runtime_buffers == ascend.graphs == ascend.library == 0
     assert cpu.total - ascend.total == cpu.runtime_buffers + cpu.graphs + cpu.library
     recompute = hand_plan(Layout(dp=1, recompute=True)).memory
@@ -186,7 +212,7 @@ def test_cpu_runtime_terms_are_printed_on_their_own_lines_for_cpu_only():
     model = ModelConfig(**HAND)
     labels = ("CPU runtime buffers", "CPU compiled graphs", "CPU optimizer library")
     for device, shown in (("CPU", True), ("Ascend", False)):
-        setup = Setup(device=device)
+        setup = hand_setup(device=device)
         plan = plan_layout(model, Layout(dp=1), HAND_BATCH, PlanConfig(), setup)
         lines = memory_lines(model, plan, HAND_BATCH, setup, PlanConfig())
         for label in labels:
@@ -219,7 +245,7 @@ def test_mla_memory_uses_the_latent_widths_not_the_gqa_ones():
     assert plain.activations == T * (MLA_DENSE + MLA_MOE + MASK + MLA_MOE + FINAL_NORM - 3 * 4 * 2 * 6)
     # Ascend past 512 positions: blockwise, an fp32 log-sum-exp per head instead of the softmax, no mask
     tokens, blockwise_attn = 1024, MLA_ATTN - 4 * 4 * 16 + 4 * 4
-    long = hand_plan(Layout(dp=1), Setup(device="Ascend"), Batch(1024, 1, 1), **MLA).memory
+    long = hand_plan(Layout(dp=1), hand_setup(device="Ascend"), Batch(1024, 1, 1), **MLA).memory
     moe = blockwise_attn + MLA_MOE - MLA_ATTN
     assert long.activations == tokens * (blockwise_attn + MLA_DENSE - MLA_ATTN + moe + moe + FINAL_NORM)
 
@@ -257,18 +283,20 @@ def test_dsa_past_the_block_size_keeps_no_row_over_the_keys_and_lora_keeps_the_i
     tokens = s * micro
     attn = MLA_ATTN - 4 * 4 * 16 + 4 * (2 * 4 + 2 * 4 + 2)
     block = 4 * micro * 512 * s * (3 * 4 + 4 * 2)
-    long = hand_plan(Layout(dp=1), Setup(device=device), Batch(s, micro, micro), **DSA).memory
+    long = hand_plan(Layout(dp=1), hand_setup(device=device), Batch(s, micro, micro), **DSA).memory
     moe = attn + MLA_MOE - MLA_ATTN
     assert long.activations == tokens * (attn + MLA_DENSE - MLA_ATTN + moe + moe + FINAL_NORM) + block
     # at 512 positions the whole mask and every row over the keys again (no block is past BLOCK_SIZE)
-    short = hand_plan(Layout(dp=1), Setup(device=device), Batch(512, 1, 1), **DSA).memory
+    short = hand_plan(Layout(dp=1), hand_setup(device=device), Batch(512, 1, 1), **DSA).memory
     s = 512
     attn = MLA_ATTN - 4 * 4 * 16 + 4 * 4 * s + 4 * (2 * 4 + 2 * 4 + 2) + 4 * 2 * s + 3 * 4 * s
     moe = attn + MLA_MOE - MLA_ATTN
     assert short.activations == s * (attn + MLA_DENSE - MLA_ATTN + moe + 4 * 4 * s + moe + FINAL_NORM)
     # LoRA: no adapter on the indexer; its matrices frozen in bf16, its LayerNorm fp32
     lora = LoraConfig(enabled=True, r=2)
-    setups = [Setup(trained=lora_trained(ModelConfig(**cfg), lora, "Ascend")) for cfg in (DSA, MLA)]
+    setups = [
+        hand_setup(device="Ascend", trained=lora_trained(ModelConfig(**cfg), lora, "Ascend")) for cfg in (DSA, MLA)
+    ]
     assert not any("indexer" in name for name in setups[0].trained.adapted)
     with_indexer, without = (
         hand_plan(Layout(dp=1), setup, Batch(16, 2, 2), **cfg).memory for setup, cfg in zip(setups, (DSA, MLA))

@@ -11,21 +11,24 @@ import math
 import pytest
 
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.train.config import TrainConfig, validate_train_config
 from mindmoe.train.metrics import MetricsWriter, strict_row
 from mindmoe.train.resume_checks import TOKENIZER_LABEL, architecture, check_resume, run_state, tokenizer_sha256
 
 MODEL = ModelConfig(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+MOE = MoEConfig()
 
 
-def state_of(seq_len=64, seed=1234, tokenizer="a" * 64, model=MODEL) -> dict:
-    """A state.json as Trainer.save writes it (the keys resume checks)."""
+def state_of(seq_len=64, seed=1234, tokenizer="a" * 64, model=MODEL, moe=MOE) -> dict:
+    """A state.json as Trainer.save writes it (the keys resume checks, and the MoE policy beside them)."""
     return {
         "step": 4,
         "seq_len": seq_len,
         "data_seed": seed,
         "tokenizer_sha256": tokenizer,
         "model_config": dataclasses.asdict(model),
+        "moe_config": dataclasses.asdict(moe),
     }
 
 
@@ -46,6 +49,15 @@ def test_the_same_settings_resume_silently(caplog):
         ({"seed": 7}, "train.seed", "1234", "7"),
         ({"tokenizer": "b" * 64}, TOKENIZER_LABEL, repr("a" * 64), repr("b" * 64)),
         ({"model": dataclasses.replace(MODEL, rope_theta=5e5)}, "model.rope_theta", "10000.0", "500000.0"),
+        # the whole model.* is compared, the keys a pretrained import may override included
+        (
+            {"model": dataclasses.replace(MODEL, max_position_embeddings=8192)},
+            "model.max_position_embeddings",
+            "4096",
+            "8192",
+        ),
+        ({"model": dataclasses.replace(MODEL, initializer_range=0.01)}, "model.initializer_range", "0.02", "0.01"),
+        ({"model": dataclasses.replace(MODEL, mtp_layers=1)}, "model.mtp_layers", "0", "1"),
     ],
 )
 def test_a_changed_setting_is_an_error_naming_the_key_and_both_values(change, key, before, after):
@@ -84,13 +96,28 @@ def test_a_planned_model_without_vocabulary_and_an_unset_head_dim_compare_equal(
     explicit = dataclasses.replace(MODEL, head_dim=MODEL.hidden_size // MODEL.num_heads)
     check_resume("ckpt", state_of(model=explicit), architecture(planned))
     assert "model.vocab_size" not in architecture(planned)
-    # Training settings (not architecture) may change on resume.
-    check_resume("ckpt", state_of(), architecture(dataclasses.replace(MODEL, aux_loss_coeff=0.1)))
+
+
+def test_the_moe_policy_may_change_on_resume_and_an_old_state_json_keeps_it_in_model_config(caplog):
+    """How the MoE layers train (``moe.*``) is no architecture: no ``moe.*`` key is compared, and a checkpoint written
+    before the ``moe.*`` section, whose model_config holds those keys, compares its architecture only."""
+    assert not any(key.startswith("moe.") for key in architecture(MODEL))
+    trained = MoEConfig(dispatch="dropless", aux_loss_coeff=0.1, bias_update_rate=0.01, expert_lock=True)
+    old = {key: value for key, value in state_of().items() if key != "moe_config"}
+    old["model_config"] = {**dataclasses.asdict(MODEL), **dataclasses.asdict(trained)}
+    with caplog.at_level(logging.WARNING, logger="mindmoe.train"):
+        check_resume("ckpt", state_of(moe=trained), current_of())
+        check_resume("ckpt", old, current_of())
+    assert not caplog.text
+    with pytest.raises(ValueError, match=r"model\.rope_theta: the checkpoint was trained with 10000\.0"):
+        check_resume("ckpt", old, current_of(model=dataclasses.replace(MODEL, rope_theta=5e5)))
 
 
 def test_resume_allow_changes_accepts_checked_keys_only():
-    validate_train_config(TrainConfig(resume_allow_changes=["data.seq_len", "train.seed", "model.rope_theta"]))
-    for entry in ("data.seqlen", "model.max_position_embeddings", "data.tokenizer"):
+    checked = ["data.seq_len", "train.seed", "model.rope_theta", "model.max_position_embeddings", "model.rope_scaling"]
+    validate_train_config(TrainConfig(resume_allow_changes=checked))
+    # moe.* is not checked (it may change), model.pretrained names where the weights came from
+    for entry in ("data.seqlen", "data.tokenizer", "model.pretrained", "moe.aux_loss_coeff", "model.dispatch"):
         with pytest.raises(ValueError, match=rf"train\.resume_allow_changes: '{entry}'"):
             validate_train_config(TrainConfig(resume_allow_changes=[entry]))
 

@@ -4,6 +4,8 @@ loss and the bias update, vs test vectors from the published code, HF ``Glm4MoeT
 ``seq_aux_loss`` / ``get_updated_expert_bias``, and a training step of a tiny model.
 """
 
+import re
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -22,8 +24,19 @@ from mindmoe.model.moe import (
     topk_routing,
     updated_bias,
 )
+from mindmoe.model.moe_config import MoEConfig, validate_moe_config
 from mindmoe.model.transformer import MoETransformer
-from tests.helpers.moe import build_layer, layer_weights
+from tests.helpers.moe import (
+    build_layer,
+    layer_weights,
+    megatron_seq_aux_loss,
+    np_deepseek_v3_gate,
+    np_plain_topk,
+    np_seq_aux,
+    np_switch_aux,
+    np_updated_expert_bias,
+    split_fields,
+)
 from tests.unit.test_isolation import np_model_routing, transformer_config
 from tests.unit.test_moe_router import REF_LOGITS, REF_SWITCH_AUX_SIGMOID, np_sigmoid, sorted_by_expert
 
@@ -35,69 +48,6 @@ NOAUX_INDICES = np.array([[5, 6], [4, 7]])
 NOAUX_WEIGHTS = np.array([[1.4097374820107054, 1.0902625179892949], [1.3586039105652403, 1.1413960894347595]])
 # Reference vectors from the published code: Megatron seq_aux, sigmoid, coeff 1, two sequences (rows 0-1 and rows 2-3).
 REF_SEQ_AUX_SIGMOID = 1.234414848055857
-
-# ---- NumPy transcriptions (float64) ------------------------------------------------------------
-
-
-def np_deepseek_v3_gate(logits, bias, top_k, n_groups, topk_groups, route_scale):
-    """DeepSeek-V3 ``inference/model.py::Gate.forward`` (sigmoid, with bias), in NumPy."""
-    scores = np_sigmoid(logits.astype(np.float64))
-    original_scores = scores
-    scores = scores + bias
-    tokens = scores.shape[0]
-    if n_groups > 1:
-        grouped = scores.reshape(tokens, n_groups, -1)
-        group_scores = np.sort(grouped, -1)[..., -2:].sum(-1)  # topk(2).sum
-        indices = np.argsort(-group_scores, -1, kind="stable")[:, :topk_groups]
-        mask = np.ones((tokens, n_groups), bool)
-        np.put_along_axis(mask, indices, False, 1)
-        scores = np.where(mask[:, :, None], -np.inf, grouped).reshape(tokens, -1)
-    indices = np.argsort(-scores, -1, kind="stable")[:, :top_k]
-    weights = np.take_along_axis(original_scores, indices, 1)
-    weights = weights / weights.sum(-1, keepdims=True)
-    return indices, weights * route_scale
-
-
-def megatron_switch_load_balancing_loss(probs, tokens_per_expert, total_num_tokens, topk, num_experts, coeff):
-    aggregated_probs_per_expert = probs.sum(0)
-    return (aggregated_probs_per_expert * tokens_per_expert).sum() * (
-        num_experts * coeff / (topk * total_num_tokens * total_num_tokens)
-    )
-
-
-def megatron_seq_aux_loss(probs_SBE, routing_map_SBE, topk, coeff):
-    """Megatron-Core ``router.py::_apply_seq_aux_loss``: scores and routing map viewed as
-    ``[S, B*E]``, the switch loss with ``T = S``, divided by B. Megatron's layout is ``[S, B, E]``."""
-    seq_len, batch, num_experts = probs_SBE.shape
-    probs = probs_SBE.reshape(seq_len, batch * num_experts)
-    tokens_per_expert = routing_map_SBE.reshape(seq_len, batch * num_experts).sum(0)
-    return megatron_switch_load_balancing_loss(probs, tokens_per_expert, seq_len, topk, num_experts, coeff) / batch
-
-
-def np_plain_topk(scores, top_k):
-    return np.argsort(-scores, -1, kind="stable")[:, :top_k]
-
-
-def np_seq_aux(scores_BSE, score_func, top_k, coeff, topk_idx_BSK=None):
-    """DeepSeek-V3 sequence-wise balance loss from the paper text: per sequence ``coeff * sum_i f_i P_i``
-    with ``f_i = E / (k S) * count_i`` and ``P_i`` the mean normalised score; mean over sequences.
-    The counts come from the plain top-k of the scores unless ``topk_idx_BSK`` is given."""
-    batch, seq_len, num_experts = scores_BSE.shape
-    losses = []
-    for b in range(batch):
-        scores = scores_BSE[b]
-        probs = scores / scores.sum(-1, keepdims=True) if score_func == "sigmoid" else scores
-        idx = np_plain_topk(scores, top_k) if topk_idx_BSK is None else topk_idx_BSK[b]
-        counts = np.bincount(idx.reshape(-1), minlength=num_experts)
-        f = num_experts / (top_k * seq_len) * counts
-        losses.append(coeff * (f * probs.mean(0)).sum())
-    return float(np.mean(losses))
-
-
-def np_updated_expert_bias(expert_bias, tokens_per_expert, rate):
-    """Megatron-Core ``get_updated_expert_bias``."""
-    average_tokens = tokens_per_expert.sum(-1, keepdims=True) / tokens_per_expert.shape[-1]
-    return expert_bias + np.sign(average_tokens - tokens_per_expert) * rate
 
 
 def route(logits, top_k, bias=None, n_group=1, topk_group=1, norm=True, scale=2.5):
@@ -277,6 +227,7 @@ LAYER_BATCH, LAYER_SEQ, LAYER_EXPERTS, LAYER_HIDDEN = 2, 8, 8, 16
 
 
 def aux_layer_config(aux_loss, **overrides):
+    """``(ModelConfig, MoEConfig)`` of a sigmoid layer; ``overrides`` may name keys of either."""
     fields = dict(
         hidden_size=LAYER_HIDDEN,
         num_experts=LAYER_EXPERTS,
@@ -292,7 +243,8 @@ def aux_layer_config(aux_loss, **overrides):
         z_loss_coeff=0.01,
     )
     fields.update(overrides)
-    return ModelConfig(**fields)
+    model_fields, moe_fields = split_fields(fields)
+    return ModelConfig(**model_fields), MoEConfig(**moe_fields)
 
 
 def hf_moe_from(layer, cfg):
@@ -319,20 +271,15 @@ def hf_moe_from(layer, cfg):
     return module
 
 
-def np_switch_aux(scores, top_k, coeff, topk_idx=None):
-    """The switch loss is the sequence loss of the whole micro-batch as one sequence."""
-    return np_seq_aux(scores[None], "sigmoid", top_k, coeff, None if topk_idx is None else topk_idx[None])
-
-
 def test_seq_aux_loss_of_the_layer_equals_numpy_formula_on_its_own_routing():
-    cfg = aux_layer_config("seq", score_func="softmax", dispatch="capacity", capacity_factor=2.0)
-    layer = build_layer(cfg, seed=59)
+    cfg, moe = aux_layer_config("seq", score_func="softmax", dispatch="capacity", capacity_factor=2.0)
+    layer = build_layer(cfg, moe, seed=59)
     x = np.random.default_rng(61).normal(size=(LAYER_BATCH, LAYER_SEQ, LAYER_HIDDEN)).astype(np.float32)
     _, aux, _, _, layer_stats = layer(Tensor(x), Tensor(np.zeros(x.shape[:2], np.int32)))
     logits = x.reshape(-1, LAYER_HIDDEN).astype(np.float64) @ layer_weights(layer)["router.weight"].T
     scores = np.exp(logits - logits.max(-1, keepdims=True))
     scores = (scores / scores.sum(-1, keepdims=True)).reshape(LAYER_BATCH, LAYER_SEQ, -1)
-    expected = np_seq_aux(scores, "softmax", cfg.top_k, cfg.aux_loss_coeff)
+    expected = np_seq_aux(scores, "softmax", cfg.top_k, moe.aux_loss_coeff)
     assert float(aux.asnumpy()) == pytest.approx(expected, rel=1e-5)
     assert float(layer_stats.asnumpy()[3]) == pytest.approx(expected, rel=1e-5)
     assert expected != pytest.approx(np_switch_aux(scores.reshape(-1, LAYER_EXPERTS), cfg.top_k, 0.1), rel=1e-3)
@@ -340,8 +287,8 @@ def test_seq_aux_loss_of_the_layer_equals_numpy_formula_on_its_own_routing():
 
 @pytest.mark.parametrize("aux_loss", ["seq", "switch"])
 def test_layer_with_bias_and_groups_routes_like_hf_and_balances_the_plain_topk(aux_loss):
-    cfg = aux_layer_config(aux_loss, expert_bias=True, n_group=4, topk_group=2)
-    layer = build_layer(cfg, seed=67)
+    cfg, moe = aux_layer_config(aux_loss, expert_bias=True, n_group=4, topk_group=2)
+    layer = build_layer(cfg, moe, seed=67)
     rng = np.random.default_rng(71)
     layer.router.e_score_correction_bias.set_data(Tensor(rng.uniform(-0.15, 0.15, LAYER_EXPERTS).astype(np.float32)))
     weights = layer_weights(layer)
@@ -364,11 +311,11 @@ def test_layer_with_bias_and_groups_routes_like_hf_and_balances_the_plain_topk(a
     scores_BSE = scores.reshape(LAYER_BATCH, LAYER_SEQ, -1)
     selected_BSK = selected.reshape(LAYER_BATCH, LAYER_SEQ, -1)
     if aux_loss == "seq":
-        expected = np_seq_aux(scores_BSE, "sigmoid", cfg.top_k, cfg.aux_loss_coeff)
-        with_selection = np_seq_aux(scores_BSE, "sigmoid", cfg.top_k, cfg.aux_loss_coeff, selected_BSK)
+        expected = np_seq_aux(scores_BSE, "sigmoid", cfg.top_k, moe.aux_loss_coeff)
+        with_selection = np_seq_aux(scores_BSE, "sigmoid", cfg.top_k, moe.aux_loss_coeff, selected_BSK)
     else:
-        expected = np_switch_aux(scores, cfg.top_k, cfg.aux_loss_coeff)
-        with_selection = np_switch_aux(scores, cfg.top_k, cfg.aux_loss_coeff, selected)
+        expected = np_switch_aux(scores, cfg.top_k, moe.aux_loss_coeff)
+        with_selection = np_switch_aux(scores, cfg.top_k, moe.aux_loss_coeff, selected)
     assert float(aux.asnumpy()) == pytest.approx(expected, rel=1e-5)
     assert abs(with_selection - expected) > 1e-2 * expected  # the convention is visible in the value
 
@@ -381,8 +328,8 @@ def test_trainer_step_moves_each_bias_by_rate_times_sign_of_mean_minus_kept_load
     from mindmoe.train.step import CompiledStep
 
     rate = 0.01
-    cfg = transformer_config(expert_lock=False, expert_bias=True, bias_update_rate=rate, capacity_factor=0.75)
-    model = MoETransformer(cfg, seed=3)
+    cfg, moe = transformer_config(expert_lock=False, expert_bias=True, bias_update_rate=rate, capacity_factor=0.75)
+    model = MoETransformer(cfg, seed=3, moe=moe)
     rng = np.random.default_rng(73)
     biases = [layer.mlp.router.e_score_correction_bias for layer in model.layers]
     for bias in biases:  # a non-zero starting bias, so selection depends on it
@@ -402,7 +349,7 @@ def test_trainer_step_moves_each_bias_by_rate_times_sign_of_mean_minus_kept_load
     }
     input_ids = Tensor(window["input_ids"][:, :-1].astype(np.int32))
     doc_ids = window["doc_ids"][:, :-1].astype(np.int32)
-    expected_stats = np_model_routing(model, cfg, input_ids, doc_ids)  # NumPy routing of captured inputs
+    expected_stats = np_model_routing(model, cfg, moe, input_ids, doc_ids)  # NumPy routing of captured inputs
     chosen, kept = expected_stats[:, 0], expected_stats[:, 1]
     assert (chosen > kept).any(), "some assignments must be dropped"
     before = np.stack([bias.asnumpy() for bias in biases])
@@ -421,31 +368,31 @@ def test_trainer_step_moves_each_bias_by_rate_times_sign_of_mean_minus_kept_load
 # ---- configuration ------------------------------------------------------------------------------
 
 
+def validate_sections(cfg, moe):
+    validate_model_config(cfg)
+    validate_moe_config(moe, cfg.expert_bias)
+
+
 @pytest.mark.parametrize(
     "overrides,key",
     [
-        (dict(num_experts=8, n_group=3), "n_group"),
-        (dict(num_experts=8, n_group=2, topk_group=3), "topk_group"),
-        (dict(expert_bias=False, bias_update_rate=1e-3), "bias_update_rate"),
-        (dict(isolation_mode="gradient"), "isolation_mode"),
+        (dict(num_experts=8, n_group=3), "model.n_group"),
+        (dict(num_experts=8, n_group=2, topk_group=3), "model.topk_group"),
+        (dict(expert_bias=False, bias_update_rate=1e-3), "moe.bias_update_rate"),
+        (dict(isolation_mode="gradient"), "moe.isolation_mode"),
     ],
 )
 def test_invalid_routing_settings_are_rejected_naming_the_key(overrides, key):
-    with pytest.raises(ValueError, match=rf"^model\.{key}="):
-        validate_model_config(ModelConfig(**overrides))
-    with pytest.raises(ValueError, match=rf"^model\.{key}="):
-        MoETransformer(ModelConfig(vocab_size=32, **overrides))
+    model_fields, moe_fields = split_fields(overrides)
+    pattern = rf"^{re.escape(key)}="
+    with pytest.raises(ValueError, match=pattern):
+        validate_sections(ModelConfig(**model_fields), MoEConfig(**moe_fields))
+    with pytest.raises(ValueError, match=pattern):
+        MoETransformer(ModelConfig(vocab_size=32, **model_fields), moe=MoEConfig(**moe_fields))
 
 
 def test_valid_routing_settings_are_accepted():
-    validate_model_config(
-        ModelConfig(
-            num_experts=8,
-            n_group=4,
-            topk_group=2,
-            expert_bias=True,
-            bias_update_rate=1e-3,
-            expert_lock=True,
-            isolation_mode="token_grad",
-        )
+    validate_sections(
+        ModelConfig(num_experts=8, n_group=4, topk_group=2, expert_bias=True),
+        MoEConfig(bias_update_rate=1e-3, expert_lock=True, isolation_mode="token_grad"),
     )

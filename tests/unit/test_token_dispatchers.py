@@ -20,6 +20,7 @@ from mindmoe.model.moe import (
     RoutedExperts,
     local_dispatcher,
 )
+from mindmoe.model.moe_config import MoEConfig
 
 TOKENS, HIDDEN, EXPERTS, TOP_K = 10, 6, 4, 2
 
@@ -99,10 +100,13 @@ def test_all_experts_reference_runs_every_expert_on_every_token_and_combines_lik
     np.testing.assert_array_equal(scale_ET, np.broadcast_to(problem[4], (EXPERTS, TOKENS)))
 
 
-def test_model_dispatch_key_picks_the_dispatcher_class():
-    capacity = local_dispatcher(ModelConfig(num_experts=EXPERTS, dispatch="capacity", capacity_factor=1.5))
+def test_moe_dispatch_key_picks_the_dispatcher_class():
+    cfg = ModelConfig(num_experts=EXPERTS)
+    capacity = local_dispatcher(cfg, MoEConfig(dispatch="capacity", capacity_factor=1.5))
     assert isinstance(capacity, CapacityDispatcher) and capacity.capacity_factor == 1.5
-    assert isinstance(local_dispatcher(ModelConfig(num_experts=EXPERTS, dispatch="dropless")), DroplessDispatcher)
+    assert isinstance(local_dispatcher(cfg, MoEConfig(dispatch="dropless")), DroplessDispatcher)
+    # An unresolved auto is a model initialised here: capacity.
+    assert type(local_dispatcher(cfg, MoEConfig(dispatch="auto"))) is CapacityDispatcher
 
 
 def test_expert_parallel_ranks_hold_contiguous_shares_that_start_from_the_single_process_rows():

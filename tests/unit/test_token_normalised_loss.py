@@ -9,6 +9,7 @@ from mindspore import Tensor, ops
 
 from mindmoe.conf.checks import Layout
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.distributed import Distributed
 from mindmoe.train.step import CompiledStep
@@ -27,10 +28,8 @@ MODEL = ModelConfig(
     moe_intermediate_size=16,
     num_experts=4,
     top_k=2,
-    dispatch="dropless",
-    aux_loss_coeff=0.0,
-    z_loss_coeff=0.0,
 )
+MOE = MoEConfig(dispatch="dropless", aux_loss_coeff=0.0, z_loss_coeff=0.0)
 SEQ = 16
 SCORED_SPANS = [(7, 8), (3, 9), (1, SEQ + 1)]  # assistant positions of each micro-batch's rows: 1, 6, 16 labels
 
@@ -56,7 +55,7 @@ def concatenated(batches):
 
 
 def step_gradients(batches, accum_steps):
-    model = MoETransformer(MODEL, seed=3)
+    model = MoETransformer(MODEL, seed=3, moe=MOE)
     optimizer = GradientCapture(model.trainable_params())
     step = CompiledStep(model, optimizer, grad_clip=0.0, accum_steps=accum_steps)
     stats = step.step(batches)
@@ -66,7 +65,7 @@ def step_gradients(batches, accum_steps):
 def reference(batch):
     """Loss (NumPy log-softmax in float64 over the model's logits) and gradient (MindSpore autograd of
     ``sum(nll * scored) / sum(scored)``) of one batch; scored = assistant label in the input's document."""
-    model = MoETransformer(MODEL, seed=3)
+    model = MoETransformer(MODEL, seed=3, moe=MOE)
     ids, doc_ids, mask = batch["input_ids"], batch["doc_ids"], batch["loss_mask"]
     scored = ((doc_ids[:, 1:] == doc_ids[:, :-1]) & (mask[:, 1:] > 0)).astype(np.float32)
     inputs, docs, labels = Tensor(ids[:, :-1]), Tensor(doc_ids[:, :-1]), ids[:, 1:]

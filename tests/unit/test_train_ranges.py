@@ -1,5 +1,5 @@
-"""Every numeric ``train.*`` / ``data.*`` key has a domain, checked before a run prepares data or builds a
-model; errors name the key, its value and the allowed range, all violations in one message."""
+"""Every numeric ``train.*`` / ``data.*`` / ``moe.*`` key has a domain, checked before a run prepares data or builds
+a model; errors name the key, its value and the allowed range, all violations in one message."""
 
 import dataclasses
 import subprocess
@@ -13,6 +13,7 @@ from mindmoe.conf.checks import validate_run_config
 from mindmoe.conf.exit_codes import CONFIG_ERROR
 from mindmoe.conf.ranges import DATA_RANGES, TRAIN_RANGES
 from mindmoe.data.config import DataConfig
+from mindmoe.model.moe_config import MOE_BOUNDS, MoEConfig
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
 from tests.helpers.runs import compose_config
@@ -48,6 +49,9 @@ def check(*overrides):
         ("data.seq_len=0", r"data\.seq_len=0 must be >= 1"),
         ("data.micro_batch_size=0", r"data\.micro_batch_size=0 must be >= 1"),
         ("data.num_proc=0", r"data\.num_proc=0 must be >= 1"),
+        ("moe.capacity_factor=0", r"moe\.capacity_factor=0\.0: must be > 0"),
+        ("moe.isolation_decay=1.5", r"moe\.isolation_decay=1\.5: must be in \[0\.0, 1\.0\]"),
+        ("moe.lock_span=0", r"moe\.lock_span=0: must be >= 1"),
     ],
 )
 def test_out_of_range_value_names_the_key_value_and_range(override, message):
@@ -91,7 +95,8 @@ def _numeric(annotation) -> bool:
 
 
 @pytest.mark.parametrize(
-    "section, cls, ranges", [("train", TrainConfig, TRAIN_RANGES), ("data", DataConfig, DATA_RANGES)]
+    "section, cls, ranges",
+    [("train", TrainConfig, TRAIN_RANGES), ("data", DataConfig, DATA_RANGES), ("moe", MoEConfig, MOE_BOUNDS)],
 )
 def test_every_numeric_key_has_a_range(section, cls, ranges):
     hints = typing.get_type_hints(cls)

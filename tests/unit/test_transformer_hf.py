@@ -15,10 +15,14 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.export import hf_named_tensors
+from mindmoe.model.moe.token_dispatcher import CapacityDispatcher
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.transformer import MoETransformer
 
 VOCAB, HIDDEN, LAYERS, FIRST_DENSE, EXPERTS, TOP_K = 64, 32, 3, 1, 4, 2
 BATCH, SEQ = 2, 10
+#: HF's MoE layers drop no token.
+DROPLESS = MoEConfig(dispatch="dropless")
 
 
 def ours_config(**overrides):
@@ -44,7 +48,6 @@ def ours_config(**overrides):
         score_func="sigmoid",
         norm_topk_prob=True,
         routed_scaling_factor=2.5,
-        dispatch="dropless",
         tie_word_embeddings=False,
     )
     fields.update(overrides)
@@ -100,8 +103,9 @@ def randomize(model, seed):
         param.set_data(Tensor(value.astype(np.float32)))
 
 
-def build_pair(cfg, seed):
-    ours = MoETransformer(cfg, seed=0)
+def build_pair(cfg, seed, moe=DROPLESS):
+    ours = MoETransformer(cfg, seed=0, moe=moe)
+    assert ours.moe_config == moe
     randomize(ours, seed)
     hf = Glm4MoeForCausalLM(hf_config(cfg)).eval()
     state = to_hf_state_dict(ours)
@@ -180,14 +184,10 @@ def softmax_router_forward(self, hidden_states):
 
 
 def test_softmax_routing_with_capacity_dispatch_matches_hf_with_a_softmax_router():
-    cfg = ours_config(
-        score_func="softmax",
-        norm_topk_prob=False,
-        routed_scaling_factor=1.0,
-        dispatch="capacity",
-        capacity_factor=float(EXPERTS),
-    )  # capacity >= tokens: no drops
-    ours, hf = build_pair(cfg, seed=2)
+    cfg = ours_config(score_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0)
+    capacity = MoEConfig(dispatch="capacity", capacity_factor=float(EXPERTS))  # capacity >= tokens: no drops
+    ours, hf = build_pair(cfg, seed=2, moe=capacity)
+    assert all(isinstance(layer.mlp.dispatcher, CapacityDispatcher) for layer in ours.layers[FIRST_DENSE:])
     for layer in hf.model.layers[FIRST_DENSE:]:
         layer.mlp.gate.forward = softmax_router_forward.__get__(layer.mlp.gate)
     ids = input_ids(seed=2)

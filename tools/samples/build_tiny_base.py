@@ -36,10 +36,10 @@ MODEL_OVERRIDES = [
     "model.tie_word_embeddings=true",
     "model.score_func=sigmoid",
     "model.expert_bias=true",
-    "model.bias_update_rate=0.002",
-    "model.aux_loss=seq",
-    "model.aux_loss_coeff=0.0001",
-    "model.dispatch=dropless",
+    "moe.bias_update_rate=0.002",
+    "moe.aux_loss=seq",
+    "moe.aux_loss_coeff=0.0001",
+    "moe.dispatch=dropless",
 ]
 
 

@@ -1,0 +1,129 @@
+"""MoE training policy (``moe.*`` keys): how the routed experts are trained, not what they are.
+
+A checkpoint's architecture is ``model.*`` (``state.json`` ``model_config``, HF ``config.json``); these keys
+choose the token dispatch, the balancing losses, the bias update and expert locking of one run, so a
+pretrained model or a resumed run may change them freely. The run records them beside the architecture
+(``state.json`` ``moe_config``) because serving replays the lock rule the model was trained with.
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+#: ``moe.dispatch``: ``auto`` resolves per run (:meth:`MoEConfig.resolved`).
+DISPATCH_MODES = ("auto", "capacity", "dropless")
+AUX_LOSS_TYPES = ("switch", "seq", "none")
+ISOLATION_MODES = ("expert_update", "token_grad")
+#: The keys that were ``model.*`` before they moved here: an old override names its new place.
+MOE_KEYS = (
+    "dispatch",
+    "capacity_factor",
+    "aux_loss",
+    "aux_loss_coeff",
+    "z_loss_coeff",
+    "bias_update_rate",
+    "expert_lock",
+    "lock_run_length",
+    "lock_span",
+    "isolation_decay",
+    "isolation_mode",
+)
+
+
+@dataclass
+class MoEConfig:
+    """Token dispatch, router balancing and expert locking of the MoE layers."""
+
+    #: capacity (static buffers, overflow dropped by position), dropless (exact, no token dropped) or auto:
+    #: dropless for a model whose weights were trained elsewhere (``model.pretrained``,
+    #: ``lora.base_checkpoint``: dropping would change its logits), capacity for one initialised here.
+    dispatch: str = "auto"
+    #: Expert capacity = ceil(capacity_factor * tokens * top_k / num_experts) per micro-batch.
+    capacity_factor: float = 1.25
+    #: Load-balancing loss: switch (coeff * E * sum_e f_e P_e, f_e = c_e / (k T), over the micro-batch),
+    #: seq (the same per sequence, averaged over sequences; DeepSeek-V3) or none.
+    aux_loss: str = "switch"
+    #: Coefficient of the aux loss; perfectly balanced routing gives exactly this value per layer.
+    aux_loss_coeff: float = 1e-2
+    #: Coefficient of the router z-loss, coeff * mean(logsumexp(logits)^2); 0 disables it.
+    z_loss_coeff: float = 1e-3
+    #: Step of the aux-loss-free balancing bias (``model.expert_bias``) per optimizer step,
+    #: ``b += rate * sign(mean_load - load)`` from the effective routing counts of the whole global batch;
+    #: 0 keeps the bias fixed (e.g. an imported one).
+    bias_update_rate: float = 0.0
+    #: Expert locking: after ``lock_run_length`` consecutive tokens of a document with the same natural
+    #: top-k set, the next ``lock_span`` tokens are routed to that set.
+    expert_lock: bool = False
+    #: Identical consecutive routing decisions that start a lock.
+    lock_run_length: int = 5
+    #: Tokens after a qualifying run that stay locked.
+    lock_span: int = 10
+    #: lambda: how much locked tokens still train the experts they are locked to (1 = no isolation).
+    isolation_decay: float = 0.3
+    #: expert_update (scale expert e's optimizer update by 1-(1-lambda)*f_e, f_e = locked share of its
+    #: tokens; survives Adam's scale invariance) or token_grad (scale locked tokens' expert gradients).
+    isolation_mode: str = "expert_update"
+
+    def resolved(self, trained_weights: bool) -> "MoEConfig":
+        """This policy with ``dispatch=auto`` made concrete: dropless when the model's weights were trained
+        elsewhere (``trained_weights``), capacity otherwise."""
+        if self.dispatch != "auto":
+            return self
+        return dataclasses.replace(self, dispatch="dropless" if trained_weights else "capacity")
+
+    @property
+    def dropless(self) -> bool:
+        return self.dispatch == "dropless"
+
+    @classmethod
+    def from_dict(cls, values: dict, source: str) -> "MoEConfig":
+        """The policy ``dataclasses.asdict`` wrote (``state.json`` ``moe_config``); ValueError naming ``source``."""
+        if not isinstance(values, dict):
+            raise ValueError(f"{source}: must be an object of moe.* keys, got {type(values).__name__}")
+        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"{source}: unknown moe keys {', '.join(unknown)} (written by another mindmoe version?)")
+        return cls(**values)
+
+
+#: The bound of each numeric ``moe.*`` key, written once: ``(low, low inclusive, high, high inclusive)``.
+MOE_BOUNDS = {
+    "capacity_factor": (0.0, False, None, False),
+    "aux_loss_coeff": (0.0, True, None, False),
+    "z_loss_coeff": (0.0, True, None, False),
+    "bias_update_rate": (0.0, True, None, False),
+    "lock_run_length": (1, True, None, False),
+    "lock_span": (1, True, None, False),
+    "isolation_decay": (0.0, True, 1.0, True),
+}
+MOE_CHOICES = {"dispatch": DISPATCH_MODES, "aux_loss": AUX_LOSS_TYPES, "isolation_mode": ISOLATION_MODES}
+
+
+def validate_moe_config(moe: MoEConfig, expert_bias: bool = True) -> None:
+    """Raise ValueError naming the ``moe.*`` key whose value cannot work; ``expert_bias``: whether the
+    model has the correction bias that ``moe.bias_update_rate`` updates (``model.expert_bias``)."""
+    for key, choices in MOE_CHOICES.items():
+        if getattr(moe, key) not in choices:
+            raise ValueError(f"moe.{key}={getattr(moe, key)!r}: must be one of {choices}")
+    for key, (low, low_in, high, high_in) in MOE_BOUNDS.items():
+        value = getattr(moe, key)
+        below = value < low if low_in else value <= low
+        over = high is not None and (value > high if high_in else value >= high)
+        if isinstance(value, bool) or below or over:
+            if high is None:
+                bound = f"{'>=' if low_in else '>'} {low}"
+            else:
+                bound = f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
+            raise ValueError(f"moe.{key}={value!r}: must be {bound}")
+    if moe.bias_update_rate > 0 and not expert_bias:
+        raise ValueError(
+            f"moe.bias_update_rate={moe.bias_update_rate!r}: needs model.expert_bias=true (there is no bias to update)"
+        )
+
+
+def moe_policy(moe) -> MoEConfig:
+    """Accept the dataclass, None (the defaults) or a mapping (an OmegaConf node) of its fields."""
+    if moe is None:
+        return MoEConfig()
+    if isinstance(moe, MoEConfig):
+        return moe
+    return MoEConfig(**dict(moe))
