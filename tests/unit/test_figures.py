@@ -34,7 +34,6 @@ CFG = ModelConfig(
     top_k=2,
     moe_intermediate_size=8,
     num_shared_experts=1,
-    dispatch="dropless",
     max_position_embeddings=32,
 )
 # Weight elements one token multiplies through (by hand, biases/norms/embedding lookup excluded):
@@ -95,16 +94,18 @@ def test_dropped_assignments_count_token_expert_pairs_per_layer():
 
 
 def test_documented_tiny_model_size_is_the_parameter_count():
-    """The default model at the default tokenizer size: README and conf/model/tiny_moe.yaml quote it."""
+    """The default model at the default tokenizer size: docs/configuration.md (the default recipe) and
+    conf/model/tiny_moe.yaml quote it."""
     total = count_parameters(ModelConfig(vocab_size=DataConfig().vocab_size)).total
     assert total == 4_259_520
     figure = f"{total:,}"
     yaml_text = (REPO / "conf/model/tiny_moe.yaml").read_text()
-    readme = (REPO / "README.md").read_text()
+    configuration = (REPO / "docs/configuration.md").read_text()
     assert f"{figure} parameters" in yaml_text
-    assert readme.count(f"{figure} parameters") >= 2
-    # No other figure for the default model survives.
-    stale = re.findall(r"(?:3\.3|4\.26) ?M parameters", readme + yaml_text)
+    assert f"{figure} parameters" in configuration
+    # No other figure for the default model survives, in the README or any docs page.
+    docs = "".join(path.read_text() for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
+    stale = re.findall(r"(?:3\.3|4\.26) ?M parameters", docs + yaml_text)
     assert not stale, stale
 
 
