@@ -227,7 +227,7 @@ def test_scaling_runs_are_the_issues_commands_and_compose_into_configs():
     assert scaling_overrides(routed)["data.micro_batch_size"] == "4"
     # Only training sizes (and the layout of the two launches) change: nothing else of the default run is touched.
     single = [r for r in runs if not r.launcher]
-    assert {key.split(".")[0] for r in single for key in scaling_overrides(r)} == {"model", "data", "train"}
+    assert {key.split(".")[0] for r in single for key in scaling_overrides(r)} == {"model", "moe", "data", "train"}
     for run in runs:
         tool = "mindmoe-launch " if run.launcher else "mindmoe-train "
         assert run.command == tool + " ".join(run.overrides)

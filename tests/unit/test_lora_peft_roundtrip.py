@@ -24,6 +24,7 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 from mindmoe.model.hf import load_hf_pretrained
 from mindmoe.model.lora import LoraConfig, is_adapter
 from mindmoe.model.lora_plan import lora_parameters, lora_report
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, merge_adapters, save_adapter
 from tests.helpers.hf_models import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
 
@@ -45,8 +46,8 @@ def trained(tmp_path_factory):
     lora = LoraConfig(enabled=True, r=4, alpha=8.0, dropout=0.1, target_modules=TARGETS)
     cfg, model, _ = load_hf_pretrained(
         hf_dir,
-        {"expert_lock": True, "lock_run_length": 2, "lock_span": 4, "isolation_mode": "expert_update"},
         lora=lora,
+        moe=MoEConfig(expert_lock=True, lock_run_length=2, lock_span=4, isolation_mode="expert_update"),
     )
     base = {p.name: p.asnumpy().copy() for p in model.get_parameters() if not is_adapter(p.name)}
     report = lora_report(model)
