@@ -16,7 +16,7 @@ from typing import Optional
 
 from mindmoe.conf.explicit_keys import explicit_keys, model_fields
 from mindmoe.conf.key_effects import warn_keys_without_effect
-from mindmoe.conf.moe_policy import run_moe_config
+from mindmoe.conf.policy import run_dsa_training, run_moe_config
 from mindmoe.conf.ranges import check_ranges
 from mindmoe.data.config import validate_batch_sizes
 from mindmoe.launch.config import validate_launch_config, world_size
@@ -60,17 +60,12 @@ def validate_run_config(cfg, device_target: Optional[str]) -> None:
     validate_train_config(cfg.train)
     validate_precision(cfg.train, device_target)
     run_moe_config(cfg)
+    run_dsa_training(cfg)
     if device_target == "CPU" and cfg.lora.enabled and cfg.lora.base_dtype == "bf16":
         raise ValueError(
             "lora.base_dtype=bf16: the CPU backend of MindSpore 2.9 has no bf16 kernel for the copies the train "
             "step makes of the embedding table (TensorMove), nor bf16 MatMul; use lora.base_dtype=auto (fp16 on "
             "CPU, bf16 on Ascend) or fp16 / fp32 on CPU"
-        )
-    if cfg.lora.enabled and cfg.model.dsa.stage == "dense_warmup":
-        raise ValueError(
-            "model.dsa.stage=dense_warmup with lora.enabled=true: the dense warm-up trains a base model's DSA "
-            "indexers and freezes everything else, while LoRA freezes the base; warm the indexers up in a full "
-            "training run first, or fine-tune with model.dsa.stage=sparse (or off)"
         )
 
 

@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Iterable, List, Tuple
 
-from mindmoe.conf.moe_policy import run_moe_config
+from mindmoe.conf.policy import run_moe_config
 from mindmoe.model.config import GQA_ONLY_KEYS
 
 log = logging.getLogger("mindmoe.config")
@@ -59,17 +59,14 @@ RULES = (
         lambda cfg, model: "model.mtp_layers=0: there is no multi-token-prediction loss to weight",
     ),
     NoEffectRule(
-        tuple(
-            f"model.dsa.{key}"
-            for key in ("index_head_dim", "index_topk", "stage", "warmup_steps", "indexer_loss_coeff")
-        ),
+        ("model.dsa.index_head_dim", "model.dsa.index_topk", "dsa.stage", "dsa.warmup_steps", "dsa.indexer_loss_coeff"),
         lambda cfg, model: not model.dsa.enabled,
         lambda cfg, model: "model.dsa.index_n_heads=0: the model has no DSA indexer",
     ),
     NoEffectRule(
-        ("model.dsa.index_topk", "model.dsa.indexer_loss_coeff"),
-        lambda cfg, model: model.dsa.enabled and model.dsa.stage == "off",
-        lambda cfg, model: "model.dsa.stage=off: the indexer does not run (dense attention, no indexer loss)",
+        ("model.dsa.index_topk", "dsa.indexer_loss_coeff"),
+        lambda cfg, model: model.dsa.enabled and cfg.dsa.stage == "off",
+        lambda cfg, model: "dsa.stage=off: the indexer does not run (dense attention, no indexer loss)",
     ),
     NoEffectRule(
         ("data.text_field", "data.num_proc"),

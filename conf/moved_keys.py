@@ -9,12 +9,14 @@ import sys
 from typing import Iterable, Optional
 
 from mindmoe.conf.exit_codes import CONFIG_ERROR
+from mindmoe.model.dsa_config import DSA_TRAINING_KEYS
 from mindmoe.model.moe_config import MOE_KEYS
 
-#: ``{old dotted key: new dotted key}``: MoE training policy left ``model.*`` for ``moe.*``; ``model.*`` holds only
-#: the architecture a checkpoint stores.
+#: ``{old dotted key: new dotted key}``: MoE training policy left ``model.*`` for ``moe.*``, DSA's training schedule
+#: ``model.dsa.*`` for ``dsa.*``; ``model.*`` holds only the architecture a checkpoint stores.
 MOVED_KEYS = {
     **{f"model.{key}": f"moe.{key}" for key in MOE_KEYS},
+    **{f"model.dsa.{key}": f"dsa.{key}" for key in DSA_TRAINING_KEYS},
 }
 
 

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 from mindmoe.data.config import DataConfig
 from mindmoe.launch.config import LaunchConfig, ParallelConfig, PlanConfig
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.lora import LoraConfig
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.train.config import TrainConfig
@@ -29,6 +30,8 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     #: MoE training policy: token dispatch, balancing losses, bias update, expert locking.
     moe: MoEConfig = field(default_factory=MoEConfig)
+    #: DeepSeek Sparse Attention's training schedule: stage, warm-up steps, indexer loss weight.
+    dsa: DSATrainingConfig = field(default_factory=DSATrainingConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -43,7 +43,7 @@ query heads, ``s`` = seq_len, ``r`` routed rows per token (below):
   indexer), q_a_layernorm input and q_b_proj input, kv_a_layernorm input and kv_b_proj input, queries
   ``[nope, RoPE(rope)]`` per head, keys ``[nope, RoPE(shared rope key)]`` per head (the one rope key
   broadcast to every head), values, o_proj input ``a d_v``. RoPE is linear, so its inputs are not kept
-- DSA indexer (``model.dsa``, with ``index_n_heads`` ``n_I`` > 0 and ``stage`` not ``off``; the model's
+- DSA indexer (``model.dsa``, with ``index_n_heads`` ``n_I`` > 0 and ``dsa.stage`` not ``off``; the model's
   design, :func:`launch.plan_activations.dsa_indexer_bytes_per_token`), per MLA layer: ``c (n_I d_I + 2 d_I +
   n_I)`` (query after RoPE, key before its LayerNorm and after LayerNorm and RoPE, head weights; ``d_I`` =
   index_head_dim). Up to ``BLOCK_SIZE`` positions DSA layers take the whole mask and keep the softmax (above)
@@ -192,6 +192,8 @@ class Setup:
     clip: bool = True
     #: ``moe.*``, ``dispatch`` resolved (capacity dispatch buffers ``capacity_factor`` rows per assignment).
     moe: MoEConfig = field(default_factory=lambda: MoEConfig(dispatch="capacity"))
+    #: ``dsa.stage``: off plans no indexer activations (the indexer is stored and trained, but does not run).
+    dsa_stage: str = "sparse"
 
     @property
     def compute_bytes(self) -> int:

@@ -31,20 +31,20 @@ def routed_rows_per_token(cfg: ModelConfig, layout, moe: MoEConfig) -> float:
     return cfg.top_k
 
 
-def dsa_active(cfg: ModelConfig) -> bool:
-    """The DSA indexer runs (model/mla.py)."""
-    return cfg.attention_type == "mla" and cfg.dsa.active
+def dsa_active(cfg: ModelConfig, setup) -> bool:
+    """The DSA indexer runs (model/mla.py): the model has one and ``dsa.stage`` is not off."""
+    return cfg.attention_type == "mla" and cfg.dsa.enabled and setup.dsa_stage != "off"
 
 
-def dsa_blockwise(cfg: ModelConfig, seq_len: int) -> bool:
+def dsa_blockwise(cfg: ModelConfig, seq_len: int, setup) -> bool:
     """DSA layers run the ``indexed_attention`` kernel (on every device, past ``BLOCK_SIZE`` positions)."""
-    return dsa_active(cfg) and seq_len > BLOCK_SIZE
+    return dsa_active(cfg, setup) and seq_len > BLOCK_SIZE
 
 
 def full_mask(cfg: ModelConfig, seq_len: int, setup) -> bool:
     """The attention keeps its softmax and the model one fp32 mask: no blockwise kernel for this length."""
-    if dsa_active(cfg):
-        return not dsa_blockwise(cfg, seq_len)
+    if dsa_active(cfg, setup):
+        return not dsa_blockwise(cfg, seq_len, setup)
     return not setup.blockwise(seq_len)
 
 
@@ -53,7 +53,7 @@ def scores_bytes_per_token(cfg: ModelConfig, seq_len: int, setup) -> float:
     head (FlashAttentionScore), nothing with DSA (its kernel's backward recomputes each block's softmax)."""
     if full_mask(cfg, seq_len, setup):
         return setup.compute_bytes * cfg.num_heads * seq_len
-    return 0 if dsa_active(cfg) else 4 * cfg.num_heads
+    return 0 if dsa_active(cfg, setup) else 4 * cfg.num_heads
 
 
 def gqa_attention_bytes_per_token(cfg: ModelConfig, c: int) -> float:
@@ -75,8 +75,8 @@ def mla_attention_bytes_per_token(cfg: ModelConfig, c: int) -> float:
     return c * (2 * cfg.hidden_size + q_latent + kv_latent + per_head)
 
 
-def dsa_indexer_bytes_per_token(cfg: ModelConfig, seq_len: int, c: int) -> float:
-    """The DSA lightning indexer of one MLA layer (``model.dsa``; 0 without one or with ``stage=off``).
+def dsa_indexer_bytes_per_token(cfg: ModelConfig, seq_len: int, setup) -> float:
+    """The DSA lightning indexer of one MLA layer (``model.dsa``; 0 without one or with ``dsa.stage=off``).
 
     Its query ``n_I d_I``, its key before the LayerNorm and after the LayerNorm and RoPE ``2 d_I``, the head
     weights ``n_I`` (``c`` bytes each), the ReLU'd query-key products of every indexer head ``4 n_I s`` (fp32;
@@ -84,21 +84,21 @@ def dsa_indexer_bytes_per_token(cfg: ModelConfig, seq_len: int, c: int) -> float
     the selection mask and the indexer's softmax kept by the KL loss (both training stages run it). The
     ``indexed_attention`` kernel keeps none of the rows or products (its backward recomputes them per block).
     """
-    if not dsa_active(cfg):
+    if not dsa_active(cfg, setup):
         return 0
-    dsa = cfg.dsa
+    c, dsa = setup.compute_bytes, cfg.dsa
     vectors = dsa.index_n_heads * dsa.index_head_dim + 2 * dsa.index_head_dim + dsa.index_n_heads
-    if dsa_blockwise(cfg, seq_len):
+    if dsa_blockwise(cfg, seq_len, setup):
         return c * vectors
     products = 4 * dsa.index_n_heads * seq_len
     scores, selection, kl_softmax = 4 * seq_len, 4 * seq_len, 4 * seq_len
     return c * vectors + products + scores + selection + kl_softmax
 
 
-def dsa_block_bytes(cfg: ModelConfig, batch) -> float:
+def dsa_block_bytes(cfg: ModelConfig, batch, setup) -> float:
     """What the ``indexed_attention`` kernel's backward holds for one block of queries (``DSA_BLOCK_TENSORS``), once
     per micro-batch: one layer's backward runs at a time."""
-    if not dsa_blockwise(cfg, batch.seq_len):
+    if not dsa_blockwise(cfg, batch.seq_len, setup):
         return 0
     per_head, per_indexer_head = DSA_BLOCK_TENSORS
     heads = per_head * cfg.num_heads + per_indexer_head * cfg.dsa.index_n_heads
@@ -109,7 +109,7 @@ def attention_bytes_per_token(cfg: ModelConfig, seq_len: int, setup) -> float:
     """The attention block of one layer: its widths (GQA or MLA), its scores, the DSA indexer."""
     c = setup.compute_bytes
     if cfg.attention_type == "mla":
-        widths = mla_attention_bytes_per_token(cfg, c) + dsa_indexer_bytes_per_token(cfg, seq_len, c)
+        widths = mla_attention_bytes_per_token(cfg, c) + dsa_indexer_bytes_per_token(cfg, seq_len, setup)
     else:
         widths = gqa_attention_bytes_per_token(cfg, c)
     return widths + scores_bytes_per_token(cfg, seq_len, setup)
@@ -168,4 +168,4 @@ def activation_memory(cfg: ModelConfig, layout, batch, setup) -> float:
     mask = 4 * cfg.num_heads * batch.seq_len if full_mask(cfg, batch.seq_len, setup) else 0
     mtp = mtp_bytes_per_token(cfg, batch.seq_len, setup, rows)
     # + the backward's gradients of one layer's activations, + the final norm's input; + a DSA block's backward
-    return tokens * (kept + mask + largest + c * cfg.hidden_size + mtp) + dsa_block_bytes(cfg, batch)
+    return tokens * (kept + mask + largest + c * cfg.hidden_size + mtp) + dsa_block_bytes(cfg, batch, setup)

@@ -16,8 +16,8 @@ import hydra
 from omegaconf import OmegaConf
 
 from mindmoe.conf.exit_codes import CONFIG_ERROR, reports_errors
-from mindmoe.conf.moe_policy import run_moe_config
 from mindmoe.conf.moved_keys import exit_on_moved_keys
+from mindmoe.conf.policy import run_dsa_training, run_moe_config
 from mindmoe.conf.quiet import quiet_framework_logs
 from mindmoe.conf.schema import register_configs
 from mindmoe.launch.plan import (
@@ -164,7 +164,10 @@ def run_setup(cfg, model: ModelConfig, plan_cfg: PlanConfig) -> Setup:
     clip = cfg.train.grad_clip > 0
     moe = run_moe_config(cfg)
     validate_moe_config(moe, model.expert_bias)
-    return Setup(device=plan_cfg.device, compute_dtype=dtype, trained=trained, zero=zero, clip=clip, moe=moe)
+    stage = run_dsa_training(cfg).stage
+    return Setup(
+        device=plan_cfg.device, compute_dtype=dtype, trained=trained, zero=zero, clip=clip, moe=moe, dsa_stage=stage
+    )
 
 
 def given_layout(cfg, devices: int) -> Layout:

@@ -49,7 +49,7 @@ class Trained:
 def lora_trained(model: ModelConfig, lora, device_target: str) -> Trained:
     """The :class:`Trained` of a ``lora.*`` section, with the trainer's own target matching and checks, on the
     names the module docstring says (a non-zero ``moe.bias_update_rate`` is refused by
-    :func:`conf.moe_policy.run_moe_config`)."""
+    :func:`conf.policy.run_moe_config`)."""
     # Imported here: the adapter plan needs MindSpore's dtypes, full-training plans do not.
     from mindmoe.model.lora_plan import plan_adapters
 

@@ -44,7 +44,7 @@ def activation_note(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup) 
     if full_mask(model, batch.seq_len, setup):
         attention = "full S x S scores"
     else:
-        attention = "blockwise DSA (indexed_attention)" if dsa_active(model) else "blockwise attention"
+        attention = "blockwise DSA (indexed_attention)" if dsa_active(model, setup) else "blockwise attention"
     rows = routed_rows_per_token(model, plan.layout, setup.moe)
     mtp = f"; {model.mtp_layers} MTP depth(s) kept whole" if model.mtp_layers else ""
     return f"{kept}; {attention}; {rows:g} expert rows per token{mtp}, train.dtype={setup.compute_dtype}"

@@ -10,6 +10,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import List, Optional
 
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.dsa_config import DSA_TRAINING_KEYS, DSATrainingConfig
 from mindmoe.model.moe_config import MOE_KEYS, MoEConfig
 
 #: Parameters by their model names (safetensors).
@@ -56,6 +57,21 @@ def checkpoint_moe_config(checkpoint_dir: Path) -> MoEConfig:
     recorded = state.get("model_config") if isinstance(state, dict) else None
     legacy = {key: recorded[key] for key in MOE_KEYS if isinstance(recorded, dict) and key in recorded}
     return MoEConfig(**legacy)
+
+
+def checkpoint_dsa_training(checkpoint_dir: Path) -> DSATrainingConfig:
+    """How a checkpoint's DSA indexers were trained (``state.json`` ``dsa_config``; a checkpoint written before the
+    ``dsa.*`` section kept those keys in ``model_config.dsa``); the defaults when it records neither."""
+    state_path = Path(checkpoint_dir) / STATE_FILE
+    try:
+        state = read_state(checkpoint_dir)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{state_path}: cannot be read ({err})") from None
+    if isinstance(state, dict) and isinstance(state.get("dsa_config"), dict):
+        return DSATrainingConfig.from_dict(state["dsa_config"], f"{state_path} dsa_config")
+    recorded = state.get("model_config") if isinstance(state, dict) else None
+    dsa = recorded.get("dsa") if isinstance(recorded, dict) else None
+    return DSATrainingConfig(**{key: dsa[key] for key in DSA_TRAINING_KEYS if isinstance(dsa, dict) and key in dsa})
 
 
 def checkpoint_tokenizer_names(checkpoint_dir: Path) -> Optional[List[str]]:

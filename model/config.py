@@ -9,7 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
-from mindmoe.model.dsa_config import DSAConfig, dsa_config, validate_dsa
+from mindmoe.model.dsa_config import DSA_TRAINING_KEYS, DSAConfig, dsa_config, validate_dsa
 from mindmoe.model.moe_config import MOE_KEYS
 from mindmoe.model.rope_scaling import RopeScalingConfig, rope_scaling_config, validate_rope_scaling
 
@@ -111,8 +111,8 @@ class ModelConfig:
     #: and MindIR export ignore it. HF checkpoints store depth k as ``model.layers.{num_layers + k}.*``.
     mtp_layers: int = 0
     #: DeepSeek Sparse Attention (GLM-5; model/dsa.py, keys in model/dsa_config.py): the lightning indexer of
-    #: every MLA layer (``index_n_heads``, ``index_head_dim``, ``index_topk``; 0 heads = none) and the training
-    #: stage (``stage`` dense_warmup | sparse | off, ``warmup_steps``, ``indexer_loss_coeff``).
+    #: every MLA layer (``index_n_heads``, ``index_head_dim``, ``index_topk``; 0 heads = none). How it trains is
+    #: the ``dsa.*`` section.
     dsa: DSAConfig = field(default_factory=DSAConfig)
 
     def __post_init__(self):
@@ -131,6 +131,8 @@ class ModelConfig:
         # state.json of a run from before the moe.* section recorded the MoE policy here
         # (:func:`model.checkpoint_files.checkpoint_moe_config` reads it from there).
         values = {key: value for key, value in values.items() if key not in MOE_KEYS}
+        if isinstance(values.get("dsa"), dict):  # and DSA's training keys (checkpoint_dsa_training reads them)
+            values["dsa"] = {key: value for key, value in values["dsa"].items() if key not in DSA_TRAINING_KEYS}
         unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
         if unknown:
             raise ValueError(f"{source}: unknown model keys {', '.join(unknown)} (written by another mindmoe version?)")

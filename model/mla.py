@@ -46,7 +46,9 @@ class MLAttention(AttentionHeads):
     every released DeepSeek-V2/V3 checkpoint). The softmax, masks and ``o_proj`` are :class:`AttentionHeads`',
     with as many key/value heads as query heads."""
 
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, lora: AdapterScope = NO_LORA):
+    def __init__(
+        self, cfg: ModelConfig, rng: np.random.Generator, lora: AdapterScope = NO_LORA, dsa_stage: str = "sparse"
+    ):
         super().__init__(cfg.num_heads, cfg.num_heads, mla_softmax_scale(cfg))
         hidden, heads, std = cfg.hidden_size, cfg.num_heads, cfg.initializer_range
         self.q_lora_rank = cfg.q_lora_rank
@@ -77,13 +79,13 @@ class MLAttention(AttentionHeads):
         if self.indexed:
             self.indexer = LightningIndexer(cfg, rng)
             # Training past attention.BLOCK_SIZE positions (model/kernels/cpu_dsa.py).
-            sparse = cfg.dsa.stage == "sparse"
+            sparse = dsa_stage == "sparse"
             self.indexed_blockwise = kernels.indexed_attention(
                 self.scale, self.indexer.score_scale, cfg.dsa.index_topk, attention.BLOCK_SIZE, sparse
             )
         self.index_topk = cfg.dsa.index_topk
-        self.dsa_stage = cfg.dsa.stage
-        self.dsa_active = cfg.dsa.active
+        self.dsa_stage = dsa_stage
+        self.dsa_active = self.indexed and dsa_stage != "off"
 
     def queries(self, x_BSH):
         """``[B, S, N * qk_head_dim]``, each head's no-RoPE channels first."""
@@ -184,7 +186,7 @@ def set_dsa_stage(model, stage: str) -> None:
     """Switch every DSA layer of ``model`` to ``stage`` (model/dsa_config.py); compiled functions built before must
     be built again (the stage is read when a graph is compiled)."""
     if stage not in DSA_STAGES:
-        raise ValueError(f"model.dsa.stage={stage!r}: must be one of {DSA_STAGES}")
+        raise ValueError(f"dsa.stage={stage!r}: must be one of {DSA_STAGES}")
     for _, cell in model.cells_and_names():
         if isinstance(cell, MLAttention) and cell.indexed:
             cell.dsa_stage = stage

@@ -52,8 +52,11 @@ def mtp_layer_class(decoder_layer_cls):
             expert_dispatcher=None,
             lora=NO_LORA,
             moe=None,
+            dsa_stage: str = "sparse",
         ):
-            super().__init__(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=lora, moe=moe)
+            super().__init__(
+                cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=lora, moe=moe, dsa_stage=dsa_stage
+            )
             hidden = cfg.hidden_size
             self.enorm = RMSNorm(hidden, cfg.rms_norm_eps)
             self.hnorm = RMSNorm(hidden, cfg.rms_norm_eps)

@@ -34,6 +34,7 @@ from mindspore import Parameter, lazy_inline, nn, ops
 
 from mindmoe.model.attention import Attention, document_causal_mask, training_attention_masks
 from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.dsa_config import DSATrainingConfig, dsa_training, validate_dsa_training
 from mindmoe.model.linear import normal_init
 from mindmoe.model.lora_layers import NO_LORA, AdapterScope
 from mindmoe.model.mla import MLAttention
@@ -78,12 +79,15 @@ class DecoderLayer(nn.Cell):
         expert_dispatcher=None,
         lora: AdapterScope = NO_LORA,
         moe: MoEConfig = None,
+        dsa_stage: str = "sparse",
     ):
         super().__init__()
         self.is_moe = layer_idx >= cfg.first_k_dense
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        attention_cls = MLAttention if cfg.attention_type == "mla" else Attention
-        self.self_attn = attention_cls(cfg, rng, lora.child("self_attn"))
+        if cfg.attention_type == "mla":
+            self.self_attn = MLAttention(cfg, rng, lora.child("self_attn"), dsa_stage)
+        else:
+            self.self_attn = Attention(cfg, rng, lora.child("self_attn"))
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if self.is_moe:
             self.mlp = MoELayer(cfg, rng, expert_dispatcher=expert_dispatcher, lora=lora.child("mlp"), moe=moe)
@@ -168,8 +172,11 @@ def reused_layer_class(layer_cls):
             expert_dispatcher=None,
             lora=NO_LORA,
             moe: MoEConfig = None,
+            dsa_stage: str = "sparse",
         ):
-            super().__init__(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=lora, moe=moe)
+            super().__init__(
+                cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=lora, moe=moe, dsa_stage=dsa_stage
+            )
 
     Reused.__name__ = Reused.__qualname__ = "Reused" + layer_cls.__name__
     return Reused
@@ -202,7 +209,7 @@ class MoETransformer(nn.Cell):
     (whose layers the router updates and the metrics index), so an MTP router's correction bias stays fixed.
     Without ``future_ids`` (evaluation, generation, export) the MTP layers do not run.
 
-    DeepSeek Sparse Attention (``model.dsa``, stage sparse or dense_warmup; model/dsa.py): every layer runs its
+    DeepSeek Sparse Attention (``model.dsa``, ``dsa.stage`` sparse or dense_warmup; model/dsa.py): every layer runs its
     indexer, and a last output holds the mean over the layers (and MTP depths) of the indexer's KL loss. Those
     layers take the whole document-causal mask (no causal chunks, no blockwise attention).
     """
@@ -215,13 +222,19 @@ class MoETransformer(nn.Cell):
         expert_dispatcher=None,
         lora=None,
         moe: MoEConfig = None,
+        dsa: DSATrainingConfig = None,
     ):
         super().__init__()
         validate_model_config(cfg)
         moe = moe_policy(moe).resolved(trained_weights=False)
         validate_moe_config(moe, cfg.expert_bias)
+        dsa = dsa_training(dsa)
+        validate_dsa_training(dsa)
         #: The MoE training policy the layers were built with (``moe.*``; ``auto`` resolved).
         self.moe_config = moe
+        #: How the DSA indexers train (``dsa.*``); the layers start in its stage (:func:`model.mla.set_dsa_stage`
+        #: switches them, as the end of the dense warm-up does).
+        self.dsa_training = dsa
         if cfg.vocab_size <= 0:
             raise ValueError("model.vocab_size must be set (the trainer takes it from the tokenizer)")
         self.config = cfg
@@ -237,7 +250,17 @@ class MoETransformer(nn.Cell):
             if cell_reuse:
                 layer_cls = reused_layer_class(layer_cls)
             layer_lora = adapters.child(f"layers.{layer_idx}")
-            layers.append(layer_cls(cfg, layer_idx, rng, expert_dispatcher=expert_dispatcher, lora=layer_lora, moe=moe))
+            layers.append(
+                layer_cls(
+                    cfg,
+                    layer_idx,
+                    rng,
+                    expert_dispatcher=expert_dispatcher,
+                    lora=layer_lora,
+                    moe=moe,
+                    dsa_stage=dsa.stage,
+                )
+            )
         self.layers = nn.CellList(layers)
         self.num_dense = cfg.first_k_dense
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -260,6 +283,7 @@ class MoETransformer(nn.Cell):
                         expert_dispatcher,
                         adapters.child(f"mtp_layers.{depth}"),
                         moe=moe,
+                        dsa_stage=dsa.stage,
                     )
                     for depth in range(cfg.mtp_layers)
                 ]

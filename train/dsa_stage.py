@@ -1,6 +1,6 @@
-"""DeepSeek Sparse Attention's training stages in a run (``model.dsa``; model/dsa_config.py).
+"""DeepSeek Sparse Attention's training stages in a run (``dsa.*``; model/dsa_config.py).
 
-A run configured with ``model.dsa.stage=dense_warmup`` trains only the indexers for ``model.dsa.warmup_steps``
+A run configured with ``dsa.stage=dense_warmup`` trains only the indexers for ``dsa.warmup_steps``
 optimizer steps (every other parameter frozen: not in the optimizer, no gradient, no router bias update), then
 continues in ``sparse`` with every parameter. The switch happens right after step ``warmup_steps``, before that
 step's checkpoint is written, so a checkpoint's optimizer state always belongs to the stage a resumed run is in:
@@ -22,30 +22,31 @@ log = logging.getLogger("mindmoe.train")
 INDEXER_PARAMETER = ".self_attn.indexer."
 
 
-def stage_at(model_cfg, step: int):
-    """The DSA stage of a run whose last completed step is ``step``; None without an indexer."""
-    dsa = model_cfg.dsa
-    if not dsa.enabled:
+def stage_at(model, step: int):
+    """The DSA stage of a run of ``model`` (its ``dsa_training``) whose last completed step is ``step``; None without
+    an indexer."""
+    dsa = model.dsa_training
+    if not model.config.dsa.enabled:
         return None
     if dsa.stage == "dense_warmup" and step >= dsa.warmup_steps:
         return "sparse"
     return dsa.stage
 
 
-def switches_after(model_cfg, step: int) -> bool:
+def switches_after(model, step: int) -> bool:
     """Whether the warm-up ends with ``step`` (the run continues sparse from the next one)."""
-    dsa = model_cfg.dsa
-    return dsa.enabled and dsa.stage == "dense_warmup" and step == dsa.warmup_steps
+    dsa = model.dsa_training
+    return model.config.dsa.enabled and dsa.stage == "dense_warmup" and step == dsa.warmup_steps
 
 
-def enter_stage(model, model_cfg, stage) -> None:
+def enter_stage(model, stage) -> None:
     """Set ``stage`` on every DSA layer of ``model`` and, in a run configured with a warm-up, freeze (warm-up) or
     unfreeze what it trains; the compiled step must be built after this. (A LoRA run, which has its own frozen
     base, cannot be configured with a warm-up: conf/checks.py.)"""
     if stage is None:
         return
     set_dsa_stage(model, stage)
-    if model_cfg.dsa.stage != "dense_warmup":
+    if model.dsa_training.stage != "dense_warmup":
         return
     warmup = stage == "dense_warmup"
     for param in model.get_parameters():

@@ -37,8 +37,9 @@ from omegaconf import OmegaConf
 
 from mindmoe.data.mindrecord import EvalLoader
 from mindmoe.data.prepare import prepare_data
-from mindmoe.model.checkpoint_files import checkpoint_moe_config
+from mindmoe.model.checkpoint_files import checkpoint_dsa_training, checkpoint_moe_config
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.kernels.host_runtime import configure_host_runtime
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.rope_scaling import RopeScalingConfig
@@ -200,6 +201,7 @@ def evaluate_checkpoint(cfg) -> dict:
     configure_host_runtime()
     # The policy the checkpoint trained with (its expert locking), with the dispatch eval.dispatch names.
     moe = dataclasses.replace(checkpoint_moe_config(checkpoint_dir), dispatch=eval_cfg.dispatch)
+    dsa = checkpoint_dsa_training(checkpoint_dir)
     columns, rows = [], []
     for length in eval_cfg.context_lengths:
         batches, prepared, windows = length_windows(cfg, tokenizer_path, length, eval_cfg)
@@ -221,7 +223,9 @@ def evaluate_checkpoint(cfg) -> dict:
         for scaling_type in eval_cfg.scaling_types:
             scaled = scaled_model_config(model_cfg, scaling_type, factor, trained_length, length)
             rows.append(
-                evaluate_cell(scaled, length, checkpoint_dir, batches, trained_length, eval_cfg.cross_document, moe)
+                evaluate_cell(
+                    scaled, length, checkpoint_dir, batches, trained_length, eval_cfg.cross_document, moe, dsa
+                )
             )
     return {
         "checkpoint": str(checkpoint_dir),
@@ -244,11 +248,12 @@ def evaluate_cell(
     trained_length: int,
     cross_document: bool,
     moe: MoEConfig = None,
+    dsa: DSATrainingConfig = None,
 ) -> dict:
     """One table cell: the checkpoint's weights under the RoPE scaling of ``scaled``, on ``batches`` of
     windows of ``length`` tokens."""
     started = time.perf_counter()
-    model = MoETransformer(scaled, seed=0, moe=moe)
+    model = MoETransformer(scaled, seed=0, moe=moe, dsa=dsa)
     load_model_weights(list(model.get_parameters()), checkpoint_dir)
     cell = evaluate_model(model, batches, trained_length, cross_document)
     del model

@@ -24,12 +24,13 @@ import mindspore as ms
 from omegaconf import OmegaConf
 
 from mindmoe.conf.explicit_keys import explicit_keys
-from mindmoe.conf.moe_policy import run_moe_config
+from mindmoe.conf.policy import run_dsa_training, run_moe_config
 from mindmoe.data.prepare import file_sha256
 from mindmoe.data.tokenizer_files import copy_tokenizer, open_tokenizer, special_token_ids
-from mindmoe.model.checkpoint_files import checkpoint_moe_config
+from mindmoe.model.checkpoint_files import checkpoint_dsa_training, checkpoint_moe_config
 from mindmoe.model.checkpoint_shards import model_files
 from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.export.runner import MANIFEST_FILE
 from mindmoe.model.hf import (
     HFCheckpointError,
@@ -73,6 +74,8 @@ class ExportSource:
     #: The MoE policy the model was trained with (a checkpoint's ``state.json``; the run's ``moe.*`` for a HF
     #: directory), explicit ``moe.*`` keys on top; serving replays its expert locking, always dropless.
     moe_config: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+    #: How its DSA indexers trained (recorded, or the run's ``dsa.*``); a dense warm-up is served sparse.
+    dsa_training: DSATrainingConfig = dataclasses.field(default_factory=DSATrainingConfig)
 
 
 def command_line_model_overrides(cfg, override_args, runtime=None) -> dict:
@@ -114,6 +117,7 @@ def resolve_source(cfg, model_overrides: dict, moe_overrides: Optional[dict] = N
             {path.name: file_sha256(path) for path in files},
             notes=list(imported.notes),
             moe_config=run_moe_config(cfg),
+            dsa_training=run_dsa_training(cfg),
         )
     try:
         checkpoint_dir = resolve_checkpoint(checkpoint)
@@ -151,6 +155,7 @@ def resolve_source(cfg, model_overrides: dict, moe_overrides: Optional[dict] = N
         {name: state["files"][name] for name in sorted(model_files(checkpoint_dir))},
         step=state.get("step"),
         moe_config=dataclasses.replace(checkpoint_moe_config(checkpoint_dir), **(moe_overrides or {})),
+        dsa_training=checkpoint_dsa_training(checkpoint_dir),
     )
 
 
@@ -210,35 +215,37 @@ def _adapter_of(cfg, source: "ExportSource"):
 
 def build_serving_model(source: ExportSource, model_overrides: dict):
     """The training model with the source's weights and dropless MoE dispatch (see model/export/serving.py);
-    DeepSeek Sparse Attention in stage sparse unless ``model.dsa.stage`` is off (:func:`serve_dsa_sparse`)."""
+    DeepSeek Sparse Attention in stage sparse unless ``dsa.stage`` is off (:func:`serve_dsa_sparse`)."""
     moe = dataclasses.replace(source.moe_config, dispatch="dropless")
     if source.kind == "pretrained":
         from mindmoe.model.hf import load_hf_pretrained
 
-        _, model, notes = load_hf_pretrained(source.path, model_overrides, moe=moe)
+        _, model, notes = load_hf_pretrained(source.path, model_overrides, moe=moe, dsa=source.dsa_training)
         source.notes += [note for note in notes if note not in source.notes]
         return serve_dsa_sparse(model, source.notes)
     from mindmoe.model.transformer import MoETransformer
     from mindmoe.train.checkpoint import load_model_weights
 
     validate_model_config(source.model_config)
-    model = MoETransformer(source.model_config, moe=moe)
+    model = MoETransformer(source.model_config, moe=moe, dsa=source.dsa_training)
     load_model_weights(list(model.get_parameters()), source.path)
     return serve_dsa_sparse(model, source.notes)
 
 
 def serve_dsa_sparse(model, notes: list):
-    """Switch a DSA model (``model.dsa.index_n_heads`` > 0) in stage dense_warmup to sparse, layers and config: an
-    export serves the attention the model is trained towards (model/dsa_config.py); stage off stays dense."""
-    dsa = model.config.dsa
-    if not dsa.enabled or dsa.stage in ("sparse", "off"):
+    """Switch a DSA model (``model.dsa.index_n_heads`` > 0) in stage dense_warmup to sparse, layers and
+    ``dsa_training``: an export serves the attention the model is trained towards (model/dsa_config.py); stage off
+    stays dense."""
+    dsa = model.dsa_training
+    if not model.config.dsa.enabled or dsa.stage in ("sparse", "off"):
         return model
     from mindmoe.model.mla import set_dsa_stage
 
     set_dsa_stage(model, "sparse")
-    model.config = dataclasses.replace(model.config, dsa=dataclasses.replace(dsa, stage="sparse", warmup_steps=0))
+    model.dsa_training = dataclasses.replace(dsa, stage="sparse", warmup_steps=0)
     notes.append(
-        f"model.dsa.stage={dsa.stage!r} exported as 'sparse': every query attends to its index_topk={dsa.index_topk} "
+        f"dsa.stage={dsa.stage!r} exported as 'sparse': every query attends to its "
+        f"index_topk={model.config.dsa.index_topk} "
         "best keys, as training does after the warm-up"
     )
     return model
@@ -270,8 +277,14 @@ def _version(package: str) -> str:
 
 
 def build_manifest(
-    source: ExportSource, model_config: ModelConfig, export_cfg: ExportConfig, graphs: dict, tokenizer_files: list
+    source: ExportSource,
+    model_config: ModelConfig,
+    export_cfg: ExportConfig,
+    graphs: dict,
+    tokenizer_files: list,
+    dsa_stage: str = "sparse",
 ) -> dict:
+    """The manifest of a MindIR export; ``dsa_stage``: the stage its DSA layers serve (the cache layout follows)."""
     from mindmoe.model.export.mindir import cache_layout
 
     return {
@@ -283,7 +296,7 @@ def build_manifest(
         "dtype": export_cfg.dtype,
         "dispatch": "dropless",
         "graphs": graphs,
-        "cache": cache_layout(model_config, export_cfg.dtype),
+        "cache": cache_layout(model_config, export_cfg.dtype, dsa_stage),
         "tokenizer_files": tokenizer_files,
         "model_config": dataclasses.asdict(model_config),
         "moe_config": dataclasses.asdict(dataclasses.replace(source.moe_config, dispatch="dropless")),
@@ -356,6 +369,7 @@ def write_mindir_export(
     """``export.format=mindir`` into the (empty) directory ``out``: graphs, tokenizer, manifest, converter
     files; returns the notes."""
     from mindmoe.model.export.mindir import export_mindir
+    from mindmoe.model.export.mla_serving import serving_dsa_stage
     from mindmoe.train.export_convert import write_conversion_files
 
     ms.set_context(mode=ms.GRAPH_MODE)
@@ -364,7 +378,7 @@ def write_mindir_export(
     model = merge_adapters(model, adapter, adapter_names_type(model.config, model_type))
     graphs = export_mindir(model, out, export_cfg.dtype)
     tokenizer_files = copy_tokenizer(source.tokenizer, out)
-    manifest = build_manifest(source, model.config, export_cfg, graphs, tokenizer_files)
+    manifest = build_manifest(source, model.config, export_cfg, graphs, tokenizer_files, serving_dsa_stage(model))
     (out / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     write_conversion_files(out, manifest, export_cfg)
     return source.notes

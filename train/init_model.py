@@ -21,7 +21,7 @@ from omegaconf import OmegaConf
 
 from mindmoe.conf.explicit_keys import explicit_keys, model_fields
 from mindmoe.conf.key_effects import warn_keys_without_effect as warn_no_effect
-from mindmoe.conf.moe_policy import run_moe_config
+from mindmoe.conf.policy import run_dsa_training, run_moe_config
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.train.lora_setup import check_base_vocab, checkpoint_base_config, load_checkpoint_base, run_lora_config
 
@@ -97,6 +97,7 @@ def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = Tru
         expert_dispatcher=expert_dispatcher,
         lora=adapters,
         moe=run_moe_config(cfg),
+        dsa=run_dsa_training(cfg),
     )
 
 
@@ -117,6 +118,7 @@ def _checkpoint_base(cfg, vocab_size: int, lora_cfg, expert_dispatcher):
             expert_dispatcher=expert_dispatcher,
             lora=adapters,
             moe=run_moe_config(cfg),
+            dsa=run_dsa_training(cfg),
         )
     load_checkpoint_base(model, directory, path)
     finish_deferred(model)
@@ -139,6 +141,7 @@ def _pretrained(cfg, vocab_size: int, overrides: dict, load_weights: bool, lora_
             lora_seed=cfg.train.seed,
             expert_dispatcher=expert_dispatcher,
             moe=run_moe_config(cfg),
+            dsa=run_dsa_training(cfg),
         )
     else:
         imported = read_pretrained_config(path, overrides, max_seq_len=seq_len)
@@ -150,6 +153,7 @@ def _pretrained(cfg, vocab_size: int, overrides: dict, load_weights: bool, lora_
             expert_dispatcher=expert_dispatcher,
             lora=adapters,
             moe=run_moe_config(cfg),
+            dsa=run_dsa_training(cfg),
         )
     for note in notes:
         log.info("model.pretrained: %s", note)

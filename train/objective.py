@@ -19,7 +19,7 @@ class Objective:
     #: MTP depths U (0: none) and ``train.mtp_loss_coeff``.
     mtp_depths: int = 0
     mtp_loss_coeff: float = 0.0
-    #: The model returns the DSA indexer's loss (model/dsa.py), weighted by ``model.dsa.indexer_loss_coeff``.
+    #: The model returns the DSA indexer's loss (model/dsa.py), weighted by ``dsa.indexer_loss_coeff``.
     dsa: bool = False
     indexer_loss_coeff: float = 0.0
 
@@ -27,7 +27,8 @@ class Objective:
     def of(cls, model, mtp_loss_coeff: float) -> "Objective":
         cfg = model.config
         dsa = bool(model.layers[0].self_attn.dsa_active)
-        return cls(cfg.mtp_layers, float(mtp_loss_coeff), dsa, float(cfg.dsa.indexer_loss_coeff) if dsa else 0.0)
+        coeff = float(model.dsa_training.indexer_loss_coeff) if dsa else 0.0
+        return cls(cfg.mtp_layers, float(mtp_loss_coeff), dsa, coeff)
 
 
 def step_objective(model, token_nll, objective: Objective, window, mtp_inputs):

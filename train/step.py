@@ -18,7 +18,7 @@ where ``CE_k`` is depth k's cross-entropy of predicting ``t_{i+k+1}`` normalised
 over the global batch's labels that depth scores (:func:`model.mtp.mtp_loss_mask`: same document, SFT
 assistant tokens, inside the window), through a per-depth token weight. With DeepSeek Sparse Attention
 (``model.dsa``, model/dsa.py) the indexer's KL loss, a mean over its layers and queries, enters times
-``model.dsa.indexer_loss_coeff`` and is logged unweighted as ``indexer_loss``.
+``dsa.indexer_loss_coeff`` and is logged unweighted as ``indexer_loss``.
 
 Everything numeric runs inside ``ms.jit`` functions (GRAPH_MODE). Functions are jitted,
 not the cells: ``ms.jit(cell)`` would freeze the parameter values it captured.

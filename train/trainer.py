@@ -70,8 +70,8 @@ class Trainer:
         ms.set_context(mode=ms.GRAPH_MODE)
         self.host_runtime = configure_host_runtime()
         self.model_cfg, self.model = self._build_model(explicit_model_keys)
-        self.dsa_stage = stage_at(self.model_cfg, 0 if self.resume_state is None else self.resume_state["step"])
-        enter_stage(self.model, self.model_cfg, self.dsa_stage)
+        self.dsa_stage = stage_at(self.model, 0 if self.resume_state is None else self.resume_state["step"])
+        enter_stage(self.model, self.dsa_stage)
         self.compiled_step = self._compile_step()
         self.moe_layer_ids = [idx for idx, layer in enumerate(self.model.layers) if layer.is_moe]
         self.start_step = self._resume()
@@ -229,7 +229,7 @@ class Trainer:
         with StopRequest() as stop:
             for step in range(self.start_step + 1, train.max_steps + 1):
                 self.train_step(step)
-                if switches_after(self.model_cfg, step):
+                if switches_after(self.model, step):
                     self._end_dsa_warmup(step)
                 if step % train.log_every == 0 or step == train.max_steps:
                     row = self.log(step)
@@ -256,8 +256,8 @@ class Trainer:
 
     def _end_dsa_warmup(self, step: int) -> None:
         """After the last warm-up step: every parameter trains, with sparse attention (train/dsa_stage.py)."""
-        self.dsa_stage = stage_at(self.model_cfg, step)
-        enter_stage(self.model, self.model_cfg, self.dsa_stage)
+        self.dsa_stage = stage_at(self.model, step)
+        enter_stage(self.model, self.dsa_stage)
         self.compiled_step = self._compile_step()
         continue_schedule(self.compiled_step.optimizer, step)
         log.info("DSA: dense warm-up done after step %d; training sparse, every parameter", step)
@@ -316,6 +316,7 @@ class Trainer:
             "tokens_seen": step * self.tokens_per_step,
             "model_config": dataclasses.asdict(self.model_cfg),
             "moe_config": dataclasses.asdict(self.model.moe_config),
+            "dsa_config": dataclasses.asdict(self.model.dsa_training),
             **self.run_state,
             **dropout_checkpoint_state(self.model),
         }

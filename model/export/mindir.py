@@ -15,7 +15,7 @@ import mindspore as ms
 from mindspore import Tensor
 
 from mindmoe.model.export.lock_state import lock_state_width
-from mindmoe.model.export.mla_serving import caches_indexer_keys, mla_cache_row, mla_cache_width
+from mindmoe.model.export.mla_serving import caches_indexer_keys, mla_cache_row, mla_cache_width, serving_dsa_stage
 from mindmoe.model.export.serving import PrefillGraph, cache_length_axis, carries_lock_state, decode_graph
 
 EXPORT_DTYPES = {"fp32": ms.float32, "fp16": ms.float16, "bf16": ms.bfloat16}
@@ -38,14 +38,14 @@ def cast_parameters(model, dtype: str) -> None:
             param.set_dtype(target)
 
 
-def cache_layout(cfg, dtype: str = "fp32") -> dict:
+def cache_layout(cfg, dtype: str = "fp32", dsa_stage: str = "sparse") -> dict:
     """What ``kv_cache`` holds, for the manifest: its kind, axes (``shape``, decode's capacity axis named
     ``cache_len``), the axis that counts positions, and the values cached per token (per layer and in all);
     MLA also lists the parts of a row (``row``: name, first value, values, what)."""
     layers = cfg.num_layers
     if cfg.attention_type == "mla":
-        per_layer = mla_cache_width(cfg)
-        layout = mla_layout(cfg)
+        per_layer = mla_cache_width(cfg, dsa_stage)
+        layout = mla_layout(cfg, dsa_stage)
     else:
         kv_heads, head_dim = cfg.num_kv_heads, cfg.resolved_head_dim
         per_layer = 2 * kv_heads * head_dim
@@ -63,11 +63,11 @@ def cache_layout(cfg, dtype: str = "fp32") -> dict:
     )
 
 
-def mla_layout(cfg) -> dict:
+def mla_layout(cfg, dsa_stage: str = "sparse") -> dict:
     """The MLA part of :func:`cache_layout`: ``row`` lists each part of a layer's row (name, index of its first
     value, number of values, what it is), and the description states the same in words."""
     row, start = [], 0
-    for name, values, what in mla_cache_row(cfg):
+    for name, values, what in mla_cache_row(cfg, dsa_stage):
         row.append({"name": name, "start": start, "values": values, "description": what})
         start += values
     parts = ", then ".join(
@@ -78,7 +78,7 @@ def mla_layout(cfg) -> dict:
         f"per layer and token, shared by all heads: {parts}; decode absorbs kv_b_proj into the query and output"
     )
     kind = "mla_latent"
-    if caches_indexer_keys(cfg):
+    if caches_indexer_keys(cfg, dsa_stage):
         kind = "mla_latent_dsa"
         description += (
             f"; each decode step attends to the min(index_topk={cfg.dsa.index_topk}, position + 1) slots whose "
@@ -87,10 +87,10 @@ def mla_layout(cfg) -> dict:
     return {"kind": kind, "shape": [cfg.num_layers, BATCH, CAPACITY, start], "description": description, "row": row}
 
 
-def graph_signatures(cfg, dtype: str, lock_state: bool = False) -> dict:
+def graph_signatures(cfg, dtype: str, lock_state: bool = False, dsa_stage: str = "sparse") -> dict:
     """Inputs and outputs of both graphs, in call order, for the manifest; ``lock_state``: the decode graph
     carries the expert-lock state (:func:`model.export.serving.carries_lock_state`)."""
-    layout = cache_layout(cfg, dtype)
+    layout = cache_layout(cfg, dtype, dsa_stage)
 
     def cache(length: str) -> dict:
         shape = list(layout["shape"])
@@ -167,7 +167,7 @@ def export_mindir(model, out_dir, dtype: str = "fp32") -> dict:
         )
     out.mkdir(parents=True, exist_ok=True)
     cast_parameters(model, dtype)
-    signatures = graph_signatures(model.config, dtype, carries_lock_state(model))
+    signatures = graph_signatures(model.config, dtype, carries_lock_state(model), serving_dsa_stage(model))
     dtype_map = {"int32": ms.int32, "float32": ms.float32, DTYPE_NAMES[dtype]: EXPORT_DTYPES[dtype]}
     cells = {"prefill": PrefillGraph(model), "decode": decode_graph(model)}
     graphs = {}

@@ -37,7 +37,7 @@ query against every cached indexer key (its own written first) with the training
 :func:`model.dsa.select_top_k` (slots past ``position`` are masked before ranking, as training masks later keys)
 and adds that selection to the visible mask of the absorbed attention. Stages ``off`` and ``dense_warmup`` attend
 densely, as the model does in them, and cache no indexer key (the export command serves DSA models ``sparse``
-unless ``model.dsa.stage=off``: :func:`train.export.build_serving_model`).
+unless ``dsa.stage=off``: :func:`train.export.build_serving_model`).
 """
 
 import mindspore as ms
@@ -49,18 +49,18 @@ from mindmoe.model.dsa import select_top_k
 CACHE_LENGTH_AXIS = 2
 
 
-def caches_indexer_keys(cfg) -> bool:
+def caches_indexer_keys(cfg, dsa_stage: str = "sparse") -> bool:
     """Whether the serving graphs select keys with DSA's indexer (stage ``sparse``) and so cache its keys."""
-    return cfg.dsa.enabled and cfg.dsa.stage == "sparse"
+    return cfg.dsa.enabled and dsa_stage == "sparse"
 
 
-def mla_cache_row(cfg) -> list:
+def mla_cache_row(cfg, dsa_stage: str = "sparse") -> list:
     """``(name, values, what)`` of each part of one layer's cache row, in order."""
     row = [
         ("c_kv", cfg.kv_lora_rank, "kv_lora_rank values: the key/value latent after kv_a_layernorm"),
         ("k_rope", cfg.qk_rope_head_dim, "qk_rope_head_dim values: the key shared by all heads, after RoPE"),
     ]
-    if caches_indexer_keys(cfg):
+    if caches_indexer_keys(cfg, dsa_stage):
         row.append(
             (
                 "index_k",
@@ -71,22 +71,24 @@ def mla_cache_row(cfg) -> list:
     return row
 
 
-def mla_cache_width(cfg) -> int:
+def mla_cache_width(cfg, dsa_stage: str = "sparse") -> int:
     """Values one layer caches per token: the latent and the shared RoPE key (not per head), and with DSA's
     selection the indexer's key."""
-    return sum(values for _, values, _ in mla_cache_row(cfg))
+    return sum(values for _, values, _ in mla_cache_row(cfg, dsa_stage))
 
 
-def check_dsa_stage(model) -> None:
-    """Raise ValueError unless every layer runs the DSA stage of ``model.config`` (the graphs follow the layers, the
-    cache layout and manifest the config)."""
-    stage = model.config.dsa.stage
-    layers = [layer.self_attn.dsa_stage for layer in model.layers if getattr(layer.self_attn, "indexed", False)]
-    if any(layer_stage != stage for layer_stage in layers):
+def serving_dsa_stage(model) -> str:
+    """The DSA stage every indexed layer of ``model`` runs (``sparse`` without an indexer), which the serving graphs,
+    the cache layout and the manifest follow; ValueError for mixed stages or the training-only dense warm-up."""
+    stages = {layer.self_attn.dsa_stage for layer in model.layers if getattr(layer.self_attn, "indexed", False)}
+    if not stages:
+        return "sparse"
+    if len(stages) > 1 or stages & {"dense_warmup"}:
         raise ValueError(
-            f"model.dsa.stage={stage!r} but the layers run {sorted(set(layers))}: switch both (set_dsa_stage and "
-            "model.config.dsa) before building serving graphs"
+            f"the DSA layers run {sorted(stages)}: serving graphs need one stage, sparse or off "
+            "(model.mla.set_dsa_stage switches them; train.export.serve_dsa_sparse does it for an export)"
         )
+    return stages.pop()
 
 
 def absorbed_attention(q_BND, c_kv_BPR, k_rope_BPY, kv_b_weight, visible_B1P, nope: int, scale: float):
@@ -118,12 +120,12 @@ class MLALatentCacheAttention(nn.Cell):
 
     cache_length_axis = CACHE_LENGTH_AXIS
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, dsa_stage: str = "sparse"):
         super().__init__()
         self.nope = cfg.qk_nope_head_dim
         self.rope = cfg.qk_rope_head_dim
         self.rank = cfg.kv_lora_rank
-        self.indexed = caches_indexer_keys(cfg)
+        self.indexed = caches_indexer_keys(cfg, dsa_stage)
 
     def prefill(self, layer, x_BSH, cos, sin, mask_BNSP):
         """``(x after the attention half [B, S, H], this layer's cache [B, S, RY] or, with DSA, [B, S, RYK])``."""

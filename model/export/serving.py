@@ -37,7 +37,7 @@ from mindspore import nn, ops
 from mindmoe.model import kernels
 from mindmoe.model.attention import MASK_VALUE, document_causal_mask
 from mindmoe.model.export.lock_state import decode_lock_step, prefill_lock_state
-from mindmoe.model.export.mla_serving import MLALatentCacheAttention, check_dsa_stage
+from mindmoe.model.export.mla_serving import MLALatentCacheAttention, serving_dsa_stage
 from mindmoe.model.moe.token_dispatcher import DroplessDispatcher
 
 
@@ -47,9 +47,10 @@ def carries_lock_state(model) -> bool:
     return model.moe_config.expert_lock and model.config.num_moe_layers > 0
 
 
-def cache_attention(cfg) -> nn.Cell:
-    """The attention half the serving graphs run for ``cfg``, which decides what the cache holds."""
-    return MLALatentCacheAttention(cfg) if cfg.attention_type == "mla" else GQACacheAttention()
+def cache_attention(cfg, dsa_stage: str = "sparse") -> nn.Cell:
+    """The attention half the serving graphs run for ``cfg`` (DSA layers in ``dsa_stage``), which decides what the
+    cache holds."""
+    return MLALatentCacheAttention(cfg, dsa_stage) if cfg.attention_type == "mla" else GQACacheAttention()
 
 
 def cache_length_axis(cfg) -> int:
@@ -88,9 +89,9 @@ class _ServingGraph(nn.Cell):
     def __init__(self, model):
         super().__init__()
         cfg = model.config
-        check_dsa_stage(model)
+        dsa_stage = serving_dsa_stage(model)
         self.model = model
-        self.attention = cache_attention(cfg)
+        self.attention = cache_attention(cfg, dsa_stage)
         self.cache_axis = cache_length_axis(cfg)
         self.num_dense = cfg.first_k_dense
         self.top_k = cfg.top_k

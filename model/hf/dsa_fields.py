@@ -1,6 +1,6 @@
 """HF ``glm_moe_dsa`` (GLM-5; transformers >= 5.2, reference 5.23 ``GlmMoeDsaConfig``) ``config.json`` -> mindmoe:
 deepseek_v3's MLA and MoE (:func:`model.hf.arch_fields.deepseek_v3_fields`) plus DeepSeek Sparse Attention's
-lightning indexer in every layer (``model.dsa``, :mod:`model.dsa_config`), imported with stage ``sparse``.
+lightning indexer in every layer (``model.dsa``, :mod:`model.dsa_config`); how it trains is the run's ``dsa.*``.
 
 What transformers 5.23 runs for such a config, and so what the import reproduces:
 
@@ -23,11 +23,9 @@ from collections.abc import Mapping
 from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 
-from mindmoe.model.dsa_config import DSAConfig
+from mindmoe.model.dsa_config import DSA_TRAINING_KEYS, DSAConfig
 from mindmoe.model.hf.arch_fields import _leading_dense_layers, deepseek_v3_fields
 
-#: ``model.dsa`` keys an import may change (how the indexer is trained); the others describe the pretrained model.
-DSA_TRAINING_KEYS = ("stage", "warmup_steps", "indexer_loss_coeff")
 #: Keys of some glm_moe_dsa ``config.json`` files that transformers' GlmMoeDsa never reads, with the value that
 #: describes what it runs anyway.
 UNREAD_KEYS = {"rope_interleave": True, "indexer_rope_interleave": True, "moe_layer_freq": 1}
@@ -119,28 +117,26 @@ def _indexer(reader, rope_dim) -> DSAConfig:
         reader.reject("index_head_dim", f"must be even and at least qk_rope_head_dim={rope_dim} (rotated channels)")
     if topk is not None and topk < 1:
         reader.reject("index_topk", "must be >= 1 (keys each query keeps)")
-    return DSAConfig(index_n_heads=heads or 0, index_head_dim=width or 0, index_topk=topk or 0, stage="sparse")
+    return DSAConfig(index_n_heads=heads or 0, index_head_dim=width or 0, index_topk=topk or 0)
 
 
 def dsa_override(imported: DSAConfig, value, source: str, model_type: str) -> tuple:
-    """``(DSAConfig, problems)``: a ``model.dsa`` override on top of an import. The training keys
-    (:data:`DSA_TRAINING_KEYS`) replace the imported ones; the indexer's keys must agree with ``config.json``.
-    A mapping sets the keys it holds; a whole :class:`DSAConfig` (a run's ``model.dsa``) sets those that differ
-    from its defaults."""
+    """``(DSAConfig, problems)``: a ``model.dsa`` override on top of an import: the indexer's keys must agree with
+    ``config.json`` (how it trains is ``dsa.*``). A mapping sets the keys it holds; a whole :class:`DSAConfig` (a
+    run's ``model.dsa``) sets those that differ from its defaults."""
     known = [f.name for f in dataclass_fields(DSAConfig)]
     if isinstance(value, DSAConfig):
         given = {key: getattr(value, key) for key in known if getattr(value, key) != getattr(DSAConfig(), key)}
-        given.update({key: getattr(value, key) for key in DSA_TRAINING_KEYS})
     elif isinstance(value, Mapping):
         given = dict(value)
     else:
         return imported, [f"model.dsa={value!r}: must be a mapping of {known}"]
     changes, problems = {}, []
     for key, setting in given.items():
-        if key not in known:
+        if key in DSA_TRAINING_KEYS:
+            problems.append(f"model.dsa.{key} is now dsa.{key}: how the indexer trains is the dsa.* section")
+        elif key not in known:
             problems.append(f"model.dsa.{key}: unknown key; known keys are {sorted(known)}")
-        elif key in DSA_TRAINING_KEYS:
-            changes[key] = setting
         elif setting != getattr(imported, key):
             problems.append(
                 f"model.dsa.{key}={setting!r} conflicts with {source} ({model_type}), which gives "

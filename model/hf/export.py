@@ -16,7 +16,12 @@ from typing import Optional
 
 import numpy as np
 
-from mindmoe.model.checkpoint_files import MODEL_FILE, checkpoint_model_config, checkpoint_moe_config
+from mindmoe.model.checkpoint_files import (
+    MODEL_FILE,
+    checkpoint_dsa_training,
+    checkpoint_model_config,
+    checkpoint_moe_config,
+)
 from mindmoe.model.checkpoint_shards import read_tensors
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.config_map import ARCHITECTURES, MLA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, HFCheckpointError
@@ -52,8 +57,9 @@ def export_hf(
         raise ValueError("export_hf: out_dir is required")
     cfg, tensors = _source(source, model_config)
     if moe is None:
-        moe = source.moe_config if hasattr(source, "moe_config") else _checkpoint_policy(source)
-    model_type, hf_config, notes = hf_config_from_model(cfg, model_type, moe)
+        moe = source.moe_config if hasattr(source, "moe_config") else _checkpoint_policy(source)[0]
+    stage = source.dsa_training.stage if hasattr(source, "dsa_training") else _checkpoint_policy(source)[1]
+    model_type, hf_config, notes = hf_config_from_model(cfg, model_type, moe, stage)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     stale = sorted(
@@ -116,9 +122,12 @@ def hf_named_tensors(cfg: ModelConfig, model_type: str, named_arrays):
             yield f"model.layers.{cfg.num_layers + depth}.{suffix}", copy
 
 
-def hf_config_from_model(cfg: ModelConfig, model_type: str = "", moe: MoEConfig = None) -> tuple:
+def hf_config_from_model(
+    cfg: ModelConfig, model_type: str = "", moe: MoEConfig = None, dsa_stage: str = "sparse"
+) -> tuple:
     """``(model_type, config.json dict, notes)`` for the first architecture that reproduces ``cfg``
-    (``model_type`` forces one); the notes say where HF differs from a model trained with policy ``moe``.
+    (``model_type`` forces one); the notes say where HF differs from a model trained with policy ``moe`` whose
+    DSA layers run ``dsa_stage``.
     Raises :class:`HFCheckpointError` with every architecture's reasons."""
     candidates = [model_type] if model_type else list(SUPPORTED_MODEL_TYPES)
     reasons = {}
@@ -127,7 +136,7 @@ def hf_config_from_model(cfg: ModelConfig, model_type: str = "", moe: MoEConfig 
             raise HFCheckpointError(f"export model_type={candidate!r}: must be one of {SUPPORTED_MODEL_TYPES}")
         problems = _export_problems(cfg, candidate)
         if not problems:
-            return candidate, _export_dict(cfg, candidate), _export_notes(cfg, candidate, moe_policy(moe))
+            return candidate, _export_dict(cfg, candidate), _export_notes(cfg, candidate, moe_policy(moe), dsa_stage)
         reasons[candidate] = problems
     lines = [f"  {name}: " + "; ".join(problems) for name, problems in reasons.items()]
     raise HFCheckpointError(
@@ -185,11 +194,11 @@ def _export_problems(cfg: ModelConfig, model_type: str) -> list:
     return problems
 
 
-def _export_notes(cfg: ModelConfig, model_type: str, moe: MoEConfig) -> list:
+def _export_notes(cfg: ModelConfig, model_type: str, moe: MoEConfig, dsa_stage: str) -> list:
     notes = []
-    if model_type == "glm_moe_dsa" and cfg.dsa.stage != "sparse":
+    if model_type == "glm_moe_dsa" and dsa_stage != "sparse":
         notes.append(
-            f"model.dsa.stage={cfg.dsa.stage!r}: transformers' glm_moe_dsa always keeps each query's index_topk="
+            f"dsa.stage={dsa_stage!r}: transformers' glm_moe_dsa always keeps each query's index_topk="
             f"{cfg.dsa.index_topk} best keys (stage sparse), so logits of longer sequences differ"
         )
     if moe.expert_lock:
@@ -332,12 +341,14 @@ def _glm_moe_dsa_keys(out: dict, cfg: ModelConfig) -> None:
     )
 
 
-def _checkpoint_policy(source) -> MoEConfig:
-    """The policy a checkpoint directory records (the defaults when it cannot be read: the notes only)."""
+def _checkpoint_policy(source) -> tuple:
+    """``(MoEConfig, DSA stage)`` a checkpoint directory records (the defaults when it cannot be read: the notes
+    only)."""
     try:
-        return checkpoint_moe_config(Path(source).expanduser())
+        directory = Path(source).expanduser()
+        return checkpoint_moe_config(directory), checkpoint_dsa_training(directory).stage
     except (ValueError, TypeError):
-        return MoEConfig()
+        return MoEConfig(), "sparse"
 
 
 def _source(source, model_config):

@@ -65,6 +65,7 @@ def load_hf_pretrained(
     lora_seed: int = 0,
     expert_dispatcher=None,
     moe=None,
+    dsa=None,
 ):
     """``(ModelConfig, MoETransformer with the HF weights, notes)`` from a local HF directory.
 
@@ -73,7 +74,8 @@ def load_hf_pretrained(
     ``cell_reuse``: see :class:`model.transformer.MoETransformer`; ``lora``: a :class:`model.lora.LoraConfig`
     whose adapters the model is built with (targets matched on this architecture's HF names, every
     ``lora_A`` drawn from ``lora_seed``); the HF weights fill the frozen base. ``moe``: the run's
-    :class:`model.moe_config.MoEConfig` (default: the defaults, ``auto`` dispatch resolving to dropless).
+    :class:`model.moe_config.MoEConfig` (default: the defaults, ``auto`` dispatch resolving to dropless); ``dsa``:
+    the run's :class:`model.dsa_config.DSATrainingConfig` (default: stage sparse).
     """
     # MindSpore code, imported only when needed: the config readers of this package must not pull it in.
     from mindmoe.model.deferred_init import checkpoint_weights
@@ -90,7 +92,12 @@ def load_hf_pretrained(
         )
     with checkpoint_weights():  # no weight the checkpoint provides is drawn or allocated before it is read
         model = MoETransformer(
-            imported.model_config, cell_reuse=cell_reuse, lora=adapters, expert_dispatcher=expert_dispatcher, moe=moe
+            imported.model_config,
+            cell_reuse=cell_reuse,
+            lora=adapters,
+            expert_dispatcher=expert_dispatcher,
+            moe=moe,
+            dsa=dsa,
         )
     held = None if expert_dispatcher is None else expert_dispatcher.held_experts(imported.model_config.num_experts)
     notes = imported.notes + load_hf_weights(model, plan, held)

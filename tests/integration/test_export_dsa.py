@@ -4,12 +4,11 @@ A tiny DSA model (MLA with query compression and interleaved RoPE, a dense first
 ``index_topk=5`` keys, fewer than the prompts so the selection matters) with O(1) random weights is exported once
 with :func:`export_mindir`; the graphs, loaded back by :class:`ExportedModel`, must give the training model's
 (stage sparse) last-position logits at two prompt shapes, its logits at every decode step with the latent +
-indexer-key cache, and its greedy tokens by full recompute. The same weights with ``model.dsa.stage=off`` give
+indexer-key cache, and its greedy tokens by full recompute. The same weights with ``dsa.stage=off`` give
 other logits, so the checks see the selection. The indexer's scores of every compared sequence have no near-tie at
 the ``index_topk``-th key (a tie would let the graphs and training keep different keys; model/dsa.py).
 """
 
-import dataclasses
 import json
 
 import mindspore as ms
@@ -18,8 +17,9 @@ import pytest
 from mindspore import Tensor, nn, ops
 
 from mindmoe.model.attention import document_causal_mask
-from mindmoe.model.config import ModelConfig
+from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.export.mindir import cache_layout, export_mindir
+from mindmoe.model.export.mla_serving import serving_dsa_stage
 from mindmoe.model.export.runner import MANIFEST_FILE, ExportedModel
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.transformer import MoETransformer
@@ -45,8 +45,8 @@ CONFIG = tiny_dsa_config(
 DROPLESS = MoEConfig(dispatch="dropless")
 
 
-def with_stage(stage: str, cfg: ModelConfig = CONFIG) -> ModelConfig:
-    return dataclasses.replace(cfg, dsa=dataclasses.replace(cfg.dsa, stage=stage))
+#: DSA in stage off: the indexer exists (its weights) but does not run.
+OFF = DSATrainingConfig(stage="off")
 
 
 def dynamic(model):
@@ -89,7 +89,7 @@ def models(tmp_path_factory):
     O(1) random weights (tests/helpers/dsa_models.py), so attention is far from uniform and the scores spread."""
     model = MoETransformer(CONFIG, moe=DROPLESS)
     randomize(model)
-    dense = MoETransformer(with_stage("off"), moe=DROPLESS)
+    dense = MoETransformer(CONFIG, moe=DROPLESS, dsa=OFF)
     weights = {param.name: param for param in model.get_parameters()}
     for param in dense.get_parameters():
         param.set_data(Tensor(weights[param.name].asnumpy()))
@@ -171,18 +171,22 @@ def test_manifest_states_the_latent_and_indexer_key_cache(models):
     assert [entry["name"] for entry in prefill["outputs"]] == ["logits", "kv_cache"]
     assert prefill["outputs"][1]["shape"] == [CONFIG.num_layers, "batch", "prompt_len", width]
     assert [entry["name"] for entry in decode["inputs"]] == ["input_ids", "kv_cache", "position"]
-    assert manifest["model_config"]["dsa"]["stage"] == "sparse"
+    assert manifest["cache"]["kind"] == "mla_latent_dsa"  # stage sparse: the indexer's keys are cached
 
 
 def test_stage_off_caches_the_plain_latent_and_exports_serve_dense_warmup_sparse():
-    layout = cache_layout(with_stage("off"))
+    layout = cache_layout(CONFIG, "fp32", "off")
     assert layout["kind"] == "mla_latent" and layout["values_per_token_per_layer"] == RANK + ROPE
     assert [part["name"] for part in layout["row"]] == ["c_kv", "k_rope"]
-    warmup = dataclasses.replace(CONFIG, dsa=dataclasses.replace(CONFIG.dsa, stage="dense_warmup", warmup_steps=3))
+    warmup = DSATrainingConfig(stage="dense_warmup", warmup_steps=3)
     notes = []
-    model = serve_dsa_sparse(MoETransformer(warmup, moe=DROPLESS), notes)
-    assert model.config.dsa.stage == "sparse" and model.config.dsa.warmup_steps == 0
+    model = serve_dsa_sparse(MoETransformer(CONFIG, moe=DROPLESS, dsa=warmup), notes)
+    assert model.dsa_training.stage == "sparse" and model.dsa_training.warmup_steps == 0
     assert all(layer.self_attn.dsa_stage == "sparse" for layer in model.layers)
-    assert "model.dsa.stage='dense_warmup' exported as 'sparse'" in notes[0]
-    off = MoETransformer(with_stage("off"), moe=DROPLESS)
-    assert serve_dsa_sparse(off, notes).config.dsa.stage == "off" and len(notes) == 1
+    assert serving_dsa_stage(model) == "sparse"
+    assert "dsa.stage='dense_warmup' exported as 'sparse'" in notes[0]
+    off = MoETransformer(CONFIG, moe=DROPLESS, dsa=OFF)
+    assert serve_dsa_sparse(off, notes).dsa_training.stage == "off" and len(notes) == 1
+    assert serving_dsa_stage(off) == "off"
+    with pytest.raises(ValueError, match=r"the DSA layers run \['dense_warmup'\]"):
+        serving_dsa_stage(MoETransformer(CONFIG, moe=DROPLESS, dsa=warmup))

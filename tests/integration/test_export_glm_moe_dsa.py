@@ -63,4 +63,4 @@ def test_prefill_mindir_gives_transformers_logits_at_two_shapes_with_sparse_atte
     cache_entry = model.manifest["cache"]
     assert cache_entry["kind"] == "mla_latent_dsa" and cache_entry["values_per_token_per_layer"] == width
     assert [part["name"] for part in cache_entry["row"]] == ["c_kv", "k_rope", "index_k"]
-    assert model.manifest["model_config"]["dsa"]["stage"] == "sparse"
+    assert "stage" not in model.manifest["model_config"]["dsa"] and cache_entry["kind"] == "mla_latent_dsa"

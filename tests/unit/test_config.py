@@ -20,6 +20,7 @@ from mindmoe.data.config import DataConfig
 from mindmoe.launch.config import LaunchConfig, PlanConfig
 from mindmoe.model.checkpoint_files import STATE_FILE, checkpoint_model_config
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.train.config import TrainConfig
 
@@ -150,6 +151,7 @@ def run_config(**sections):
         "data": DataConfig(),
         "train": TrainConfig(),
         "moe": MoEConfig(),
+        "dsa": DSATrainingConfig(),
         "lora": SimpleNamespace(enabled=False, base_checkpoint=None),
         "parallel": SimpleNamespace(dp=0, ep=1),
     }

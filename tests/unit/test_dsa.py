@@ -3,6 +3,9 @@ report; transformers 5.23 ``GlmMoeDsaIndexer`` for the indexer's layout), the se
 where gradients go. The logits against transformers' ``GlmMoeDsaForCausalLM``: tests/unit/test_hf_glm_moe_dsa.py.
 """
 
+import dataclasses
+import json
+
 import mindspore as ms
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from mindmoe.conf.checks import validate_run_config
 from mindmoe.model.attention import document_causal_mask
 from mindmoe.model.config import validate_model_config
 from mindmoe.model.dsa import UNSELECTED, indexer_kl, select_top_k
+from mindmoe.model.dsa_config import DSATrainingConfig, validate_dsa_training
 from mindmoe.model.mla import set_dsa_stage
 from mindmoe.model.transformer import MoETransformer
 from tests.helpers.dsa_models import randomize, tiny_dsa_config
@@ -202,9 +206,6 @@ def test_the_indexer_learns_only_from_its_loss_and_its_loss_trains_nothing_else(
         (dict(index_n_heads=4), dict(attention_type="gqa"), "model.dsa.index_n_heads=4: the DSA indexer belongs"),
         (dict(index_n_heads=4), dict(q_lora_rank=None), "set model.q_lora_rank"),
         (dict(index_n_heads=4, index_head_dim=2), {}, "model.dsa.index_head_dim=2: must be even and at least"),
-        (dict(index_n_heads=4, stage="dense_warmup"), {}, "model.dsa.warmup_steps=0: must be > 0"),
-        (dict(index_n_heads=4, warmup_steps=5), {}, "model.dsa.warmup_steps=5: is only read with"),
-        (dict(index_n_heads=4, stage="sparse_only"), {}, "model.dsa.stage='sparse_only': must be one of"),
     ],
 )
 def test_config_refuses_what_dsa_cannot_do_naming_the_key(dsa, attention, message):
@@ -215,9 +216,39 @@ def test_config_refuses_what_dsa_cannot_do_naming_the_key(dsa, attention, messag
         validate_model_config(cfg)
 
 
-def test_unknown_dsa_key_is_refused():
+def test_unknown_dsa_key_is_refused_and_a_training_key_names_its_section():
     with pytest.raises(ValueError, match=r"model.dsa.index_topk_freq: unknown key"):
         dsa_config(index_topk_freq=2)
+    with pytest.raises(ValueError, match=r"model.dsa.stage is now dsa.stage"):
+        dsa_config(index_n_heads=4, stage="off")
+
+
+@pytest.mark.parametrize(
+    "training, message",
+    [
+        (dict(stage="dense_warmup"), "dsa.warmup_steps=0: must be > 0"),
+        (dict(warmup_steps=5), "dsa.warmup_steps=5: is only read with"),
+        (dict(stage="sparse_only"), "dsa.stage='sparse_only': must be one of"),
+        (dict(indexer_loss_coeff=-1.0), "dsa.indexer_loss_coeff=-1.0: must be >= 0"),
+    ],
+)
+def test_the_training_schedule_refuses_what_it_cannot_do_naming_the_key(training, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        validate_dsa_training(DSATrainingConfig(**training))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        MoETransformer(dsa_config(index_n_heads=4), dsa=DSATrainingConfig(**training))
+
+
+def test_an_old_state_json_with_the_stage_in_model_dsa_reads_both_halves(tmp_path):
+    from mindmoe.model.checkpoint_files import STATE_FILE, checkpoint_dsa_training, checkpoint_model_config
+
+    old = dataclasses.asdict(dsa_config(index_n_heads=4))
+    old["dsa"].update(stage="dense_warmup", warmup_steps=7, indexer_loss_coeff=0.5)
+    (tmp_path / STATE_FILE).write_text(json.dumps({"model_config": old}))
+    assert checkpoint_model_config(tmp_path).dsa == dsa_config(index_n_heads=4).dsa
+    assert checkpoint_dsa_training(tmp_path) == DSATrainingConfig("dense_warmup", 7, 0.5)
+    (tmp_path / STATE_FILE).write_text(json.dumps({"model_config": old, "dsa_config": {"stage": "off"}}))
+    assert checkpoint_dsa_training(tmp_path) == DSATrainingConfig(stage="off")
 
 
 def test_lora_refuses_the_dense_warmup():
@@ -228,6 +259,7 @@ def test_lora_refuses_the_dense_warmup():
     cfg = OmegaConf.structured(Config)
     cfg.lora.enabled = True
     cfg.model.dsa.index_n_heads = 4
-    cfg.model.dsa.stage = "dense_warmup"
-    with pytest.raises(ValueError, match="model.dsa.stage=dense_warmup with lora.enabled=true"):
+    cfg.dsa.stage = "dense_warmup"
+    cfg.dsa.warmup_steps = 3
+    with pytest.raises(ValueError, match="dsa.stage=dense_warmup with lora.enabled=true"):
         validate_run_config(cfg, "CPU")

@@ -105,12 +105,12 @@ def model_and_cfg(overrides, **model):
         (["data.vocab_size=1000", "model.pretrained=/hf"], {}, ["data.vocab_size"]),
         (["data.vocab_size=1000"], {}, []),
         (
-            ["model.dsa.index_topk=64", "model.dsa.indexer_loss_coeff=0.5"],
+            ["model.dsa.index_topk=64", "dsa.indexer_loss_coeff=0.5"],
             {},
-            ["model.dsa.index_topk", "model.dsa.indexer_loss_coeff"],
+            ["dsa.indexer_loss_coeff", "model.dsa.index_topk"],
         ),
         (
-            ["recipe=glm5_tiny", "model.dsa.stage=off", "model.dsa.warmup_steps=0", "model.dsa.index_topk=16"],
+            ["recipe=glm5_tiny", "dsa.stage=off", "dsa.warmup_steps=0", "model.dsa.index_topk=16"],
             {},
             ["model.dsa.index_topk"],
         ),

@@ -3,7 +3,7 @@
 The reference runs in its own venv (``tf5_reference`` fixture). Tiny random ``GlmMoeDsaForCausalLM`` models saved
 with ``save_pretrained`` load in mindmoe (``model.dsa``, stage sparse) with transformers' logits (fp32, eager
 attention, <= 1e-4) at every position of sequences longer than ``index_topk``, so the indexer's choice of keys
-matters (dense MLA, ``model.dsa.stage=off``, misses by far more). The import exported again reloads there with
+matters (dense MLA, ``dsa.stage=off``, misses by far more). The import exported again reloads there with
 identical weights and logits; an MTP layer (``model.layers.{L}.*``, its indexer included) round-trips byte for byte;
 what mindmoe cannot reproduce (IndexShare's ``"shared"`` layers, biases) is refused naming the key.
 
@@ -21,7 +21,7 @@ import pytest
 from mindspore import Tensor
 
 from mindmoe.model import attention
-from mindmoe.model.dsa_config import DSAConfig
+from mindmoe.model.dsa_config import DSAConfig, DSATrainingConfig
 from mindmoe.model.hf import HFCheckpointError, export_hf, hf_config_from_model, load_hf_pretrained, read_hf_config
 from tests.helpers.hf_models import GLM_MOE_DSA_VARIANTS as VARIANTS
 from tests.helpers.hf_models import glm_moe_dsa_config as dsa_config
@@ -88,7 +88,7 @@ def boundary_gaps(scores: np.ndarray, topk: int) -> np.ndarray:
 def test_glm_moe_dsa_checkpoint_gives_transformers5_logits(variant, name):
     reference, _, cfg, ours = variant(name)
     assert reference["transformers"] == "5.23.0" and reference["model_class"] == "GlmMoeDsaForCausalLM"
-    assert cfg.dsa.stage == "sparse" and cfg.dsa.index_topk < SEQ and cfg.rope_interleaved
+    assert ours.dsa_training.stage == "sparse" and cfg.dsa.index_topk < SEQ and cfg.rope_interleaved
     assert ours.moe_config.dispatch == "dropless"  # moe.dispatch=auto on imported weights: no token dropped
     params = {p.name: p.asnumpy() for p in ours.get_parameters()}
     for layer in range(cfg.num_layers):
@@ -113,10 +113,11 @@ def test_blockwise_dsa_kernel_gives_transformers5_logits(variant, monkeypatch):
 
 
 def test_dense_attention_misses_transformers_logits(variant):
-    """The same checkpoint with the indexer not run (``model.dsa.stage=off``): the key selection is what matched."""
+    """The same checkpoint with the indexer not run (``dsa.stage=off``): the key selection is what matched."""
     reference, directory, _, _ = variant("glm5_shaped")
-    cfg, dense, _ = load_hf_pretrained(directory, {"dsa": {"stage": "off"}})
-    assert cfg.dsa == DSAConfig(index_n_heads=16, index_head_dim=16, index_topk=5, stage="off")
+    cfg, dense, _ = load_hf_pretrained(directory, dsa=DSATrainingConfig(stage="off"))
+    assert cfg.dsa == DSAConfig(index_n_heads=16, index_head_dim=16, index_topk=5)
+    assert not any(layer.self_attn.dsa_active for layer in dense.layers)
     assert np.abs(our_logits(dense, token_ids(SEQ, seed=3)) - reference["logits"]).max() > 1e-2
 
 
@@ -124,7 +125,7 @@ def test_glm_moe_dsa_config_maps_every_setting(variant):
     reference, directory, cfg, _ = variant("yarn_two_dense_topk7")
     saved = json.loads((directory / "config.json").read_text())
     assert "rope_interleave" not in saved and saved["indexer_types"] == ["full"] * 3
-    assert cfg.dsa == DSAConfig(index_n_heads=8, index_head_dim=12, index_topk=7, stage="sparse")
+    assert cfg.dsa == DSAConfig(index_n_heads=8, index_head_dim=12, index_topk=7)
     assert (cfg.attention_type, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.first_k_dense) == ("mla", 16, 4, 2)
     assert (cfg.score_func, cfg.expert_bias, cfg.routed_scaling_factor, cfg.num_shared_experts) == (
         "sigmoid",
@@ -197,7 +198,7 @@ def test_glm_moe_dsa_defaults_are_transformers5s(tf5_reference, tmp_path):
         192,
         256,
     )
-    assert cfg.dsa == DSAConfig(index_n_heads=32, index_head_dim=128, index_topk=2048, stage="sparse")
+    assert cfg.dsa == DSAConfig(index_n_heads=32, index_head_dim=128, index_topk=2048)
 
 
 @pytest.mark.parametrize(
@@ -242,7 +243,7 @@ def test_keys_transformers_recomputes_or_never_reads_are_noted():
     assert read_hf_config(dsa_config(num_experts=4)).model_config.num_experts == 4
 
 
-def test_an_indexer_is_exported_only_as_glm_moe_dsa_and_only_training_keys_override():
+def test_an_indexer_is_exported_only_as_glm_moe_dsa_and_no_key_of_it_overrides():
     cfg = read_hf_config(dsa_config()).model_config
     assert hf_config_from_model(cfg)[0] == "glm_moe_dsa"
     for other in ("deepseek_v3", "glm4_moe_lite"):
@@ -254,9 +255,11 @@ def test_an_indexer_is_exported_only_as_glm_moe_dsa_and_only_training_keys_overr
     from mindmoe.model.hf import apply_overrides
 
     imported = read_hf_config(dsa_config())
-    warm = apply_overrides(imported, {"dsa": DSAConfig(stage="dense_warmup", warmup_steps=5)})
-    assert (warm.dsa.stage, warm.dsa.warmup_steps, warm.dsa.index_n_heads) == ("dense_warmup", 5, 16)
-    assert "stage='off'" in hf_config_from_model(apply_overrides(imported, {"dsa": {"stage": "off"}}))[2][0]
+    assert apply_overrides(imported, {"dsa": {"index_topk": 5}}).dsa == imported.model_config.dsa
+    with pytest.raises(HFCheckpointError, match=r"model.dsa.stage is now dsa.stage"):
+        apply_overrides(imported, {"dsa": {"stage": "off"}})
+    assert "dsa.stage='off'" in hf_config_from_model(imported.model_config, "", None, "off")[2][0]
+    assert hf_config_from_model(imported.model_config)[2] == []
     with pytest.raises(HFCheckpointError, match=r"model.dsa.index_topk=3 conflicts with .*which gives 5"):
         apply_overrides(imported, {"dsa": {"index_topk": 3}})
     with pytest.raises(HFCheckpointError, match=r"model\.aux_loss: unknown key"):  # the MoE policy is moe.*
@@ -269,7 +272,7 @@ def test_glm5_model_group_is_the_published_model_and_counts_its_parameters():
     from hydra import compose, initialize_config_module
     from omegaconf import OmegaConf
 
-    from mindmoe.conf.moe_policy import run_moe_config
+    from mindmoe.conf.policy import run_moe_config
     from mindmoe.conf.schema import register_configs
     from mindmoe.model.param_count import count_parameters
 

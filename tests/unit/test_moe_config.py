@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from mindmoe.conf.moe_policy import run_moe_config
 from mindmoe.conf.moved_keys import MOVED_KEYS, moved_key_error
+from mindmoe.conf.policy import run_moe_config
 from mindmoe.model.checkpoint_files import STATE_FILE, checkpoint_model_config, checkpoint_moe_config
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.moe_config import MOE_BOUNDS, MOE_CHOICES, MOE_KEYS, MoEConfig, moe_policy, validate_moe_config
 from tests.helpers.runs import compose_config
 
@@ -33,7 +34,10 @@ def test_the_moved_keys_are_every_moe_field_and_none_is_left_in_model():
     policy = {field.name for field in dataclasses.fields(MoEConfig)}
     assert set(MOE_KEYS) == policy
     assert not policy & {field.name for field in dataclasses.fields(ModelConfig)}
-    assert MOVED_KEYS == {f"model.{key}": f"moe.{key}" for key in MOE_KEYS}
+    moved_dsa = {f"model.dsa.{key}": f"dsa.{key}" for key in ("stage", "warmup_steps", "indexer_loss_coeff")}
+    assert MOVED_KEYS == {**{f"model.{key}": f"moe.{key}" for key in MOE_KEYS}, **moved_dsa}
+    assert moved_key_error(["model.dsa.stage=off"]).startswith("model.dsa.stage is now dsa.stage")
+    assert moved_key_error(["model.dsa.index_topk=64"]) is None  # the indexer's shape stays architecture
 
 
 def test_an_old_model_key_on_the_train_command_line_exits_2_naming_the_new_key(tmp_path):
@@ -60,6 +64,8 @@ def test_the_composed_job_has_a_moe_section_with_the_defaults(tmp_path):
     job = OmegaConf.create(result.stdout)
     assert OmegaConf.to_container(job.moe) == dataclasses.asdict(MoEConfig())
     assert job.moe.dispatch == "auto"
+    assert OmegaConf.to_container(job.dsa) == dataclasses.asdict(DSATrainingConfig())  # DSA's training schedule
+    assert set(job.model.dsa) == {"index_n_heads", "index_head_dim", "index_topk"}
     assert not set(MOE_KEYS) & set(job.model)
 
 

@@ -2,6 +2,7 @@
 recompute, both expert dispatchers, blockwise attention, the chunked loss, MLA, the DSA indexer, MTP depths; and
 the layouts it may propose."""
 
+import dataclasses
 import re
 
 import pytest
@@ -260,16 +261,15 @@ INDEXER_MATRICES, INDEXER_SMALL = 2 * (8 * 6 + 4 * 8 + 2 * 8), 2 * (4 + 4)
 INDEXER = 4 * (2 * 4 + 2 * 4 + 2) + 4 * 2 * 16 + 4 * 16 + 4 * 16 + 4 * 16  # 392
 
 
-@pytest.mark.parametrize("stage, warmup", [("sparse", 0), ("dense_warmup", 10)])
-def test_dsa_indexer_memory_matches_hand_arithmetic(stage, warmup):
-    dsa = dict(DSA["dsa"], stage=stage, warmup_steps=warmup)
-    memory = hand_plan(Layout(dp=1), **{**DSA, "dsa": dsa}).memory
+@pytest.mark.parametrize("stage", ["sparse", "dense_warmup"])
+def test_dsa_indexer_memory_matches_hand_arithmetic(stage):
+    memory = hand_plan(Layout(dp=1), dataclasses.replace(hand_setup(), dsa_stage=stage), **DSA).memory
     held = MLA_MATRICES + INDEXER_MATRICES + MLA_SMALL + INDEXER_SMALL + EXPERTS
     assert memory.weights == 4 * (held + BUFFER) and memory.grads == 4 * held
     per_layer = MLA_DENSE + INDEXER + MLA_MOE + INDEXER
     assert memory.activations == T * (per_layer + MASK + MLA_MOE + INDEXER + FINAL_NORM)
     # stage off: the indexer's weights are stored and trained, but it does not run
-    off = hand_plan(Layout(dp=1), **{**DSA, "dsa": dict(DSA["dsa"], stage="off")}).memory
+    off = hand_plan(Layout(dp=1), dataclasses.replace(hand_setup(), dsa_stage="off"), **DSA).memory
     assert off.weights == memory.weights
     assert off.activations == T * (MLA_DENSE + MLA_MOE + MASK + MLA_MOE + FINAL_NORM)
 
