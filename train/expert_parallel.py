@@ -44,7 +44,7 @@ from mindspore import Tensor, nn, ops
 from mindmoe.model.linear import numpy_of
 from mindmoe.model.moe.experts import routed_expert_cells
 from mindmoe.model.moe.layer import MoELayer
-from mindmoe.model.moe.token_dispatcher import DroplessDispatcher, ExpertPlacement, local_dispatcher
+from mindmoe.model.moe.token_dispatcher import DroplessDispatcher, ExpertPlacement, TokenDispatcher, local_dispatcher
 from mindmoe.train.exact_sum import ExactGroupSum
 from mindmoe.train.grouped_exchange import GroupedExchange
 from mindmoe.train.token_exchange import AllToAllDispatcher
@@ -138,7 +138,7 @@ class SumOverGroup(nn.Cell):
         return (dout,)
 
 
-class AllGatherDispatcher(nn.Cell):
+class AllGatherDispatcher(TokenDispatcher):
     """A local dispatcher whose expert rows are split over the expert group: this rank runs rows
     ``first_expert .. first_expert + e - 1`` of its buffer, and the results are all-gathered before
     the local combine. Dropping, capacity and statistics are the local dispatcher's, unchanged.

@@ -37,11 +37,11 @@ every copy is a gather of distinct rows (its backward a scatter).
 
 import mindspore as ms
 import numpy as np
-from mindspore import Tensor, nn, ops
+from mindspore import Tensor, ops
 
 from mindmoe.model import kernels
 from mindmoe.model.moe.dispatch import combine_rows, gather_rows, grouped_rows
-from mindmoe.model.moe.token_dispatcher import DroplessDispatcher
+from mindmoe.model.moe.token_dispatcher import DroplessDispatcher, TokenDispatcher
 from mindmoe.train.token_gather import GroupTokenExperts
 
 
@@ -93,7 +93,7 @@ def received_order(sizes_Ge, num_slot_rows: int, block: int, unused_first: bool)
     return dest_R, held_sizes_e, unused
 
 
-class GroupedExchange(nn.Cell):
+class GroupedExchange(TokenDispatcher):
     """A token-routed dropless dispatcher (the five dispatcher methods) over the all-to-all exchange.
 
     ``exchange``: a factory ``(group, G, rank_in_group) -> cell`` of the all-to-all (default

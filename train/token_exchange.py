@@ -20,12 +20,13 @@ as one process computes them for that micro-batch.
 all-experts cost): :mod:`train.grouped_exchange` sends each rank only its routed rows.
 """
 
-from mindspore import nn, ops
+from mindspore import ops
 
 from mindmoe.model import kernels
+from mindmoe.model.moe.token_dispatcher import TokenDispatcher
 
 
-class AllToAllDispatcher(nn.Cell):
+class AllToAllDispatcher(TokenDispatcher):
     """A local capacity dispatcher whose expert rows travel to the ranks holding the experts and back."""
 
     routes_tokens = False  # the rows travel: no tokens-to-tokens expert kernel

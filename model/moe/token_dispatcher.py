@@ -3,8 +3,8 @@
 Shape legend: T tokens, H hidden, E experts, K experts per token, A = T * K assignments,
 C rows per expert in the expert buffer, X = E * C slots.
 
-A dispatcher is a parameter-free cell with five methods, called by :class:`model.moe.layer.MoELayer`
-inside its (compiled) ``construct``:
+A dispatcher is a parameter-free cell that subclasses :class:`TokenDispatcher`, whose methods
+:class:`model.moe.layer.MoELayer` calls inside its (compiled) ``construct``:
 
 - ``dispatch(x_TH, routing) -> (expert_inputs, state)``: ``routing = (topk_idx [T, K], weight [T, K])``;
   ``expert_inputs`` is the buffer the experts run on: ``[E, C, H]`` (row-block e for expert e), or for
@@ -14,7 +14,9 @@ inside its (compiled) ``construct``:
 - ``combine(expert_outputs, state) -> y_TH``: the weighted sum of each token's expert outputs;
 - ``row_scale(scale_T, state)``: a per-token factor moved to the buffer's rows, ``[E, C]`` or ``[N, b]``
   (gradient isolation scales the expert weight gradient of locked tokens' rows);
-- ``kept(state) -> kept_A`` fp32: 1 for each assignment an expert processed, 0 for a dropped one.
+- ``kept(state) -> kept_A`` fp32: 1 for each assignment an expert processed, 0 for a dropped one;
+- ``token_experts(x_TH, routing, experts, scale_T) -> y_TH`` where ``routes_tokens`` is true: the experts' weighted
+  outputs per token from their tokens-to-tokens kernel (CPU training graphs with dropless dispatch).
 
 Which dispatcher a layer uses is fixed when the model is built (a compiled graph has one data path):
 :func:`local_dispatcher` picks it from ``moe.dispatch``; an :class:`ExpertPlacement` (the
@@ -40,12 +42,35 @@ from mindmoe.model.moe.dispatch import (
 from mindmoe.model.moe_config import moe_policy
 
 
-class CapacityDispatcher(nn.Cell):
+class TokenDispatcher(nn.Cell):
+    """The dispatcher interface (module docstring); every dispatcher, expert-parallel ones included, subclasses it."""
+
+    #: Whether the experts may run from tokens to tokens (:meth:`token_experts`).
+    routes_tokens = False
+
+    def dispatch(self, x_TH, routing):
+        raise NotImplementedError(f"{type(self).__name__}.dispatch")
+
+    def combine(self, expert_outputs, state):
+        raise NotImplementedError(f"{type(self).__name__}.combine")
+
+    def row_scale(self, scale_T, state):
+        raise NotImplementedError(f"{type(self).__name__}.row_scale")
+
+    def group_sizes(self, state):
+        """``None``: the buffer is ``[E, C, H]``, one row block per expert."""
+        return None
+
+    def kept(self, state):
+        raise NotImplementedError(f"{type(self).__name__}.kept")
+
+    def token_experts(self, x_TH, routing, experts, scale_T):
+        raise NotImplementedError(f"{type(self).__name__} does not route tokens to a tokens-to-tokens expert kernel")
+
+
+class CapacityDispatcher(TokenDispatcher):
     """Gather/scatter slots of a fixed capacity ``C = ceil(capacity_factor * T * K / E)``: the first C
     assignments of each expert (in token order) are kept, the rest dropped (:func:`capacity_slots`)."""
-
-    #: Whether the experts may run from tokens to tokens (:meth:`DroplessDispatcher.token_experts`).
-    routes_tokens = False
 
     def __init__(self, num_experts: int, capacity_factor: float):
         super().__init__()
@@ -86,7 +111,7 @@ class CapacityDispatcher(nn.Cell):
         return None
 
 
-class DroplessDispatcher(nn.Cell):
+class DroplessDispatcher(TokenDispatcher):
     """Grouped dropless dispatch: every assignment is kept. The T * K assignments are placed in an
     expert-sorted buffer (stable: token order within an expert), each expert's group padded with zero
     rows to a multiple of the grouped matmul's block size b (:func:`model.kernels.grouped_alignment`),
@@ -152,12 +177,10 @@ class DroplessDispatcher(nn.Cell):
         return ops.ones((weight_TK.shape[0] * weight_TK.shape[1],), ms.float32)
 
 
-class AllExpertsDispatcher(nn.Cell):
+class AllExpertsDispatcher(TokenDispatcher):
     """The all-experts reference of dropless dispatch (tests only; no ``moe.dispatch`` selects it):
     every expert runs on every token (``C = T``) and the outputs are combined with a ``[T, E]`` weight
     matrix that is zero off the chosen experts: exact and static, at E / K times the routed FLOPs."""
-
-    routes_tokens = False
 
     def __init__(self, num_experts: int):
         super().__init__()

@@ -133,3 +133,30 @@ def test_dispatchers_hold_no_parameters():
     for dispatcher in (CapacityDispatcher(EXPERTS, 1.0), DroplessDispatcher(EXPERTS), AllExpertsDispatcher(EXPERTS)):
         assert not list(dispatcher.get_parameters())
     assert ms.get_context("mode") == ms.GRAPH_MODE
+
+
+def test_every_dispatcher_in_model_and_train_subclasses_the_one_interface():
+    """A new dispatcher is a subclass of ``TokenDispatcher``, not a new set of members the layer hopes for."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import mindmoe.model
+    import mindmoe.train
+    from mindmoe.model.moe.token_dispatcher import TokenDispatcher
+    from mindmoe.train.grouped_exchange import GroupedExchange
+
+    found = {}
+    for package in (mindmoe.model, mindmoe.train):
+        for info in pkgutil.walk_packages(package.__path__, package.__name__ + "."):
+            if info.name.endswith(("_cli", ".cli")):
+                continue
+            module = importlib.import_module(info.name)
+            for name, cls in inspect.getmembers(module, inspect.isclass):
+                if cls.__module__ == module.__name__ and name.endswith("Dispatcher"):
+                    found[name] = cls
+    assert {"CapacityDispatcher", "DroplessDispatcher", "AllGatherDispatcher", "AllToAllDispatcher"} <= set(found)
+    for name, cls in {**found, "GroupedExchange": GroupedExchange}.items():
+        assert issubclass(cls, TokenDispatcher), f"{cls.__module__}.{name} does not subclass TokenDispatcher"
+    with pytest.raises(NotImplementedError, match="CapacityDispatcher does not route tokens"):
+        CapacityDispatcher(EXPERTS, 1.0).token_experts(None, None, None, None)
