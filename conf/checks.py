@@ -25,8 +25,8 @@ from mindmoe.train.config import COMPUTE_DTYPE_NAMES, validate_train_config
 
 
 def validate_precision(train, device_target: Optional[str]) -> None:
-    """``train.dtype``, ``train.cell_reuse`` and the loss scale against the device MindSpore runs on
-    (``device_target`` None: only the device-independent part)."""
+    """``train.dtype`` and ``train.cell_reuse`` against the device MindSpore runs on (``device_target`` None: only the
+    device-independent part); the loss scale's domain is :data:`conf.ranges.TRAIN_RANGES`."""
     if train.dtype not in COMPUTE_DTYPE_NAMES:
         raise ValueError(f"train.dtype={train.dtype!r} must be one of {', '.join(COMPUTE_DTYPE_NAMES)}")
     if train.dtype != "fp32" and device_target == "CPU":
@@ -40,11 +40,6 @@ def validate_precision(train, device_target: Optional[str]) -> None:
             "train.cell_reuse=true: MindSpore's lazy_inline cell reuse needs the Ascend backend; the "
             'CPU backend of MindSpore 2.9 fails on the reused-layer graph ("Input[0] must be a Primitive '
             'ValueNode"). Use train.cell_reuse=false on CPU'
-        )
-    if train.loss_scale <= 0 or train.loss_scale_window < 1:
-        raise ValueError(
-            f"train.loss_scale={train.loss_scale} must be > 0 and train.loss_scale_window="
-            f"{train.loss_scale_window} >= 1"
         )
 
 

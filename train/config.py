@@ -89,15 +89,9 @@ class TrainConfig:
 
 
 def validate_train_config(train: TrainConfig) -> None:
-    """Raise ValueError naming the ``train.*`` key whose value cannot work; ``train.dtype`` and the
-    loss scale are checked against the device by :func:`conf.checks.validate_precision`."""
-    for key in ("max_steps", "log_every", "save_every"):
-        if getattr(train, key) < 1:
-            raise ValueError(f"train.{key}={getattr(train, key)} must be >= 1")
-    if not 0 <= train.warmup_ratio < 1:
-        raise ValueError(f"train.warmup_ratio={train.warmup_ratio} must be in [0, 1)")
-    if train.max_bad_steps < 1:
-        raise ValueError(f"train.max_bad_steps={train.max_bad_steps} must be >= 1")
+    """Raise ValueError naming the ``train.*`` key whose value cannot work, beyond the numeric domains
+    (:data:`conf.ranges.TRAIN_RANGES`, checked first); ``train.dtype`` is checked against the device by
+    :func:`conf.checks.validate_precision`."""
     if train.on_corrupt_checkpoint not in ON_CORRUPT_CHECKPOINT:
         raise ValueError(f"train.on_corrupt_checkpoint={train.on_corrupt_checkpoint!r} must be 'error' or 'previous'")
     if train.resume not in ("auto", "none") and not Path(train.resume).expanduser().exists():
