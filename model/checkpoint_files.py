@@ -32,13 +32,18 @@ def read_state(checkpoint_dir: Path) -> dict:
         return json.load(handle)
 
 
-def checkpoint_model_config(checkpoint_dir: Path) -> ModelConfig:
-    """The architecture a checkpoint was written with; ValueError naming its ``state.json`` otherwise."""
+def _readable_state(checkpoint_dir: Path) -> tuple:
+    """``(path of state.json, its content)``; ValueError naming the file when it cannot be read."""
     state_path = Path(checkpoint_dir) / STATE_FILE
     try:
-        state = read_state(checkpoint_dir)
+        return state_path, read_state(checkpoint_dir)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise ValueError(f"{state_path}: cannot be read ({err})") from None
+
+
+def checkpoint_model_config(checkpoint_dir: Path) -> ModelConfig:
+    """The architecture a checkpoint was written with; ValueError naming its ``state.json`` otherwise."""
+    state_path, state = _readable_state(checkpoint_dir)
     if not isinstance(state, dict) or "model_config" not in state:
         raise ValueError(f"{state_path} has no 'model_config'")
     return ModelConfig.from_dict(state["model_config"], f"{state_path} model_config")
@@ -47,11 +52,7 @@ def checkpoint_model_config(checkpoint_dir: Path) -> ModelConfig:
 def checkpoint_moe_config(checkpoint_dir: Path) -> MoEConfig:
     """The MoE policy a checkpoint was trained with (``state.json`` ``moe_config``; a checkpoint written before
     the ``moe.*`` section kept those keys in ``model_config``); the defaults when it records neither."""
-    state_path = Path(checkpoint_dir) / STATE_FILE
-    try:
-        state = read_state(checkpoint_dir)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{state_path}: cannot be read ({err})") from None
+    state_path, state = _readable_state(checkpoint_dir)
     if isinstance(state, dict) and isinstance(state.get("moe_config"), dict):
         return MoEConfig.from_dict(state["moe_config"], f"{state_path} moe_config")
     recorded = state.get("model_config") if isinstance(state, dict) else None
@@ -62,11 +63,7 @@ def checkpoint_moe_config(checkpoint_dir: Path) -> MoEConfig:
 def checkpoint_dsa_training(checkpoint_dir: Path) -> DSATrainingConfig:
     """How a checkpoint's DSA indexers were trained (``state.json`` ``dsa_config``; a checkpoint written before the
     ``dsa.*`` section kept those keys in ``model_config.dsa``); the defaults when it records neither."""
-    state_path = Path(checkpoint_dir) / STATE_FILE
-    try:
-        state = read_state(checkpoint_dir)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"{state_path}: cannot be read ({err})") from None
+    state_path, state = _readable_state(checkpoint_dir)
     if isinstance(state, dict) and isinstance(state.get("dsa_config"), dict):
         return DSATrainingConfig.from_dict(state["dsa_config"], f"{state_path} dsa_config")
     recorded = state.get("model_config") if isinstance(state, dict) else None
