@@ -18,8 +18,8 @@ from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.lora import LoraConfig
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.train.config import TrainConfig
-from mindmoe.train.eval_config import EvalConfig
-from mindmoe.train.export_config import ExportConfig
+from mindmoe.train.evaluation.config import EvalConfig
+from mindmoe.train.export.config import ExportConfig
 
 SAMPLES_DIR = Path(__file__).resolve().parent.parent / "data" / "samples"
 

@@ -20,7 +20,7 @@ the DSA indexers included:
 - weights: fp32; with LoRA the frozen matrices in ``lora.base_dtype``, adapters fp32
 - gradients ``4 * trained``, AdamW ``m`` and ``v`` ``8 * trained`` (fp32, no master copy: the weights
   are fp32), where ``trained`` = every parameter, or the adapters and ``lora.modules_to_save``; with
-  ZeRO-1 ``12 * trained / k`` (``m``, ``v`` and the fp32 working copy of the owned range, train/zero.py),
+  ZeRO-1 ``12 * trained / k`` (``m``, ``v`` and the fp32 working copy of the owned range, train/parallel/zero.py),
   ``k`` the ranks holding the tensor
 - accumulation: ``4 * trained`` more when a step has several micro-batches (fp32 gradient sums)
 - update: the gradients the optimizer step reads are new tensors (train/step.py): ``4 * trained`` for the
@@ -71,7 +71,7 @@ query heads, ``s`` = seq_len, ``r`` routed rows per token (below):
 Routed rows per token ``r`` (grouped dropless experts run on the routed rows only): dropless, one
 process or ``allgather``: ``top_k`` (every rank of a group runs its experts over the whole sorted buffer);
 dropless ``alltoall``: ``ep * min(top_k, E/ep)`` (each rank receives a fixed worst-case slot from every
-rank of its group, :mod:`train.grouped_exchange`); capacity dispatch: ``top_k * capacity_factor``.
+rank of its group, :mod:`train.parallel.grouped_exchange`); capacity dispatch: ``top_k * capacity_factor``.
 ``train.recompute`` keeps each main layer's input ``c h`` and rebuilds one layer at a time. The backward
 pass adds the gradients of one layer's activations (``max layer``, MTP blocks included) on top.
 

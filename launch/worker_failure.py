@@ -27,12 +27,12 @@ ERROR_LINE = re.compile(
 )
 #: Longest quoted error line (a message may embed a whole config).
 MAX_QUOTED = 600
-#: A worker's last word after the checkpoint a stop signal asked for (``train.resume.TrainingStopped``).
+#: A worker's last word after the checkpoint a stop signal asked for (``train.checkpoints.resume.TrainingStopped``).
 STOPPED_LINE = re.compile(r"^mindmoe-train: stopped: (.+)$")
 #: The scheduler's word on a worker it stopped hearing from for ``MS_NODE_TIMEOUT`` seconds (MindSpore 2.9,
 #: ``meta_server_node.cc``); the other workers are then stopped by MindSpore itself with SIGTERM.
 TIMED_OUT_WORKER = re.compile(r"worker (\d+) is the first one timed out|The node: (\d+) is timed out")
-#: Checkpoint directories as ``train.checkpoint`` names them (``step_000300``).
+#: Checkpoint directories as ``train.checkpoints.checkpoint`` names them (``step_000300``).
 CHECKPOINT_DIR = re.compile(r"^step_\d{6,}$")
 
 

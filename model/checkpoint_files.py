@@ -1,6 +1,6 @@
 """The files of a mindmoe checkpoint directory, and the model config its ``state.json`` records.
 
-``train/checkpoint.py`` writes and verifies checkpoints; the file names and the one reader of a
+``train/checkpoints/checkpoint.py`` writes and verifies checkpoints; the file names and the one reader of a
 checkpoint's :class:`ModelConfig` live here, below ``train/``, because the HF export of ``model/hf``
 reads checkpoint directories too. Nothing here needs MindSpore.
 """

@@ -1,6 +1,6 @@
 """The tensors of a checkpoint written in pieces: its index and reading any part of a tensor.
 
-Every rank of a job writes the parts of tensors it owns into its own files (``train/checkpoint_shards.py``);
+Every rank of a job writes the parts of tensors it owns into its own files (``train/checkpoints/shards.py``);
 ``tensors.json`` records, per group (``model``, ``optimizer``), each tensor's global shape, dtype and pieces:
 
     {"format": 1, "groups": {"model": {"layers.0.mlp.experts.up_proj":

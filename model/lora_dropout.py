@@ -34,7 +34,7 @@ masks:
 - draws, ranks and projections get unrelated keys, hence unrelated row and column factors.
 
 The only state is the draw counter, advanced in the graph once per training forward; it is saved in the
-checkpoint's ``state.json`` and restored on resume (:mod:`train.resume`). The data-parallel rank keys the
+checkpoint's ``state.json`` and restored on resume (:mod:`train.checkpoints.resume`). The data-parallel rank keys the
 stream, so data-parallel ranks drop independently while the ranks of one expert group, which run the same
 micro-batch, drop alike. Shape legend (docs/architecture.md): Z rows of a flattened input, F features.
 """

@@ -194,7 +194,7 @@ class MoETransformer(nn.Cell):
     ``cell_reuse`` (``train.cell_reuse``, Ascend only) builds the layers with :func:`reused_layer_class`.
     ``expert_dispatcher``: a :class:`model.moe.token_dispatcher.ExpertPlacement` that decides which
     experts this process holds and how tokens reach them (default: one process, ``moe.dispatch``);
-    expert parallelism passes its own (``mindmoe.train.expert_parallel``).
+    expert parallelism passes its own (``mindmoe.train.parallel.expert_parallel``).
 
     The serving graphs reuse the parts: :meth:`embed`, ``layers`` (see :class:`DecoderLayer`),
     ``rotary_emb`` and :meth:`final_logits`.

@@ -1,7 +1,8 @@
 """``mindmoe-train``: the Hydra entry point (overrides like ``train.max_steps=40``).
 
 Exit codes (:mod:`conf.exit_codes`): 0 done, 2 configuration or input error (also a run that diverged,
-``train.max_bad_steps``, and a run dir another run holds: :mod:`train.run_lock`), 3 stopped by SIGTERM/SIGINT
+``train.max_bad_steps``, and a run dir another run holds: :mod:`train.checkpoints.run_lock`), 3 stopped by
+SIGTERM/SIGINT
 after the checkpoint of that step was written.
 """
 
@@ -51,7 +52,7 @@ def run_dir_argument(argv) -> Optional[Path]:
 def check_run_dir(argv) -> None:
     """Before Hydra creates the run dir and writes its config copy and log there: a ``hydra.run.dir`` that
     is (or lies under) a file, or that a running ``mindmoe-train`` holds, ends the command (status 2)."""
-    from mindmoe.train.run_lock import LOCK_FILE, busy, lock_holder
+    from mindmoe.train.checkpoints.run_lock import LOCK_FILE, busy, lock_holder
 
     run_dir = run_dir_argument(argv)
     if run_dir is None:

@@ -12,7 +12,7 @@ COMPUTE_DTYPE_NAMES = ("fp32", "bf16", "fp16")
 ON_CORRUPT_CHECKPOINT = ("error", "previous")
 #: What a resumed run compares with its checkpoint: the whole ``model.*`` but where it came from.
 ARCHITECTURE_FIELDS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "pretrained")
-#: What ``train.resume_allow_changes`` may list (:mod:`train.resume_checks` checks these on resume).
+#: What ``train.resume_allow_changes`` may list (:mod:`train.checkpoints.resume_checks` checks these on resume).
 ALLOWABLE_CHANGES = ("data.seq_len", "train.seed", *(f"model.{name}" for name in ARCHITECTURE_FIELDS))
 
 
@@ -45,7 +45,7 @@ class TrainConfig:
     #: Checkpoint interval in steps (a checkpoint is always written at the last step).
     save_every: int = 100
     #: Complete checkpoints of the current lineage kept in ``<run dir>/checkpoints``; older ones are deleted
-    #: (incomplete or truncated ones are neither counted nor deleted; :mod:`train.lineage`).
+    #: (incomplete or truncated ones are neither counted nor deleted; :mod:`train.checkpoints.lineage`).
     keep_last: int = 2
     #: ``auto`` (newest ``step_*`` checkpoint of this run dir, never one under ``abandoned-*``), ``none`` or a
     #: checkpoint directory. Checkpoints of this run dir that the run does not continue are moved to

@@ -5,7 +5,7 @@ from pathlib import Path
 import mindspore as ms
 
 from mindmoe.conf.checks import validate_run_config
-from mindmoe.train.run_lock import RunLock
+from mindmoe.train.checkpoints.run_lock import RunLock
 
 
 def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
@@ -14,7 +14,7 @@ def run(cfg, run_dir: Path, explicit_model_keys=()) -> dict:
     ``explicit_model_keys``: the ``model.*`` fields set on the command line, which are the only
     model keys that apply on top of a ``model.pretrained`` config.json. Under msrun every worker
     runs this with the same config and run dir; rank 0 alone writes ``metrics.jsonl``, TensorBoard
-    events and checkpoints, and holds the run dir's lock (:mod:`train.run_lock`) from the moment it
+    events and checkpoints, and holds the run dir's lock (:mod:`train.checkpoints.run_lock`) from the moment it
     knows it is rank 0 until the run ends, however it ends.
     """
     # Imported here: the trainer (MindSpore graph code) loads only when a run starts.

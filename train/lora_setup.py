@@ -46,7 +46,7 @@ def run_lora_config(cfg) -> Optional[LoraConfig]:
 def checkpoint_base_config(path: str):
     """``(checkpoint directory, ModelConfig)`` of ``lora.base_checkpoint`` (its ``state.json``)."""
     from mindmoe.model.checkpoint_files import checkpoint_model_config
-    from mindmoe.train.checkpoint import resolve_checkpoint
+    from mindmoe.train.checkpoints.checkpoint import resolve_checkpoint
 
     directory = resolve_checkpoint(path)
     try:
@@ -90,7 +90,7 @@ class HeldRows:
 def load_checkpoint_base(model, directory: Path, path: str) -> None:
     """Copy the base weights of ``lora.base_checkpoint`` into the (LoRA) ``model`` before it compiles; a model
     holding a share of the experts (``parallel.ep``) reads only its rows of the expert tensors."""
-    from mindmoe.train.checkpoint_shards import load_group
+    from mindmoe.train.checkpoints.shards import load_group
 
     held = held_expert_rows(model)
     experts = model.config.num_experts
@@ -111,7 +111,7 @@ def verify_read_files(directory: Path, tensors) -> None:
     """Hash-check what loading ``tensors`` reads from the checkpoint: its small files (index, config, tokenizer)
     and the ``.safetensors`` files holding pieces of them, not the others (its optimizer state; under
     ``parallel.ep`` a sharded base's other ranks' files). Every listed file's size is checked."""
-    from mindmoe.train.checkpoint import STATE_FILE, read_state, verify_files_read
+    from mindmoe.train.checkpoints.checkpoint import STATE_FILE, read_state, verify_files_read
 
     listed = read_state(directory)["files"] if (directory / STATE_FILE).is_file() else {}
     small = [name for name in listed if not name.endswith(".safetensors")]

@@ -42,7 +42,7 @@ def build_lr_schedule(cfg: TrainConfig):
 def build_optimizer(params, cfg: TrainConfig, dist=None, zero: int = 0, collectives=None):
     """mindformers AdamW (fused update, train/fused_adamw.py) over ``params`` with two weight-decay groups.
 
-    ``zero=1`` (``parallel.zero``): the ZeRO-1 variant (train/zero.py), moments split over the ranks of
+    ``zero=1`` (``parallel.zero``): the ZeRO-1 variant (train/parallel/zero.py), moments split over the ranks of
     ``dist`` (None: one process) holding the same parameter, which then checkpoints them through their views;
     ``collectives``: stand-ins for its reduce-scatter and all-gather (tests)."""
     raise_range_errors(section_range_errors("train", cfg, OPTIMIZER_KEYS))
@@ -62,7 +62,7 @@ def build_optimizer(params, cfg: TrainConfig, dist=None, zero: int = 0, collecti
     )
     if not zero:
         return AdamW(groups, **kwargs)
-    from mindmoe.train.zero import log_moment_share, shard_specs, zero_adamw_class
+    from mindmoe.train.parallel.zero import log_moment_share, shard_specs, zero_adamw_class
 
     optimizer = zero_adamw_class(AdamW)(groups, shard_specs(params, dist), collectives, **kwargs)
     log_moment_share(optimizer, 0 if dist is None else dist.rank)

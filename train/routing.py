@@ -64,7 +64,7 @@ class RouterStepUpdates:
         biases = [block.router.e_score_correction_bias for block in moe_blocks] if self.updates_bias else []
         # One entry per MoE layer: that layer's trained 3-D expert tensors (expert on axis 0): the
         # expert weights, or with LoRA the frozen weights' per-expert adapters instead; and the first
-        # expert they hold (not 0 when experts are split over ranks, train/expert_parallel.py).
+        # expert they hold (not 0 when experts are split over ranks, train/parallel/expert_parallel.py).
         self.expert_params = (
             [
                 [p for p in block.experts.get_parameters() if len(p.shape) == 3 and p.requires_grad]

@@ -8,7 +8,7 @@ assistant tokens) of every micro-batch on every data-parallel rank, divided by t
 scored labels in the global batch, so a token weighs the same whichever micro-batch holds it.
 ``aux_loss`` and ``z_loss`` are per-micro-batch values averaged over the step's micro-batches.
 Both come out of one mechanism: the gradient is the mean over micro-batches and (under data
-parallelism, ``train.distributed``) over ranks, and each micro-batch's ``lm_loss`` is its
+parallelism, ``train.parallel.distributed``) over ranks, and each micro-batch's ``lm_loss`` is its
 cross-entropy sum times ``token_weight = micro-batches of the global batch / scored labels of
 the global batch``, counted on the host before the step. One process with ``n`` micro-batches
 therefore matches ``n`` data-parallel ranks that each see one of them.
@@ -118,11 +118,11 @@ def _grad_buffers(params, accum_steps: int):
 
 
 def _reductions(dist, optimizer, expert_names):
-    """``(synchronise, squared_norm)``: the mean of gradients (ZeRO-1: this rank's ranges of it, train/zero.py) and loss
-    over data-parallel ranks, and the squared gradient norm (:func:`train.grad_norm.layout_free_norm` of the routed
-    expert tensors ``expert_names``); one process reduces nothing."""
+    """``(synchronise, squared_norm)``: the mean of gradients (ZeRO-1: this rank's ranges of it, train/parallel/zero.py)
+    and loss over data-parallel ranks, and the squared gradient norm (:func:`train.grad_norm.layout_free_norm` of the
+    routed expert tensors ``expert_names``); one process reduces nothing."""
     if hasattr(optimizer, "load_ranges"):
-        from mindmoe.train.zero import zero_reductions
+        from mindmoe.train.parallel.zero import zero_reductions
 
         return zero_reductions(optimizer, dist)
     if dist is None:

@@ -21,32 +21,32 @@ from mindmoe.data.prepare import prepare_data
 from mindmoe.model.kernels import native
 from mindmoe.model.kernels.host_runtime import configure_host_runtime, describe
 from mindmoe.train.bad_steps import BadStepCounter
-from mindmoe.train.checkpoint import (
+from mindmoe.train.checkpoints.checkpoint import (
     CarriedFiles,
     load_model_weights,
     load_optimizer_state,
     read_state,
     save_checkpoint,
 )
-from mindmoe.train.checkpoint_tokenizer import run_data_config
-from mindmoe.train.distributed import init_distributed
-from mindmoe.train.dsa_stage import continue_schedule, enter_stage, stage_at, switches_after
-from mindmoe.train.graph_memory import release_compiled_graphs, validates_before_last_step
-from mindmoe.train.heatmap import render_expert_load, save_png
-from mindmoe.train.init_model import build_model, planned_model_config
-from mindmoe.train.lineage import settle_lineage
-from mindmoe.train.lora_setup import lora_run_for
-from mindmoe.train.metrics import MetricsWriter, measure_peak_gflops, param_table, train_flops_per_token, window_row
-from mindmoe.train.optim import build_optimizer
-from mindmoe.train.precision import apply_precision
-from mindmoe.train.resume import (
+from mindmoe.train.checkpoints.lineage import settle_lineage
+from mindmoe.train.checkpoints.resume import (
     StopRequest,
     TrainingStopped,
     dropout_checkpoint_state,
     pick_resume_checkpoint,
     restore_dropout,
 )
-from mindmoe.train.resume_checks import TOKENIZER_LABEL, architecture, check_resume, run_state
+from mindmoe.train.checkpoints.resume_checks import TOKENIZER_LABEL, architecture, check_resume, run_state
+from mindmoe.train.checkpoints.tokenizer import run_data_config
+from mindmoe.train.dsa_stage import continue_schedule, enter_stage, stage_at, switches_after
+from mindmoe.train.graph_memory import release_compiled_graphs, validates_before_last_step
+from mindmoe.train.heatmap import render_expert_load, save_png
+from mindmoe.train.init_model import build_model, planned_model_config
+from mindmoe.train.lora_setup import lora_run_for
+from mindmoe.train.metrics import MetricsWriter, measure_peak_gflops, param_table, train_flops_per_token, window_row
+from mindmoe.train.optim import build_optimizer
+from mindmoe.train.parallel.distributed import init_distributed
+from mindmoe.train.precision import apply_precision
 from mindmoe.train.routing import RouterStepUpdates
 from mindmoe.train.step import CompiledStep, StepStats
 
@@ -58,7 +58,7 @@ class Trainer:
 
     ``explicit_model_keys``: the ``model.*`` fields set explicitly (command line, chosen recipe or
     non-default model group: :mod:`conf.explicit_keys`), the only model keys that apply on top of a
-    ``model.pretrained`` config.json. ``run_lock``: the :class:`train.run_lock.RunLock` of ``run_dir``, taken
+    ``model.pretrained`` config.json. ``run_lock``: the :class:`train.checkpoints.run_lock.RunLock` of ``run_dir``,
     by rank 0 once the process layout is known, before anything is written (None: no lock).
     """
 
@@ -310,7 +310,7 @@ class Trainer:
         return val_loss
 
     def save(self, step: int) -> Path:
-        """The checkpoint of ``step``: every rank writes the parts it owns, rank 0 the rest (train/checkpoint.py)."""
+        """The checkpoint of ``step``: every rank writes the parts it owns, rank 0 the rest (train/checkpoints/)."""
         state = {
             "data_seed": self.cfg.train.seed,
             "tokens_seen": step * self.tokens_per_step,

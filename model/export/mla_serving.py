@@ -37,7 +37,7 @@ query against every cached indexer key (its own written first) with the training
 :func:`model.dsa.select_top_k` (slots past ``position`` are masked before ranking, as training masks later keys)
 and adds that selection to the visible mask of the absorbed attention. Stages ``off`` and ``dense_warmup`` attend
 densely, as the model does in them, and cache no indexer key (the export command serves DSA models ``sparse``
-unless ``dsa.stage=off``: :func:`train.export.build_serving_model`).
+unless ``dsa.stage=off``: :func:`train.export.exporter.build_serving_model`).
 """
 
 import mindspore as ms
@@ -86,7 +86,7 @@ def serving_dsa_stage(model) -> str:
     if len(stages) > 1 or stages & {"dense_warmup"}:
         raise ValueError(
             f"the DSA layers run {sorted(stages)}: serving graphs need one stage, sparse or off "
-            "(model.mla.set_dsa_stage switches them; train.export.serve_dsa_sparse does it for an export)"
+            "(model.mla.set_dsa_stage switches them; train.export.exporter.serve_dsa_sparse does it for an export)"
         )
     return stages.pop()
 

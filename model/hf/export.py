@@ -5,7 +5,7 @@ The directory holds ``config.json`` (``glm4_moe`` when the model is one, else ``
 architecture that keeps it), ``glm4_moe_lite`` when asked; see
 :func:`hf_config_from_model`), fp32 safetensors with HF names (sharded with an index above ``max_shard_bytes``), so that
 ``AutoModelForCausalLM.from_pretrained(out_dir)`` gives the same logits. The tokenizer files are the
-caller's to copy (``train/export.py`` does, and passes its special token ids for ``config.json``).
+caller's to copy (``train/export/exporter.py`` does, and passes its special token ids for ``config.json``).
 A ``glm4_moe`` / ``deepseek_v3`` router always has ``e_score_correction_bias``; a model trained without a
 correction bias gets zeros, which select exactly as no bias does.
 """

@@ -21,7 +21,7 @@ A dispatcher is a parameter-free cell that subclasses :class:`TokenDispatcher`, 
 Which dispatcher a layer uses is fixed when the model is built (a compiled graph has one data path):
 :func:`local_dispatcher` picks it from ``moe.dispatch``; an :class:`ExpertPlacement` (the
 ``expert_dispatcher`` argument of the model) decides which experts this process holds and may wrap
-the local dispatcher (expert parallelism, ``mindmoe.train.expert_parallel``).
+the local dispatcher (expert parallelism, ``mindmoe.train.parallel.expert_parallel``).
 """
 
 import mindspore as ms
@@ -219,7 +219,7 @@ def local_dispatcher(cfg, moe=None):
 class ExpertPlacement:
     """Where the experts of every MoE layer live and how tokens reach them: the ``expert_dispatcher``
     argument of :class:`model.transformer.MoETransformer`. This one is a single process holding all
-    experts; expert parallelism subclasses it (``mindmoe.train.expert_parallel``)."""
+    experts; expert parallelism subclasses it (``mindmoe.train.parallel.expert_parallel``)."""
 
     def held_experts(self, num_experts: int) -> range:
         """The experts whose weights this process creates and runs."""

@@ -7,7 +7,7 @@ def save_tiny_base_checkpoint(directory, step: int):
     """``(model config, model, checkpoint directory)`` of a 2-layer, 4-expert model saved at ``step``."""
     from mindmoe.model.config import ModelConfig
     from mindmoe.model.transformer import MoETransformer
-    from mindmoe.train.checkpoint import save_checkpoint
+    from mindmoe.train.checkpoints.checkpoint import save_checkpoint
 
     base_cfg = ModelConfig(
         vocab_size=64,

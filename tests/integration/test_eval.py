@@ -29,10 +29,10 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.checkpoint import CarriedFiles, load_model_weights, save_checkpoint
-from mindmoe.train.eval_config import EvalConfig, validate_eval_config
-from mindmoe.train.eval_report import markdown
-from mindmoe.train.evaluate import context_offsets, evaluate_checkpoint, evaluate_model
+from mindmoe.train.checkpoints.checkpoint import CarriedFiles, load_model_weights, save_checkpoint
+from mindmoe.train.evaluation.config import EvalConfig, validate_eval_config
+from mindmoe.train.evaluation.evaluate import context_offsets, evaluate_checkpoint, evaluate_model
+from mindmoe.train.evaluation.report import markdown
 
 REPO = Path(__file__).resolve().parents[2]
 TRAINED = 16
@@ -305,7 +305,7 @@ def test_invalid_eval_keys_fail_naming_the_key(field, value, message):
 
 def run_eval_cli(*args):
     return subprocess.run(
-        [sys.executable, "-m", "mindmoe.train.eval_cli", *args],
+        [sys.executable, "-m", "mindmoe.train.evaluation.cli", *args],
         cwd=REPO,
         capture_output=True,
         text=True,

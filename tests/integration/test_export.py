@@ -26,7 +26,7 @@ from mindmoe.model.export.runner import ExportedModel, sample_next
 from mindmoe.model.moe import lock_routing
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.checkpoint import MODEL_FILE, CarriedFiles, load_model_weights, save_checkpoint
+from mindmoe.train.checkpoints.checkpoint import MODEL_FILE, CarriedFiles, load_model_weights, save_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "data" / "samples" / "corpus_train.jsonl"
@@ -96,7 +96,7 @@ def checkpoint(tmp_path_factory, tokenizer_bytes):
 def export_dir(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("exported") / "serving"
     result = run_cli(
-        "mindmoe.train.export_cli",
+        "mindmoe.train.export.cli",
         f"checkpoint={checkpoint}",
         f"export.out={out}",
         "export.ascend_prompt_lengths=[16,64]",
@@ -213,7 +213,7 @@ def test_manifest_describes_graphs_source_and_tokenizer(export_dir, checkpoint, 
 
 def test_generate_command_prints_the_prompt_and_its_continuation(export_dir):
     result = run_cli(
-        "mindmoe.train.generate_cli",
+        "mindmoe.train.export.generate_cli",
         str(export_dir),
         "--prompt",
         "The river",
@@ -247,7 +247,7 @@ def test_sampling_filters_follow_top_k_then_top_p():
 def hf_dir(checkpoint, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf_export") / "hf"
     result = run_cli(
-        "mindmoe.train.export_cli",
+        "mindmoe.train.export.cli",
         f"checkpoint={checkpoint}",
         "export.format=hf",
         f"export.out={out}",
@@ -277,7 +277,7 @@ def test_pretrained_hf_directory_exports_with_routing_overrides(hf_dir, tmp_path
     """``model.pretrained`` instead of ``checkpoint``; expert locking switched on from the command line."""
     out = tmp_path / "serving"
     result = run_cli(
-        "mindmoe.train.export_cli",
+        "mindmoe.train.export.cli",
         f"model.pretrained={hf_dir}",
         "moe.expert_lock=true",
         "moe.lock_run_length=2",
@@ -320,7 +320,7 @@ def compose_config(args):
     ],
 )
 def test_export_errors_name_the_key(args, expected, tmp_path):
-    from mindmoe.train.export import run_export
+    from mindmoe.train.export.exporter import run_export
 
     with pytest.raises((ValueError, FileNotFoundError)) as error:
         run_export(compose_config(args), tmp_path, args)
@@ -336,7 +336,7 @@ def test_export_errors_name_the_key(args, expected, tmp_path):
     ],
 )
 def test_export_refuses_settings_it_cannot_honour(arg, expected, checkpoint, tmp_path):
-    from mindmoe.train.export import run_export
+    from mindmoe.train.export.exporter import run_export
 
     args = [f"checkpoint={checkpoint}", arg]
     with pytest.raises(ValueError) as error:
@@ -345,7 +345,7 @@ def test_export_refuses_settings_it_cannot_honour(arg, expected, checkpoint, tmp
 
 
 def test_export_command_exits_2_with_the_message(tmp_path):
-    result = run_cli("mindmoe.train.export_cli", f"hydra.run.dir={tmp_path}")
+    result = run_cli("mindmoe.train.export.cli", f"hydra.run.dir={tmp_path}")
     assert result.returncode == 2
     assert "nothing to export: pass checkpoint=" in result.stderr
 

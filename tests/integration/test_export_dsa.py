@@ -23,8 +23,8 @@ from mindmoe.model.export.mla_serving import serving_dsa_stage
 from mindmoe.model.export.runner import MANIFEST_FILE, ExportedModel
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.export import ExportSource, build_manifest, serve_dsa_sparse
-from mindmoe.train.export_config import ExportConfig
+from mindmoe.train.export.config import ExportConfig
+from mindmoe.train.export.exporter import ExportSource, build_manifest, serve_dsa_sparse
 from tests.helpers.dsa_models import randomize, tiny_dsa_config
 from tests.helpers.greedy_decode import assert_decode_steps_match, greedy_by_recompute
 

@@ -28,7 +28,7 @@ from mindspore import Tensor
 
 from mindmoe.model.export.runner import ExportedModel
 from mindmoe.model.hf import HFCheckpointError, hf_config_from_model, load_hf_pretrained, read_hf_config
-from mindmoe.train.export import ExportSource, adapter_names_type, source_model_type
+from mindmoe.train.export.exporter import ExportSource, adapter_names_type, source_model_type
 from tests.helpers.greedy_decode import greedy_by_recompute
 from tests.helpers.hf_models import GLM4_MOE_LITE_VARIANTS, VOCAB
 
@@ -68,7 +68,7 @@ def export_cli(source: Path, out: Path, *args: str) -> Path:
         [
             sys.executable,
             "-m",
-            "mindmoe.train.export_cli",
+            "mindmoe.train.export.cli",
             f"model.pretrained={source}",
             f"export.out={out}",
             *args,

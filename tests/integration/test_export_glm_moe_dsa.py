@@ -38,7 +38,7 @@ def exported(tf5_reference, tmp_path_factory):
     command = [
         sys.executable,
         "-m",
-        "mindmoe.train.export_cli",
+        "mindmoe.train.export.cli",
         f"model.pretrained={work / 'hf'}",
         f"export.out={out}",
         "export.ascend_prompt_lengths=[16]",

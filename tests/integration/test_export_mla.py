@@ -43,7 +43,7 @@ def exported_variant(tmp_path_factory):
                 [
                     sys.executable,
                     "-m",
-                    "mindmoe.train.export_cli",
+                    "mindmoe.train.export.cli",
                     f"model.pretrained={source}",
                     f"export.out={out}",
                     "export.ascend_prompt_lengths=[16]",

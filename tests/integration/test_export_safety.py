@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from mindmoe.conf.exit_codes import CONFIG_ERROR
-from mindmoe.train import export as export_module
-from mindmoe.train.export import run_export
-from mindmoe.train.export_target import check_export_target, staged_export
+from mindmoe.train.export import exporter as export_module
+from mindmoe.train.export.exporter import run_export
+from mindmoe.train.export.target import check_export_target, staged_export
 from tests.helpers.runs import compose_config
 
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +62,7 @@ def overwritten(tmp_path_factory):
     after_refusal = snapshot(out)
     assert after_refusal == before
     result = run_cli(
-        "mindmoe.train.export_cli", *args, "export.overwrite=true", f"hydra.run.dir={out.parent / 'hydra'}"
+        "mindmoe.train.export.cli", *args, "export.overwrite=true", f"hydra.run.dir={out.parent / 'hydra'}"
     )
     return out, str(refused.value), before, result
 
@@ -91,7 +91,7 @@ def test_generate_with_a_too_long_prompt_names_its_length_and_the_positions(over
     out, _, _, result = overwritten
     assert result.returncode == 0, result.stderr[-3000:]
     prompt = "the river " * 3000  # > 4096 tokens (the tiny base's max_position_embeddings)
-    generated = run_cli("mindmoe.train.generate_cli", str(out), "--prompt", prompt, "--max-new-tokens", "8")
+    generated = run_cli("mindmoe.train.export.generate_cli", str(out), "--prompt", prompt, "--max-new-tokens", "8")
     assert generated.returncode == CONFIG_ERROR, generated.stderr[-2000:]
     error = generated.stderr.strip().splitlines()[-1]
     assert "tokens long, but the model's max_position_embeddings=4096 leaves no room" in error

@@ -15,8 +15,8 @@ import pytest
 from safetensors.numpy import load_file
 
 from mindmoe.model.peft_adapter import read_adapter_config
-from mindmoe.train.checkpoint import list_checkpoints, verify_checkpoint
-from mindmoe.train.resume import DROPOUT_DRAWS
+from mindmoe.train.checkpoints.checkpoint import list_checkpoints, verify_checkpoint
+from mindmoe.train.checkpoints.resume import DROPOUT_DRAWS
 from tests.helpers.base_checkpoint import save_tiny_base_checkpoint
 from tests.helpers.runs import compose_config, losses_by_step
 

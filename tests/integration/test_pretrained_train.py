@@ -196,7 +196,7 @@ def test_a_recipes_training_keys_apply_on_top_of_config_json(pretrained_dir, tmp
     """``recipe=pretrain_tiny_aux_free`` sets expert locking and aux-free balancing (``moe.*``): they apply to
     the imported model; its ``model.*`` keys count as if typed, and the command line's routed scaling matches
     config.json."""
-    from mindmoe.train.export import command_line_moe_overrides
+    from mindmoe.train.export.exporter import command_line_moe_overrides
     from mindmoe.train.init_model import build_model, explicit_model_keys
 
     directory, data_file, hf = pretrained_dir

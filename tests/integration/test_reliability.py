@@ -13,10 +13,10 @@ from mindspore import Tensor
 
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.checkpoint import CorruptCheckpointError, list_checkpoints, save_checkpoint
+from mindmoe.train.checkpoints.checkpoint import CorruptCheckpointError, list_checkpoints, save_checkpoint
+from mindmoe.train.checkpoints.resume import pick_resume_checkpoint
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
-from mindmoe.train.resume import pick_resume_checkpoint
 from mindmoe.train.step import CompiledStep
 from tests.helpers.runs import losses_by_step
 

@@ -12,9 +12,9 @@ import time
 import pytest
 
 from mindmoe.data.tokenizer_files import tokenizer_files
-from mindmoe.train.checkpoint import list_checkpoints, read_state
-from mindmoe.train.resume_checks import tokenizer_sha256
-from mindmoe.train.run_lock import LOCK_FILE, RunDirBusy, RunLock
+from mindmoe.train.checkpoints.checkpoint import list_checkpoints, read_state
+from mindmoe.train.checkpoints.resume_checks import tokenizer_sha256
+from mindmoe.train.checkpoints.run_lock import LOCK_FILE, RunDirBusy, RunLock
 from tests.helpers.runs import REPO, compose_config, losses_by_step, metrics_rows
 from tests.helpers.tiny_run import TINY_RUN
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from mindmoe.model.checkpoint_files import STATE_FILE, read_state
-from mindmoe.train.lineage import ABANDONED_PREFIX
-from mindmoe.train.resume import pick_resume_checkpoint
+from mindmoe.train.checkpoints.lineage import ABANDONED_PREFIX
+from mindmoe.train.checkpoints.resume import pick_resume_checkpoint
 from tests.helpers.runs import compose_config
 from tests.helpers.tiny_run import TINY_RUN
 

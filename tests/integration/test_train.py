@@ -74,7 +74,7 @@ def test_metrics_rows_carry_required_fields(short_run):
 def test_checkpoint_reload_gives_identical_logits(short_run):
     from mindmoe.model.config import ModelConfig
     from mindmoe.model.transformer import MoETransformer
-    from mindmoe.train.checkpoint import list_checkpoints, load_model_weights, read_state
+    from mindmoe.train.checkpoints.checkpoint import list_checkpoints, load_model_weights, read_state
 
     _, run_dir, _, _ = short_run
     checkpoints = list_checkpoints(run_dir / "checkpoints")
@@ -96,7 +96,7 @@ def test_checkpoint_reload_gives_identical_logits(short_run):
 def test_checkpoint_of_another_architecture_is_rejected_by_name(short_run):
     from mindmoe.model.config import ModelConfig
     from mindmoe.model.transformer import MoETransformer
-    from mindmoe.train.checkpoint import list_checkpoints, load_model_weights, read_state
+    from mindmoe.train.checkpoints.checkpoint import list_checkpoints, load_model_weights, read_state
 
     _, run_dir, _, _ = short_run
     checkpoint = list_checkpoints(run_dir / "checkpoints")[-1]

@@ -6,7 +6,7 @@ One process cannot run a collective, so the rank under test gets a stand-in for 
 tensor is the affine image ``a_s * x + b_s`` of this rank's (``a_r = 1, b_r = 0``), which lets the same
 stand-in produce every rank's sends in the forward and every rank's output gradient in the backward.
 
-The grouped dropless dispatch over the exchange (``train.grouped_exchange``) is checked with the G ranks of a
+The grouped dropless dispatch over the exchange (``train.parallel.grouped_exchange``) is checked with the G ranks of a
 group simulated in one graph, against every rank's micro-batch through the all-experts reference.
 """
 
@@ -107,7 +107,7 @@ def test_the_ascend_all_to_all_uses_mindspore_2_9_arguments_it_takes():
     assert "ops.AlltoAll(split_count=group_size, split_dim=0, concat_dim=0, group=group)" in source
 
 
-# --- grouped dropless dispatch over the exchange (train.grouped_exchange) -----------------------------------
+# --- grouped dropless dispatch over the exchange (train.parallel.grouped_exchange) -----------------------------------
 #
 # The G ranks of a group run in one graph: each rank's GroupedExchange prepares its sends, the exchange is
 # the swap of the source and destination axes, and each rank runs its share of the experts on what it
@@ -135,7 +135,7 @@ class SimulatedGroup(nn.Cell):
     """Every rank's dispatch, experts share and combine: ``(sum over ranks of sum(out * w_out), outs)``."""
 
     def __init__(self, block: int, scaled: bool):
-        from mindmoe.train.grouped_exchange import GroupedExchange
+        from mindmoe.train.parallel.grouped_exchange import GroupedExchange
 
         super().__init__()
         self.block = block
@@ -256,7 +256,7 @@ def test_grouped_exchange_over_a_simulated_group_equals_the_all_experts_referenc
 def test_the_receiver_sorts_whole_blocks_by_local_expert_then_source_and_its_group_sizes_cover_every_row():
     """Sizes ``[G, e]`` of the groups three sources sent (blocks of 2 rows, slots of 8 rows): rank 0 puts its
     unused rows after its experts, the others before (GroupedMatmul on Ascend needs sizes summing to the rows)."""
-    from mindmoe.train.grouped_exchange import GroupedExchange
+    from mindmoe.train.parallel.grouped_exchange import GroupedExchange
 
     sizes_Ge = np.array([[2, 4], [0, 0], [6, 2]], np.float32)
     x_GXH = np.arange(RANKS * 8, dtype=np.float32).reshape(RANKS, 8, 1) + 1.0
@@ -284,9 +284,9 @@ def test_token_routed_dropless_sends_the_routed_rows_and_capacity_keeps_the_fixe
     experts on about ``ep * T * K`` rows, not the ``E * T`` of a capacity exchange with ``C = T`` slots."""
     from mindmoe.model.config import ModelConfig
     from mindmoe.model.moe_config import MoEConfig
-    from mindmoe.train.expert_parallel import ExpertParallelDispatch
-    from mindmoe.train.grouped_exchange import GroupedExchange, slot_rows
-    from mindmoe.train.token_exchange import AllToAllDispatcher
+    from mindmoe.train.parallel.expert_parallel import ExpertParallelDispatch
+    from mindmoe.train.parallel.grouped_exchange import GroupedExchange, slot_rows
+    from mindmoe.train.parallel.token_exchange import AllToAllDispatcher
 
     placement = ExpertParallelDispatch(1, 2, "hccl_world_group", "alltoall")
     cfg = ModelConfig(num_experts=128, top_k=8)

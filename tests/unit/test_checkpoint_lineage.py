@@ -1,7 +1,7 @@
 """Checkpoint lineage, incomplete checkpoints, keep_last and stale temporary directories, on small
 checkpoints written by the real ``save_checkpoint``.
 
-The rule under test (``train/lineage.py``): a run resuming from ``step_s`` of its own run dir moves the
+The rule under test (``train/checkpoints/lineage.py``): a run resuming from ``step_s`` of its own run dir moves the
 newer ``step_*`` directories to ``checkpoints/abandoned-<UTC time>/``; any other start moves all of them;
 nothing is deleted except verified older checkpoints of the lineage (``train.keep_last``) and temporary
 directories of dead writers.
@@ -16,7 +16,7 @@ import pytest
 from mindspore import Parameter, Tensor
 
 from mindmoe.conf.exit_codes import CONFIG_ERROR, exit_status
-from mindmoe.train.checkpoint import (
+from mindmoe.train.checkpoints.checkpoint import (
     MODEL_FILE,
     OPTIMIZER_FILE,
     STATE_FILE,
@@ -24,12 +24,12 @@ from mindmoe.train.checkpoint import (
     check_complete,
     save_checkpoint,
 )
-from mindmoe.train.lineage import ABANDONED_PREFIX, settle_lineage
-from mindmoe.train.resume import pick_resume_checkpoint
+from mindmoe.train.checkpoints.lineage import ABANDONED_PREFIX, settle_lineage
+from mindmoe.train.checkpoints.resume import pick_resume_checkpoint
 
 
 class FakeDist:
-    """The two things ``settle_lineage`` uses of ``train.distributed.Distributed``; records what the
+    """The two things ``settle_lineage`` uses of ``train.parallel.distributed.Distributed``; records what the
     checkpoint root held when the barrier was reached."""
 
     def __init__(self, root, rank=0):

@@ -1,4 +1,4 @@
-"""Checkpoints written in parts by several ranks (train/checkpoint_shards.py), read back as other partitions.
+"""Checkpoints written in parts by several ranks (train/checkpoints/shards.py), read back as other partitions.
 
 Two ranks are simulated by two threads sharing a barrier: the real save protocol runs (shared temporary
 directory, each rank's files, rank 0's index and state.json), and the loads are checked against the NumPy
@@ -13,9 +13,9 @@ import pytest
 from mindspore import Parameter, Tensor
 from safetensors import safe_open
 
-import mindmoe.train.checkpoint as checkpoint
+import mindmoe.train.checkpoints.checkpoint as checkpoint
 from mindmoe.model.checkpoint_shards import INDEX_FILE, read_tensors
-from mindmoe.train.checkpoint import (
+from mindmoe.train.checkpoints.checkpoint import (
     CorruptCheckpointError,
     load_model_weights,
     load_optimizer_state,

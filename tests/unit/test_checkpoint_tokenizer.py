@@ -17,10 +17,10 @@ from mindmoe.data.tokenizer import train_sentencepiece
 from mindmoe.data.tokenizer_files import open_tokenizer, special_token_ids
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe_config import MoEConfig
-from mindmoe.train.checkpoint import CarriedFiles, save_checkpoint
-from mindmoe.train.checkpoint_tokenizer import checkpoint_tokenizer, run_data_config
-from mindmoe.train.evaluate import load_checkpoint_config
-from mindmoe.train.export import resolve_source
+from mindmoe.train.checkpoints.checkpoint import CarriedFiles, save_checkpoint
+from mindmoe.train.checkpoints.tokenizer import checkpoint_tokenizer, run_data_config
+from mindmoe.train.evaluation.evaluate import load_checkpoint_config
+from mindmoe.train.export.exporter import resolve_source
 from tests.helpers.runs import compose_config
 
 #: The policy the checkpoints below were trained with (serving replays its expert locking).

@@ -1,10 +1,11 @@
-"""Exact float64 sums over an expert group (train/exact_sum.py) against NumPy, one process standing in for the ranks."""
+"""Exact float64 sums over an expert group (train/parallel/exact_sum.py) against NumPy, one process standing in for the
+ranks."""
 
 import mindspore as ms
 import numpy as np
 from mindspore import Tensor, nn, ops
 
-from mindmoe.train.exact_sum import ExactGroupSum, float32_parts
+from mindmoe.train.parallel.exact_sum import ExactGroupSum, float32_parts
 
 
 def partial_sums(rng, rows, features, terms):

@@ -40,7 +40,7 @@ def test_a_config_error_prints_prog_error_message_and_exits_2(error, capsys):
 
 def test_a_signal_stop_exits_3_and_a_failed_worker_1_with_their_labels(capsys):
     from mindmoe.launch.cli import WorkerFailed
-    from mindmoe.train.resume import TrainingStopped
+    from mindmoe.train.checkpoints.resume import TrainingStopped
 
     code, printed = run_reporting(TrainingStopped("received SIGTERM: checkpoint of step 4 written"), capsys)
     assert (code, printed.err) == (3, "mindmoe-test: stopped: received SIGTERM: checkpoint of step 4 written\n")

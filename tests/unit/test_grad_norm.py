@@ -101,11 +101,11 @@ def test_expert_shards_are_every_expert_tensor_with_its_first_row_and_a_whole_mo
     """The expert-parallel views take their tensors where the norm does: a placement holding the second half of the
     experts gives every expert tensor (MTP depth included) the first row E/2; the whole model raises."""
     from mindmoe.model.moe.token_dispatcher import ExpertPlacement
-    from mindmoe.train import expert_parallel
-    from mindmoe.train.expert_parallel import expert_shards
     from mindmoe.train.grad_norm import expert_parameter_names
     from mindmoe.train.init_model import build_model
     from mindmoe.train.lora_setup import held_expert_rows
+    from mindmoe.train.parallel import expert_parallel
+    from mindmoe.train.parallel.expert_parallel import expert_shards
     from tests.helpers.runs import compose_config
 
     class SecondHalf(ExpertPlacement):

@@ -40,7 +40,7 @@ from mindmoe.model.hf import (
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.param_count import parameter_shapes
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.export import export_hf_with_tokenizer
+from mindmoe.train.export.exporter import export_hf_with_tokenizer
 from tests.helpers.hf_models import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
 
 VOCAB, HIDDEN, LAYERS = 96, 32, 3
@@ -328,7 +328,7 @@ def test_native_model_exports_its_weights_under_hf_names_with_a_zero_bias(tmp_pa
     logits are those of tests/test_transformer_hf.py, which runs both models on this mapping."""
     import dataclasses
 
-    from mindmoe.train.checkpoint import save_checkpoint
+    from mindmoe.train.checkpoints.checkpoint import save_checkpoint
 
     cfg = native_config()
     model = MoETransformer(cfg, seed=0, moe=NATIVE_MOE)

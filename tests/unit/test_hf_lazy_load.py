@@ -141,7 +141,7 @@ def test_each_tensor_is_converted_to_its_parameters_own_dtype_as_torch_converts_
 
 def test_a_lora_base_checkpoint_is_loaded_into_a_model_that_drew_nothing_for_it(tmp_path, monkeypatch):
     from mindmoe.model.config import ModelConfig
-    from mindmoe.train.checkpoint import save_checkpoint
+    from mindmoe.train.checkpoints.checkpoint import save_checkpoint
     from mindmoe.train.init_model import build_model
     from tests.helpers.runs import compose_config
 

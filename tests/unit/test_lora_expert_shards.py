@@ -62,7 +62,7 @@ def test_a_base_checkpoint_is_hash_checked_where_it_is_read_and_only_there(tmp_p
     never reads, is not hashed (under ``parallel.ep`` each rank likewise hashes only the files it reads)."""
     from mindspore import Parameter
 
-    from mindmoe.train.checkpoint import CorruptCheckpointError, save_checkpoint
+    from mindmoe.train.checkpoints.checkpoint import CorruptCheckpointError, save_checkpoint
     from mindmoe.train.init_model import build_model
     from tests.helpers.base_checkpoint import save_tiny_base_checkpoint
     from tests.helpers.runs import compose_config

@@ -32,7 +32,7 @@ def adapter_dir(tmp_path_factory):
 
 
 def test_hf_export_with_adapter_equals_peft_on_the_base(adapter_dir, tmp_path):
-    from mindmoe.train.export import run_export
+    from mindmoe.train.export.exporter import run_export
 
     overrides = [
         f"model.pretrained={BASE}",
@@ -54,7 +54,7 @@ def test_hf_export_with_adapter_equals_peft_on_the_base(adapter_dir, tmp_path):
 
 
 def test_a_lora_checkpoint_is_not_an_export_source(tmp_path):
-    from mindmoe.train.export import resolve_source
+    from mindmoe.train.export.exporter import resolve_source
 
     checkpoint = tmp_path / "step_000010"
     (checkpoint / "adapter").mkdir(parents=True)
@@ -70,7 +70,7 @@ def test_mindir_export_with_adapter_equals_the_unmerged_model_with_adapters(adap
     model with the adapters applied and not merged (LoRA branches computed in the graph)."""
     from mindmoe.model.export.runner import ExportedModel
     from mindmoe.model.peft_adapter import load_adapter, read_adapter_config
-    from mindmoe.train.export import run_export
+    from mindmoe.train.export.exporter import run_export
 
     out = tmp_path / "mindir"
     overrides = [f"model.pretrained={BASE}", f"export.out={out}", f"export.adapter={adapter_dir}"]

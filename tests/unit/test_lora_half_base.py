@@ -18,7 +18,7 @@ from mindmoe.model.lora_plan import lora_parameters, merge_and_unload, plan_adap
 from mindmoe.model.moe.lora_experts import LoraRoutedExperts
 from mindmoe.model.peft_adapter import ADAPTER_WEIGHTS, save_adapter
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.checkpoint import load_parameters, parameters_to_numpy
+from mindmoe.train.checkpoints.checkpoint import load_parameters, parameters_to_numpy
 
 from .test_lora import tiny_config
 

@@ -12,9 +12,15 @@ import pytest
 
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.train.checkpoints.resume_checks import (
+    TOKENIZER_LABEL,
+    architecture,
+    check_resume,
+    run_state,
+    tokenizer_sha256,
+)
 from mindmoe.train.config import TrainConfig, validate_train_config
 from mindmoe.train.metrics import MetricsWriter, strict_row
-from mindmoe.train.resume_checks import TOKENIZER_LABEL, architecture, check_resume, run_state, tokenizer_sha256
 
 MODEL = ModelConfig(vocab_size=320, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
 MOE = MoEConfig()

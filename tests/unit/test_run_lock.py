@@ -12,13 +12,13 @@ import sys
 import pytest
 
 from mindmoe.conf.exit_codes import CONFIG_ERROR, exit_status
+from mindmoe.train.checkpoints.run_lock import LOCK_FILE, RunDirBusy, RunLock, lock_holder
 from mindmoe.train.cli import check_run_dir, run_dir_argument
-from mindmoe.train.run_lock import LOCK_FILE, RunDirBusy, RunLock, lock_holder
 
 # A process that takes the lock of argv[1], says so, and holds it until it is killed.
 HOLDER = (
     "import sys, time\n"
-    "from mindmoe.train.run_lock import RunLock\n"
+    "from mindmoe.train.checkpoints.run_lock import RunLock\n"
     "RunLock(sys.argv[1]).acquire()\n"
     "print('held', flush=True)\n"
     "time.sleep(600)\n"

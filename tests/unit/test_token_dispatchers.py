@@ -110,7 +110,7 @@ def test_moe_dispatch_key_picks_the_dispatcher_class():
 
 
 def test_expert_parallel_ranks_hold_contiguous_shares_that_start_from_the_single_process_rows():
-    from mindmoe.train.expert_parallel import ExpertParallelDispatch
+    from mindmoe.train.parallel.expert_parallel import ExpertParallelDispatch
 
     experts, ep = 8, 4
     full_rng = np.random.default_rng(5)
@@ -144,7 +144,7 @@ def test_every_dispatcher_in_model_and_train_subclasses_the_one_interface():
     import mindmoe.model
     import mindmoe.train
     from mindmoe.model.moe.token_dispatcher import TokenDispatcher
-    from mindmoe.train.grouped_exchange import GroupedExchange
+    from mindmoe.train.parallel.grouped_exchange import GroupedExchange
 
     found = {}
     for package in (mindmoe.model, mindmoe.train):

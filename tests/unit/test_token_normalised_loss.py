@@ -11,7 +11,7 @@ from mindmoe.conf.checks import Layout
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.distributed import Distributed
+from mindmoe.train.parallel.distributed import Distributed
 from mindmoe.train.step import CompiledStep
 from tests.helpers.gradient_capture import GradientCapture
 

@@ -1,4 +1,4 @@
-"""ZeRO-1 (train/zero.py) in one process: the sharded AdamW against FusedAdamW over several steps, with two
+"""ZeRO-1 (train/parallel/zero.py) in one process: the sharded AdamW against FusedAdamW over several steps, with two
 weight-decay groups, a per-expert-row update scale and a tensor whose size is not a multiple of the ranks.
 
 k > 1 ranks are simulated: each simulated rank has its own copy of the parameters and its own optimizer; its
@@ -22,7 +22,7 @@ from mindmoe.model.kernels import ascend_collectives
 from mindmoe.model.kernels.cpu_collectives import EmulatedReduceScatter
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
-from mindmoe.train.zero import MomentView, ShardSpec
+from mindmoe.train.parallel.zero import MomentView, ShardSpec
 
 SHAPES = {"experts.w": (3, 3, 5), "proj.weight": (4, 6), "norm.weight": (7,)}  # 45 elements: odd, padded
 ROW_SCALES = np.array([1.0, 0.5, 0.25], np.float32).reshape(3, 1, 1)  # expert_update isolation of experts.w

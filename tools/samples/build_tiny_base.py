@@ -69,7 +69,7 @@ def main() -> None:
 def export(checkpoint: Path, out: Path) -> None:
     from mindmoe.data.tokenizer import load_tokenizer
     from mindmoe.model.hf import export_hf
-    from mindmoe.train.checkpoint_tokenizer import carried_tokenizer
+    from mindmoe.train.checkpoints.tokenizer import carried_tokenizer
 
     tokenizer = load_tokenizer(carried_tokenizer(checkpoint))
     export_hf(checkpoint, out_dir=out)

@@ -44,7 +44,7 @@ from mindmoe.model.kernels.host_runtime import configure_host_runtime
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
-from mindmoe.train.checkpoint import (
+from mindmoe.train.checkpoints.checkpoint import (
     CONFIG_FILE,
     checkpoint_model_config,
     load_model_weights,
@@ -52,8 +52,8 @@ from mindmoe.train.checkpoint import (
     resolve_checkpoint,
     verify_checkpoint,
 )
-from mindmoe.train.checkpoint_tokenizer import checkpoint_tokenizer
-from mindmoe.train.eval_config import EvalConfig, validate_eval_config
+from mindmoe.train.checkpoints.tokenizer import checkpoint_tokenizer
+from mindmoe.train.evaluation.config import EvalConfig, validate_eval_config
 from mindmoe.train.graph_memory import release_compiled_graphs
 from mindmoe.train.head_loss import head_loss, head_nll, masked_sum
 from mindmoe.train.step import split_window
@@ -190,7 +190,7 @@ def load_checkpoint_config(checkpoint: str, data_tokenizer: str = ""):
 
 
 def evaluate_checkpoint(cfg) -> dict:
-    """The long-context report of ``cfg.checkpoint`` (see :mod:`train.eval_report` for its tables)."""
+    """The long-context report of ``cfg.checkpoint`` (see :mod:`train.evaluation.report` for its tables)."""
     eval_cfg = OmegaConf.to_object(cfg.eval)
     validate_eval_config(eval_cfg)
     checkpoint_dir, state, model_cfg, tokenizer_path = load_checkpoint_config(cfg.checkpoint, cfg.data.tokenizer)

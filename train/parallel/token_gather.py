@@ -2,7 +2,8 @@
 experts run as one tokens-to-tokens kernel, ``kernels.token_experts``: a CPU training graph).
 
 Every rank of the group reads its own micro-batch. Instead of sending each assignment's row to its expert's rank
-(:mod:`train.grouped_exchange`, whose fixed slots hold the worst case), the ranks gather the group's tokens, each
+(:mod:`train.parallel.grouped_exchange`, whose fixed slots hold the worst case), the ranks gather the group's tokens,
+each
 rank's kernel runs only its own experts' assignments among them, and the partial outputs are summed back to the
 ranks the tokens came from:
 
@@ -16,8 +17,9 @@ ranks the tokens came from:
 Each rank therefore holds and runs the rows of its own experts only (about T * K over the group, the routed rows,
 with no worst-case padding), and the exchanges move ``G * T`` tokens where the row exchange's slots move
 ``G * T * min(K, e)`` rows. Routing, the balancing loss and the statistics stay per micro-batch, as in
-:mod:`train.grouped_exchange`. On CPU the gather is AllGather (world group) or a masked AllReduce, and the
-reduce-scatter an exact float64 sum of the gathered partial sums (:mod:`train.exact_sum`): one process's float32
+:mod:`train.parallel.grouped_exchange`. On CPU the gather is AllGather (world group) or a masked AllReduce, and the
+reduce-scatter an exact float64 sum of the gathered partial sums (:mod:`train.parallel.exact_sum`): one process's
+float32
 sums, whichever rank holds which of a token's experts.
 
 Shape legend: T tokens of this rank's micro-batch, K experts per token, G ranks of the group, H hidden, F packed
@@ -27,7 +29,7 @@ columns (H + 2K + 1).
 import mindspore as ms
 from mindspore import nn, ops
 
-from mindmoe.train.exact_sum import ExactGroupSum, ExactReduceScatterToFloat32, Float64Gather
+from mindmoe.train.parallel.exact_sum import ExactGroupSum, ExactReduceScatterToFloat32, Float64Gather
 
 
 class Adjoint(nn.Cell):
@@ -56,7 +58,8 @@ class GroupTokenExperts(nn.Cell):
         self.local = local
         self.group_size = group_size
         # [T, F] -> [G * T, F] in rank order, and [G * T, H] -> this rank's [T, H] of the sum over the group: the
-        # kernel's float64 partial sums (outputs forward, input gradients backward) added exactly (train/exact_sum.py).
+        # kernel's float64 partial sums (outputs forward, input gradients backward) added exactly
+        # (train/parallel/exact_sum.py).
         self.gather_tokens = Adjoint(
             Float64Gather(group, group_size, rank_in_group),
             ExactReduceScatterToFloat32(group, group_size, rank_in_group),

@@ -2,10 +2,12 @@
 ``parallel.ep_dispatcher=alltoall``): each rank sends only its routed rows, so the experts run on about
 ep times the routed rows of one micro-batch instead of every expert on every token.
 
-Selected by :class:`train.expert_parallel.ExpertParallelDispatch` for ``moe.dispatch=dropless``; capacity
-dispatch keeps the fixed ``[e, C, H]`` exchange of :mod:`train.token_exchange`. Where the experts run from tokens
+Selected by :class:`train.parallel.expert_parallel.ExpertParallelDispatch` for ``moe.dispatch=dropless``; capacity
+dispatch keeps the fixed ``[e, C, H]`` exchange of :mod:`train.parallel.token_exchange`. Where the experts run from
+tokens
 to tokens (``kernels.token_experts``: a CPU training graph) the layer calls :meth:`GroupedExchange.token_experts`
-instead, and the group's tokens travel rather than the rows (:mod:`train.token_gather`); the row exchange below is
+instead, and the group's tokens travel rather than the rows (:mod:`train.parallel.token_gather`); the row exchange below
+is
 the path of the devices with a grouped matmul (Ascend).
 
 Shape legend: T tokens of this rank's micro-batch, K experts per token, A = T * K assignments, E experts,
@@ -42,7 +44,7 @@ from mindspore import Tensor, ops
 from mindmoe.model import kernels
 from mindmoe.model.moe.dispatch import combine_rows, gather_rows, grouped_rows
 from mindmoe.model.moe.token_dispatcher import DroplessDispatcher, TokenDispatcher
-from mindmoe.train.token_gather import GroupTokenExperts
+from mindmoe.train.parallel.token_gather import GroupTokenExperts
 
 
 def slot_rows(num_tokens: int, top_k: int, num_local: int, block: int) -> int:
@@ -196,7 +198,7 @@ class GroupedExchange(TokenDispatcher):
 
     def token_experts(self, x_TH, routing, experts, scale_T):
         """``[T, H]``: this rank's tokens' weighted expert outputs, the group's experts run from tokens to tokens on
-        the group's gathered tokens (:class:`~mindmoe.train.token_gather.GroupTokenExperts`)."""
+        the group's gathered tokens (:class:`~mindmoe.train.parallel.token_gather.GroupTokenExperts`)."""
         return self.group_tokens(x_TH, routing, experts, scale_T)
 
     def dispatch(self, x_TH, routing):

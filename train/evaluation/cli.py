@@ -23,8 +23,8 @@ register_configs()
 @hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
 @reports_errors("mindmoe-eval")
 def _main(cfg) -> None:
-    from mindmoe.train.eval_report import markdown, write_report
-    from mindmoe.train.evaluate import evaluate_checkpoint
+    from mindmoe.train.evaluation.evaluate import evaluate_checkpoint
+    from mindmoe.train.evaluation.report import markdown, write_report
 
     report = evaluate_checkpoint(cfg)
     out_dir = Path(cfg.eval.out) if cfg.eval.out else Path(HydraConfig.get().runtime.output_dir)

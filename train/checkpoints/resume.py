@@ -7,8 +7,13 @@ from pathlib import Path
 
 from mindmoe.conf.exit_codes import STOPPED_ON_SIGNAL, CommandExit
 from mindmoe.model.lora_dropout import dropout_draws, dropout_streams, set_dropout_state
-from mindmoe.train.checkpoint import CorruptCheckpointError, check_complete, resolve_checkpoint, verify_checkpoint
-from mindmoe.train.lineage import step_dirs
+from mindmoe.train.checkpoints.checkpoint import (
+    CorruptCheckpointError,
+    check_complete,
+    resolve_checkpoint,
+    verify_checkpoint,
+)
+from mindmoe.train.checkpoints.lineage import step_dirs
 
 log = logging.getLogger("mindmoe.train")
 
@@ -17,14 +22,14 @@ def pick_resume_checkpoint(resume: str, checkpoint_root: Path, on_corrupt: str, 
     """The checkpoint to resume from (verified against its recorded sizes and hashes), or None.
 
     ``hash_files=False`` (the ranks of a job) checks sizes only: each rank hashes the files it reads when it
-    loads them (:func:`train.checkpoint.load_model_weights`), so a file altered without a change of size
+    loads them (:func:`train.checkpoints.checkpoint.load_model_weights`), so a file altered without a change of size
     is an error then, not a fall-back to an older checkpoint.
 
     ``auto`` takes the newest ``step_*`` directory directly under ``checkpoint_root`` (never one under
-    ``abandoned-*``: :mod:`train.lineage`). One that is incomplete (no ``state.json``, a listed file
+    ``abandoned-*``: :mod:`train.checkpoints.lineage`). One that is incomplete (no ``state.json``, a listed file
     missing) or fails its hashes is an error naming it, or with ``on_corrupt="previous"`` is skipped with
     a warning for the next older one. Nothing is moved or deleted here: every rank of a job calls this,
-    then :func:`train.lineage.settle_lineage` moves aside what the chosen checkpoint does not continue.
+    then :func:`train.checkpoints.lineage.settle_lineage` moves aside what the chosen checkpoint does not continue.
     """
     if resume == "none":
         return None

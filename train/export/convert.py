@@ -9,7 +9,7 @@ the commands were taken from; nothing here can run without an Ascend host.
 
 from pathlib import Path
 
-from mindmoe.train.export_config import ExportConfig
+from mindmoe.train.export.config import ExportConfig
 
 CONVERT_FILE = "CONVERT.md"
 PREFILL_CONFIG = "prefill_ascend.ini"

@@ -1,7 +1,7 @@
 """The tokenizer of a checkpoint, for everything that uses one: export, eval, resume and ``lora.base_checkpoint``.
 
 A checkpoint carries its tokenizer (``state.json`` ``tokenizer`` names the files, relative to the
-checkpoint directory; :mod:`train.checkpoint`), and only those files are read for it, so a checkpoint
+checkpoint directory; :mod:`train.checkpoints.checkpoint`), and only those files are read for it, so a checkpoint
 copied to another machine works without the cache it was trained from, and an export never copies a
 file from outside the checkpoint.
 
@@ -24,7 +24,7 @@ from mindmoe.model.checkpoint_files import (
     RecordedTokenizerPath,
     checkpoint_tokenizer_names,
 )
-from mindmoe.train.checkpoint import resolve_checkpoint
+from mindmoe.train.checkpoints.checkpoint import resolve_checkpoint
 
 
 def carried_tokenizer(checkpoint_dir: Path) -> Optional[Path]:

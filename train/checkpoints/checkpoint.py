@@ -14,7 +14,7 @@
         state.json              step, data position, seed, model_config, tokenizer (the names of
                                 its files, relative to this directory), file hashes; written last
 
-Each rank writes only the parts it owns (:mod:`train.checkpoint_shards`), and a checkpoint written with
+Each rank writes only the parts it owns (:mod:`train.checkpoints.shards`), and a checkpoint written with
 any world size, ``parallel.ep`` or ``parallel.zero`` loads into any other: each rank reads only the pieces
 overlapping what it holds, and hash-checks only the files it reads. Rank 0's files keep the one-process
 names, so a one-process checkpoint is the same files as before the index existed (and one written before
@@ -27,7 +27,7 @@ A checkpoint is assembled in a hidden temporary directory and renamed into place
 complete, so a crash while saving leaves the previous checkpoints untouched and never a
 half-written one under a ``step_*`` name. ``state.json`` records the size and sha256 of the other
 files, so a checkpoint truncated or altered afterwards is detected before it is loaded. Which
-``step_*`` directories belong to the run writing them is :mod:`train.lineage`'s concern.
+``step_*`` directories belong to the run writing them is :mod:`train.checkpoints.lineage`'s concern.
 """
 
 import dataclasses
@@ -55,7 +55,8 @@ from mindmoe.model.checkpoint_files import (  # noqa: F401
 )
 from mindmoe.model.checkpoint_shards import INDEX_FILE, OPTIMIZER_FILE, merge_manifests, read_index  # noqa: F401
 from mindmoe.model.linear import numpy_of
-from mindmoe.train.checkpoint_shards import (
+from mindmoe.train.checkpoints.lineage import move_aside, step_dirs, step_of, temporary_dir
+from mindmoe.train.checkpoints.shards import (
     OneProcess,
     files_to_read,
     fsync,
@@ -65,7 +66,6 @@ from mindmoe.train.checkpoint_shards import (
     read_manifests,
     write_pieces,
 )
-from mindmoe.train.lineage import move_aside, step_dirs, step_of, temporary_dir
 
 #: ``state.json`` key: the size in bytes of each file of ``files``, checked without hashing.
 SIZES_KEY = "file_sizes"
@@ -129,13 +129,14 @@ def save_checkpoint(
 ) -> Path:
     """Write ``step_{step:06d}`` under ``checkpoint_root`` atomically and prune to ``keep_last``
     (:func:`prune_checkpoints`). Every rank of ``dist`` (None: one process) calls it: each writes the parts it
-    owns (:mod:`train.checkpoint_shards`) into one shared temporary directory; after a barrier rank 0 writes
+    owns (:mod:`train.checkpoints.shards`) into one shared temporary directory; after a barrier rank 0 writes
     the index, the rest and ``state.json``, and renames the directory into place.
 
     ``write_extra(directory) -> [relative file names]`` adds files (hashed like the others), e.g. a
     LoRA run's PEFT adapter; ``carried`` adds the tokenizer (named in ``state.json`` ``tokenizer``) and
     ``config.yaml``; both run on rank 0 only, after the index is written. A ``step_*`` directory of the same
-    name (which :func:`train.lineage.settle_lineage` makes impossible in a training run) is moved aside, never
+    name (which :func:`train.checkpoints.lineage.settle_lineage` makes impossible in a training run) is moved aside,
+    never
     deleted."""
     dist = dist or OneProcess()
     final = checkpoint_root / f"step_{step:06d}"
@@ -214,9 +215,9 @@ def prune_checkpoints(checkpoint_root: Path, keep_last: int, newest: Path) -> li
     Only checkpoints that pass :func:`check_complete` count and only they are deleted: an incomplete or
     truncated one is reported and left in place, so a corrupt checkpoint never pushes a good one out.
     Hashes are not recomputed here (that would re-read every kept checkpoint at each save); they are
-    checked when a checkpoint is resumed, and :func:`train.lineage.settle_lineage` has moved aside the
+    checked when a checkpoint is resumed, and :func:`train.checkpoints.lineage.settle_lineage` has moved aside the
     newer ones that failed then. ``newest`` and everything after it are never deleted: the step
-    directories that remain older than ``newest`` are its lineage (:mod:`train.lineage`).
+    directories that remain older than ``newest`` are its lineage (:mod:`train.checkpoints.lineage`).
     """
     if keep_last <= 0:
         return []
@@ -292,7 +293,7 @@ def verify_checkpoint(checkpoint_dir: Path, names=None) -> None:
 
 def list_checkpoints(checkpoint_root: Path) -> list:
     """The ``step_*`` directories under ``checkpoint_root`` that have a ``state.json``, oldest first
-    (:func:`train.lineage.step_dirs` lists the incomplete ones too)."""
+    (:func:`train.checkpoints.lineage.step_dirs` lists the incomplete ones too)."""
     return [path for path in step_dirs(checkpoint_root) if (path / STATE_FILE).is_file()]
 
 

@@ -27,7 +27,7 @@ Capacity, dropping and the aux loss therefore stay per micro-batch, exactly as i
 Expert memory (weights, gradients, AdamW moments) is divided by ``ep``; attention and the router
 run on every rank of a group. CPU has AllGather and AllReduce but no ReduceScatter (AllGather's
 usual backward) or AlltoAll, hence the custom backwards. The token-routed ``alltoall`` dispatcher,
-whose ranks read different micro-batches, is :mod:`train.token_exchange`.
+whose ranks read different micro-batches, is :mod:`train.parallel.token_exchange`.
 
 Checkpoints hold each expert shard once, written by the rank of the first expert group holding it
 (:class:`ShardedState`), and a run can resume with any ``ep`` (each rank reads its rows). LoRA adapters
@@ -45,9 +45,9 @@ from mindmoe.model.linear import numpy_of
 from mindmoe.model.moe.experts import routed_expert_cells
 from mindmoe.model.moe.layer import MoELayer
 from mindmoe.model.moe.token_dispatcher import DroplessDispatcher, ExpertPlacement, TokenDispatcher, local_dispatcher
-from mindmoe.train.exact_sum import ExactGroupSum
-from mindmoe.train.grouped_exchange import GroupedExchange
-from mindmoe.train.token_exchange import AllToAllDispatcher
+from mindmoe.train.parallel.exact_sum import ExactGroupSum
+from mindmoe.train.parallel.grouped_exchange import GroupedExchange
+from mindmoe.train.parallel.token_exchange import AllToAllDispatcher
 
 #: Prefixes mindformers' AdamW gives the moments of a parameter.
 MOMENT_PREFIXES = ("adam_m.", "adam_v.")
@@ -78,7 +78,8 @@ def all_gather_supported(group: str) -> bool:
 class CopyTokensToGroup(nn.Cell):
     """:class:`CopyToGroup` of the tokens ``x [T, H]`` (float64: the expert kernel's input gradients are its float64
     partial sums) and their combine weights ``w [T, K]`` with one exact sum of both gradients over the group
-    (train/exact_sum.py): two independent all-reduces of one backward may run in a different order on each rank (seen:
+    (train/parallel/exact_sum.py): two independent all-reduces of one backward may run in a different order on each rank
+    (seen:
     with two, an expert-parallel LoRA run's losses left one process's from the second step)."""
 
     def __init__(self, group: str, group_size: int, rank_in_group: int):
@@ -125,7 +126,8 @@ class GatherFromGroup(nn.Cell):
 class SumOverGroup(nn.Cell):
     """All-reduce (sum) forward; backward passes the gradient through: it is the same on every rank of
     the group (same tokens, same loss), and each summed row came from one rank's experts. ``summing``: the
-    summing cell (default AllReduce over ``group``; float64 partial sums: train/exact_sum.py's ExactGroupSum)."""
+    summing cell (default AllReduce over ``group``; float64 partial sums: train/parallel/exact_sum.py's
+    ExactGroupSum)."""
 
     def __init__(self, group: str, summing=None):
         super().__init__()
@@ -169,7 +171,7 @@ class AllGatherDispatcher(TokenDispatcher):
         topk_idx_TK, weight_TK = routing
         # In float64 through the group: each rank's kernel returns exact float64 sums of its experts' outputs (and of
         # their input gradients), the group adds them exactly, and rounding once gives one process's float32 sums
-        # whatever the order (train/exact_sum.py).
+        # whatever the order (train/parallel/exact_sum.py).
         x_TH64, weight_TK = self.copy_tokens_in(x_TH.astype(ms.float64), weight_TK)
         y_TH64 = self.local.token_experts(x_TH64, (topk_idx_TK, weight_TK), experts, scale_T)
         return self.exact_sum_out(y_TH64).astype(x_TH.dtype)
@@ -193,7 +195,8 @@ class AllGatherDispatcher(TokenDispatcher):
 
 class ExpertParallelDispatch(ExpertPlacement):
     """``expert_dispatcher`` of a model built on rank ``rank_in_group`` of an expert group of ``ep`` ranks;
-    ``ep_dispatcher`` (``parallel.ep_dispatcher``): ``allgather`` or ``alltoall`` (:mod:`train.token_exchange`)."""
+    ``ep_dispatcher`` (``parallel.ep_dispatcher``): ``allgather`` or ``alltoall``
+    (:mod:`train.parallel.token_exchange`)."""
 
     def __init__(self, rank_in_group: int, ep: int, group: str, ep_dispatcher: str = "allgather"):
         self.rank_in_group = rank_in_group

@@ -4,7 +4,7 @@
         step_000002/ step_000003/     the current lineage: the checkpoints this run continues and writes
         abandoned-20260101T120000Z/   checkpoints moved aside when a run did not continue them (never deleted)
             step_000004/ step_000006/
-        .step_000008.tmp-4711/        a checkpoint being written by process 4711 (see train/checkpoint.py)
+        .step_000008.tmp-4711/        a checkpoint being written by process 4711 (see train/checkpoints/checkpoint.py)
 
 The rule (:func:`off_lineage`), applied once at start by :func:`settle_lineage`:
 

@@ -17,7 +17,7 @@ Capacity, dropping, the aux loss and the statistics are the local dispatcher's, 
 as one process computes them for that micro-batch.
 
 ``moe.dispatch=dropless`` does not go through this fixed exchange (it would need ``C = T`` slots, the
-all-experts cost): :mod:`train.grouped_exchange` sends each rank only its routed rows.
+all-experts cost): :mod:`train.parallel.grouped_exchange` sends each rank only its routed rows.
 """
 
 from mindspore import ops

@@ -94,7 +94,7 @@ def shard_specs(params, dist=None) -> list:
     for param in params:
         shape = tuple(param.shape)
         if param.name in experts:
-            # Averaged like train/distributed.py's reducer: summed over the expert_dp_group, divided by dp.
+            # Averaged like train/parallel/distributed.py's reducer: summed over the expert_dp_group, divided by dp.
             grouped = bool(dist.expert_dp_group)
             specs.append(
                 ShardSpec(
@@ -276,7 +276,7 @@ def log_moment_share(optimizer, rank: int) -> int:
 
 class MomentView:
     """A moment range seen as the full moment by checkpoint code (``name``, ``shape``, ``dtype``, ``asnumpy``,
-    ``set_data``), like :class:`train.expert_parallel.ShardedState`; ``asnumpy`` is a collective (every rank of
+    ``set_data``), like :class:`train.parallel.expert_parallel.ShardedState`; ``asnumpy`` is a collective (every rank of
     the job calls it, in the same order). For checkpoints written per rank: ``part = ("flat", start, stop)``,
     the elements of the row-major flattened full tensor this rank owns, ``local_part()`` their values (no
     collective), ``set_part(values)`` sets them, ``writer``: this rank owns a non-empty range (the ranges of
@@ -319,7 +319,7 @@ class MomentView:
 
 def moment_views(optimizer, dist=None) -> dict:
     """``{moment name: MomentView}`` of both moments of every parameter of a ZeRO optimizer."""
-    from mindmoe.train.expert_parallel import GatherFromGroup
+    from mindmoe.train.parallel.expert_parallel import GatherFromGroup
 
     jitted = {}
 

@@ -53,7 +53,7 @@ class Distributed:
         self.rank_in_group = rank % layout.ep
         self.ep_group = ep_group
         self.expert_dp_group = expert_dp_group
-        # {expert shard's name: first row held}; the moment views of ZeRO-1 (train/zero.py) by moment name.
+        # {expert shard's name: first row held}; the moment views of ZeRO-1 (train/parallel/zero.py) by moment name.
         self.expert_rows = {}
         self.zero_views = {}
         self.is_main = rank == 0
@@ -76,7 +76,7 @@ class Distributed:
         with ``parallel.ep > 1``, the placement that gives this rank its share of every MoE layer's experts."""
         if self.ep == 1:
             return None
-        from mindmoe.train.expert_parallel import ExpertParallelDispatch
+        from mindmoe.train.parallel.expert_parallel import ExpertParallelDispatch
 
         return ExpertParallelDispatch(self.rank_in_group, self.ep, self.ep_group, self.layout.ep_dispatcher)
 
@@ -85,13 +85,13 @@ class Distributed:
         reducer, the gradient norm and the checkpoint views; ``model`` must have been built with
         :attr:`expert_dispatcher`. Nothing in the model changes."""
         if self.ep > 1:
-            from mindmoe.train.expert_parallel import expert_shards
+            from mindmoe.train.parallel.expert_parallel import expert_shards
 
             self.expert_rows = expert_shards(model, model.config.num_experts, self.ep)
 
     def track_zero(self, optimizer) -> None:
-        """Record the moment views of a ZeRO-1 optimizer (train/zero.py) for :meth:`checkpoint_views`."""
-        from mindmoe.train.zero import moment_views
+        """Record the moment views of a ZeRO-1 optimizer (train/parallel/zero.py) for :meth:`checkpoint_views`."""
+        from mindmoe.train.parallel.zero import moment_views
 
         self.zero_views = moment_views(optimizer, self)
 
@@ -105,7 +105,7 @@ class Distributed:
 
     def checkpoint_views(self, params) -> list:
         """``params`` as checkpoints see them: expert tensors and AdamW moments at full size."""
-        from mindmoe.train.expert_parallel import sharded_views
+        from mindmoe.train.parallel.expert_parallel import sharded_views
 
         params = list(params)
         plain = [p for p in params if p.name not in self.zero_views]

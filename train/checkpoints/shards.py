@@ -1,8 +1,8 @@
 """Writing and loading the tensors of a checkpoint by parts, whatever the layout (:mod:`model.checkpoint_shards`).
 
 A tensor a checkpoint holds is a ``mindspore.Parameter`` (the whole tensor, held by every rank) or a view of
-a tensor split over ranks (expert shards, :class:`train.expert_parallel.ShardedState`; ZeRO-1 moments,
-:class:`train.zero.MomentView`) with ``name``, ``shape`` (the full one), ``part = ("flat", start, stop)`` (the
+a tensor split over ranks (expert shards, :class:`train.parallel.expert_parallel.ShardedState`; ZeRO-1 moments,
+:class:`train.parallel.zero.MomentView`) with ``name``, ``shape`` (the full one), ``part = ("flat", start, stop)`` (the
 elements of the row-major flattened full tensor this rank holds), ``writer`` (this rank writes that part:
 exactly one rank of the job writes each distinct part), ``local_part()`` and ``set_part(values)``. Only these
 are used, so a new kind of split needs no code here.
@@ -31,7 +31,7 @@ MANIFEST = ".rank{rank:05d}.json"
 
 
 class OneProcess:
-    """The :class:`train.distributed.Distributed` interface checkpoints use, for one process."""
+    """The :class:`train.parallel.distributed.Distributed` interface checkpoints use, for one process."""
 
     rank = 0
     is_main = True

@@ -7,7 +7,7 @@
 ``export.format=mindir`` writes ``prefill.mindir`` and ``decode.mindir`` (:mod:`model.export.serving`; MLA
 models cache their latent, :mod:`model.export.mla_serving`), the tokenizer files, ``manifest.json`` (every
 input/output, the cache layout, the model config, versions, source hashes),
-``CONVERT.md`` and the Ascend converter configs (:mod:`train.export_convert`). ``export.format=hf`` writes a
+``CONVERT.md`` and the Ascend converter configs (:mod:`train.export.convert`). ``export.format=hf`` writes a
 transformers-loadable directory with :func:`model.hf.export_hf`: a HF source keeps its ``model_type`` (a
 ``glm4_moe_lite`` is not relabelled ``deepseek_v3``), a checkpoint gets the first architecture that reproduces it.
 """
@@ -43,16 +43,16 @@ from mindmoe.model.hf import (
 from mindmoe.model.hf.load import weight_files
 from mindmoe.model.kernels.host_runtime import configure_host_runtime
 from mindmoe.model.moe_config import MoEConfig
-from mindmoe.train.checkpoint import (
+from mindmoe.train.checkpoints.checkpoint import (
     STATE_FILE,
     checkpoint_model_config,
     read_state,
     resolve_checkpoint,
     verify_checkpoint,
 )
-from mindmoe.train.checkpoint_tokenizer import checkpoint_tokenizer
-from mindmoe.train.export_config import ExportConfig, validate_export_config
-from mindmoe.train.export_target import ExportTarget, check_export_target, export_sources, staged_export
+from mindmoe.train.checkpoints.tokenizer import checkpoint_tokenizer
+from mindmoe.train.export.config import ExportConfig, validate_export_config
+from mindmoe.train.export.target import ExportTarget, check_export_target, export_sources, staged_export
 from mindmoe.train.init_model import explicit_model_keys, model_overrides
 
 log = logging.getLogger("mindmoe.export")
@@ -224,7 +224,7 @@ def build_serving_model(source: ExportSource, model_overrides: dict):
         source.notes += [note for note in notes if note not in source.notes]
         return serve_dsa_sparse(model, source.notes)
     from mindmoe.model.transformer import MoETransformer
-    from mindmoe.train.checkpoint import load_model_weights
+    from mindmoe.train.checkpoints.checkpoint import load_model_weights
 
     validate_model_config(source.model_config)
     model = MoETransformer(source.model_config, moe=moe, dsa=source.dsa_training)
@@ -318,7 +318,7 @@ def build_manifest(
 
 
 def export_target(cfg, export_cfg: ExportConfig, source: ExportSource, adapter, run_dir: Path) -> ExportTarget:
-    """``export.out`` checked against everything the export reads (:func:`train.export_target.check_export_target`)."""
+    """``export.out`` checked against everything the export reads (:func:`train.export.target.check_export_target`)."""
     source_key = "checkpoint" if source.kind == "checkpoint" else "model.pretrained"
     tokenizer_key = "data.tokenizer" if cfg.data.tokenizer else f"the tokenizer of {source_key}"
     sources = export_sources(
@@ -329,7 +329,7 @@ def export_target(cfg, export_cfg: ExportConfig, source: ExportSource, adapter, 
 
 def run_export(cfg, run_dir: Path, override_args=None, runtime=None) -> Path:
     """Export as configured; returns the output directory. The export is written into a hidden sibling
-    of it and renamed into place once complete (:func:`train.export_target.staged_export`)."""
+    of it and renamed into place once complete (:func:`train.export.target.staged_export`)."""
     export_cfg: ExportConfig = OmegaConf.to_object(cfg.export)
     model_overrides = command_line_model_overrides(cfg, override_args, runtime)
     moe_overrides = command_line_moe_overrides(cfg, override_args, runtime)
@@ -370,7 +370,7 @@ def write_mindir_export(
     files; returns the notes."""
     from mindmoe.model.export.mindir import export_mindir
     from mindmoe.model.export.mla_serving import serving_dsa_stage
-    from mindmoe.train.export_convert import write_conversion_files
+    from mindmoe.train.export.convert import write_conversion_files
 
     ms.set_context(mode=ms.GRAPH_MODE)
     configure_host_runtime()

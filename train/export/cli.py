@@ -24,7 +24,7 @@ register_configs()
 @hydra.main(config_path="pkg://mindmoe.conf", config_name="config", version_base="1.3")
 @reports_errors("mindmoe-export")
 def _main(cfg) -> None:
-    from mindmoe.train.export import run_export
+    from mindmoe.train.export.exporter import run_export
 
     hydra_cfg = HydraConfig.get()
     out = run_export(cfg, Path(hydra_cfg.runtime.output_dir), list(hydra_cfg.overrides.task), hydra_cfg.runtime)

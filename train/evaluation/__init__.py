@@ -1,0 +1,1 @@
+"""``mindmoe-eval``: long-context evaluation of a checkpoint."""
