@@ -26,7 +26,7 @@ from mindmoe.train.config import COMPUTE_DTYPE_NAMES, validate_train_config
 
 def validate_precision(train, device_target: Optional[str]) -> None:
     """``train.dtype`` and ``train.cell_reuse`` against the device MindSpore runs on (``device_target`` None: only the
-    device-independent part); the loss scale's domain is :data:`conf.ranges.TRAIN_RANGES`."""
+    device-independent part); the loss scale's domain is declared on its field (:mod:`conf.ranges`)."""
     if train.dtype not in COMPUTE_DTYPE_NAMES:
         raise ValueError(f"train.dtype={train.dtype!r} must be one of {', '.join(COMPUTE_DTYPE_NAMES)}")
     if train.dtype != "fp32" and device_target == "CPU":

@@ -1,14 +1,21 @@
-"""The domain of every numeric ``train.*`` and ``data.*`` key (and ``parallel.zero``), checked before a run builds.
+"""Numeric domains of config keys, written on their dataclass fields and checked before a run builds.
 
 Hydra's structured config checks types only, so ``train.lr=-0.001`` would train the model away from the
-data with exit 0. :func:`range_errors` lists every value outside its domain (all of them, not only the
-first); :func:`check_ranges` raises one error naming each key, its value and the allowed range.
-A test keeps :data:`TRAIN_RANGES` / :data:`DATA_RANGES` covering every numeric field of the dataclasses.
+data with exit 0. A section's dataclass declares each numeric key's domain where it declares the key
+(``lr: float = bounded(3e-3, above(0))``); :func:`range_errors` lists every value of the ``train.*``,
+``data.*`` and ``parallel.*`` sections outside its domain (all of them, not only the first) and
+:func:`check_ranges` raises one error naming each key, its value and the allowed range. ``moe.*`` is
+checked with its other rules (:func:`model.moe_config.validate_moe_config`). A test keeps every numeric
+field of those dataclasses bounded. This module imports nothing of mindmoe (every section's module uses it).
 """
 
+import dataclasses
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+#: The ``metadata`` key of a dataclass field that holds its :class:`Range`.
+RANGE = "range"
 
 
 @dataclass(frozen=True)
@@ -29,15 +36,17 @@ class Range:
             return False
         return self.high is None or (value < self.high if self.high_open else value <= self.high)
 
-    def text(self) -> str:
+    def bound(self) -> str:
+        """``>= 1``, ``> 0``, ``in [0, 1)``: the domain without its note."""
         if self.high is None:
-            bound = f"{'>' if self.low_open else '>='} {_number(self.low)}"
-        else:
-            bound = (
-                f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
-                f"{')' if self.high_open else ']'}"
-            )
-        return bound + (f" ({self.note})" if self.note else "")
+            return f"{'>' if self.low_open else '>='} {_number(self.low)}"
+        return (
+            f"in {'(' if self.low_open else '['}{_number(self.low)}, {_number(self.high)}"
+            f"{')' if self.high_open else ']'}"
+        )
+
+    def text(self) -> str:
+        return self.bound() + (f" ({self.note})" if self.note else "")
 
 
 def _number(value: float) -> str:
@@ -52,47 +61,21 @@ def above(low: float, note: str = "") -> Range:
     return Range(low, low_open=True, note=note)
 
 
-#: Domains of the numeric ``train.*`` keys (``train.betas`` holds two values; each has this range).
-#: mindformers' AdamW takes betas strictly inside (0, 1).
-TRAIN_RANGES = {
-    "max_steps": at_least(1),
-    "lr": above(0),
-    "warmup_ratio": Range(0, 1, high_open=True),
-    "min_lr_ratio": Range(0, 1, note="the final learning rate as a share of train.lr"),
-    "weight_decay": at_least(0),
-    "betas": Range(0, 1, low_open=True, high_open=True),
-    "eps": above(0),
-    "grad_clip": at_least(0, "0 disables clipping"),
-    "log_every": at_least(1),
-    "eval_every": at_least(0, "0 = only at the end"),
-    "eval_batches": at_least(0, "0 = the whole validation split"),
-    "save_every": at_least(1),
-    "keep_last": at_least(1),
-    "seed": Range(0, 2**32 - 1),
-    "max_bad_steps": at_least(1),
-    "peak_gflops": at_least(0, "0 = measure at start-up"),
-    "loss_scale": above(0),
-    "loss_scale_window": at_least(1),
-    "mtp_loss_coeff": at_least(0, "the weight of the MTP loss; read only with model.mtp_layers > 0"),
-}
-
-#: Domains of the numeric ``data.*`` keys (``data.weights`` is checked with ``data.train_files``).
-DATA_RANGES = {
-    "seq_len": at_least(1),
-    "global_batch_size": at_least(1),
-    "micro_batch_size": at_least(1),
-    "vocab_size": at_least(1),
-    "num_proc": at_least(1),
-    "shard_windows": at_least(1),
-    "wait_timeout_s": above(0, "seconds"),
-}
+def bounded(default=dataclasses.MISSING, domain: Range = None, default_factory=dataclasses.MISSING):
+    """A dataclass field whose value must lie in ``domain`` (a list field: each of its values)."""
+    return field(default=default, default_factory=default_factory, metadata={RANGE: domain})
 
 
-#: Domains of the numeric ``parallel.*`` keys checked here (``dp`` and ``ep`` are checked against the world size,
-#: :func:`conf.checks.resolve_layout`).
-PARALLEL_RANGES = {
-    "zero": Range(0, 1, note="0 = every rank holds all its AdamW moments, 1 = ZeRO-1: moments split over ranks"),
-}
+def field_ranges(cls) -> dict:
+    """``{field name: Range}`` of the bounded fields of dataclass ``cls`` (or of an instance, or a structured
+    OmegaConf node of one); ``{}`` for anything else."""
+    if not dataclasses.is_dataclass(cls):
+        from omegaconf import OmegaConf  # here: conf.moved_keys reaches this module and must stay light
+
+        cls = OmegaConf.get_type(cls) if OmegaConf.is_config(cls) else None
+    if not dataclasses.is_dataclass(cls):
+        return {}
+    return {f.name: f.metadata[RANGE] for f in dataclasses.fields(cls) if RANGE in f.metadata}
 
 
 def _betas_errors(betas, domain: Range) -> list:
@@ -102,14 +85,11 @@ def _betas_errors(betas, domain: Range) -> list:
     return []
 
 
-RANGES = {"train": TRAIN_RANGES, "data": DATA_RANGES, "parallel": PARALLEL_RANGES}
-
-
 def section_range_errors(section: str, values, keys=None) -> list:
-    """``"<section>.<key>=<value> must be <range>"`` for every value of ``values`` (a ``train``, ``data`` or
-    ``parallel`` section) outside its domain; ``keys`` limits the check to those keys."""
+    """``"<section>.<key>=<value> must be <range>"`` for every value of ``values`` (a section's dataclass, or
+    its structured node) outside the domain its field declares; ``keys`` limits the check to those keys."""
     errors = []
-    for key, domain in RANGES[section].items():
+    for key, domain in field_ranges(values).items():
         if keys is not None and key not in keys:
             continue
         value = getattr(values, key)
@@ -123,10 +103,9 @@ def section_range_errors(section: str, values, keys=None) -> list:
 def range_errors(cfg) -> list:
     """Every out-of-range ``train.*``, ``data.*`` and ``parallel.*`` value of the run config ``cfg``."""
     errors = section_range_errors("train", cfg.train) + section_range_errors("data", cfg.data)
-    # A partial config (a caller's own sections) is checked on the parallel.* keys it has.
+    # A partial config (a caller's own sections) may have no parallel section.
     parallel = getattr(cfg, "parallel", None)
-    keys = [key for key in PARALLEL_RANGES if hasattr(parallel, key)]
-    return errors + (section_range_errors("parallel", parallel, keys) if keys else [])
+    return errors + (section_range_errors("parallel", parallel) if parallel is not None else [])
 
 
 def raise_range_errors(errors: list) -> None:

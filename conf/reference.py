@@ -1,4 +1,4 @@
-"""Markdown reference tables of config sections, generated from the dataclasses (key, default, meaning).
+"""Markdown reference tables of config sections, generated from the dataclasses (key, default, domain, meaning).
 
 Each key is documented once, by the ``#:`` comment above its dataclass field; docs/configuration.md's key tables
 are this output (a test compares them), so a default or a description cannot drift between the two.
@@ -12,6 +12,8 @@ import inspect
 import json
 import sys
 import textwrap
+
+from mindmoe.conf.ranges import field_ranges
 
 
 def field_docs(cls) -> dict:
@@ -49,12 +51,15 @@ def yaml_text(value) -> str:
 
 
 def markdown_table(section: str, cls) -> str:
-    """``| key | default | meaning |`` rows of every field of ``cls`` as ``section.<field>``."""
+    """``| key | default | domain | meaning |`` rows of every field of ``cls`` as ``section.<field>``; the domain is
+    the one declared on the field (:func:`conf.ranges.bounded`), empty for the others."""
     docs = field_docs(cls)
-    rows = ["| key | default | meaning |", "|---|---|---|"]
+    ranges = field_ranges(cls)
+    rows = ["| key | default | domain | meaning |", "|---|---|---|---|"]
     for field in dataclasses.fields(cls):
         meaning = docs.get(field.name, "").replace("``", "`").replace("|", "\\|")
-        rows.append(f"| `{section}.{field.name}` | `{yaml_text(default_value(field))}` | {meaning} |")
+        domain = ranges[field.name].bound() if field.name in ranges else ""
+        rows.append(f"| `{section}.{field.name}` | `{yaml_text(default_value(field))}` | {domain} | {meaning} |")
     return "\n".join(rows) + "\n"
 
 

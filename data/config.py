@@ -3,6 +3,8 @@
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from mindmoe.conf.ranges import above, at_least, bounded
+
 DATA_FORMATS = ("text", "sft")
 #: ``data.sft_overlong`` values.
 OVERLONG_POLICIES = ("error", "truncate")
@@ -24,23 +26,23 @@ class DataConfig:
     #: Field holding the document text in json/jsonl/parquet rows.
     text_field: str = "text"
     #: Tokens the model sees per sequence; windows of ``seq_len + 1`` tokens are packed.
-    seq_len: int = 128
+    seq_len: int = bounded(128, at_least(1))
     #: Sequences per optimizer step over all data-parallel ranks.
-    global_batch_size: int = 16
+    global_batch_size: int = bounded(16, at_least(1))
     #: Sequences per forward/backward on one rank; accumulation = global / (micro * dp).
-    micro_batch_size: int = 16
+    micro_batch_size: int = bounded(16, at_least(1))
     #: A sentencepiece ``.model`` file or a HF checkpoint directory (``tokenizer.json`` or ``tokenizer.model``)
     #: to use; null = the ``model.pretrained`` directory's tokenizer if set, else train one on ``train_files``.
     #: A resumed run uses the tokenizer its checkpoint carries.
     tokenizer: Optional[str] = None
     #: Vocabulary size when the tokenizer is trained here.
-    vocab_size: int = 4096
+    vocab_size: int = bounded(4096, at_least(1))
     #: Where tokenizers and MindRecord shards are cached; null = ``$MINDMOE_CACHE`` or ``~/.cache/mindmoe``.
     cache_dir: Optional[str] = None
     #: Processes used to tokenise the corpus.
-    num_proc: int = 2
+    num_proc: int = bounded(2, at_least(1))
     #: Packed windows per MindRecord shard file.
-    shard_windows: int = 4096
+    shard_windows: int = bounded(4096, at_least(1))
     #: ``text`` (documents, every token scored) or ``sft`` (JSONL conversations, ``messages`` or
     #: ``prompt``/``response``, rendered with the tokenizer's chat template; only assistant tokens scored).
     format: str = "text"
@@ -49,7 +51,7 @@ class DataConfig:
     sft_overlong: str = "error"
     #: Seconds a process other than the writer (rank 0 of a job) waits for the writer to finish the cache
     #: entry of this data before failing; preparing a large corpus the first time takes that long at most.
-    wait_timeout_s: float = 7200.0
+    wait_timeout_s: float = bounded(7200.0, above(0, "seconds"))
 
 
 def validate_data_config(cfg: DataConfig) -> None:

@@ -7,6 +7,8 @@ schema and ``mindmoe-launch`` read them without importing either.
 from dataclasses import dataclass
 from typing import Optional
 
+from mindmoe.conf.ranges import Range, bounded
+
 
 @dataclass
 class ParallelConfig:
@@ -28,7 +30,9 @@ class ParallelConfig:
     #: moments are split over the ranks holding the same copy of it (all ranks; an expert shard's data-parallel
     #: ranks), gradients are reduce-scattered and the updated ranges all-gathered; same losses, checkpoints
     #: hold full moments.
-    zero: int = 0
+    zero: int = bounded(
+        0, Range(0, 1, note="0 = every rank holds all its AdamW moments, 1 = ZeRO-1: moments split over ranks")
+    )
 
 
 @dataclass

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
+from mindmoe.conf.ranges import Range, above, at_least, bounded, field_ranges
 from mindmoe.model.dsa_config import DSA_TRAINING_KEYS, DSAConfig, dsa_config, validate_dsa
 from mindmoe.model.moe_config import MOE_KEYS
 from mindmoe.model.rope_scaling import RopeScalingConfig, rope_scaling_config, validate_rope_scaling
@@ -31,13 +32,13 @@ class ModelConfig:
     pretrained: Optional[str] = None
 
     #: Vocabulary size; 0 = take it from the tokenizer.
-    vocab_size: int = 0
+    vocab_size: int = bounded(0, at_least(0, "0 = the tokenizer's"))
     #: Width of the residual stream.
-    hidden_size: int = 192
+    hidden_size: int = bounded(192, at_least(1))
     #: Number of decoder blocks (dense and MoE together).
-    num_layers: int = 4
+    num_layers: int = bounded(4, at_least(1))
     #: Query heads.
-    num_heads: int = 6
+    num_heads: int = bounded(6, at_least(1))
     #: gqa (grouped-query attention, GLM-4.5) or mla (multi-head latent attention, DeepSeek-V2/V3: queries
     #: and keys/values through low-rank latents, one RoPE key shared by all heads; model/mla.py). MLA reads
     #: the ``q_lora_rank`` .. ``v_head_dim`` keys below and none of ``num_kv_heads``, ``head_dim``,
@@ -47,15 +48,15 @@ class ModelConfig:
     #: (DeepSeek-V2-Lite).
     q_lora_rank: Optional[int] = None
     #: MLA: width of the compressed key/value latent (``kv_a_proj_with_mqa`` -> RMSNorm -> ``kv_b_proj``).
-    kv_lora_rank: int = 64
+    kv_lora_rank: int = bounded(64, at_least(1))
     #: MLA: per-head query/key channels without RoPE (from ``kv_b_proj`` for the keys).
-    qk_nope_head_dim: int = 32
+    qk_nope_head_dim: int = bounded(32, at_least(1))
     #: MLA: per-head query/key channels with RoPE; the key part is one head shared by all query heads.
-    qk_rope_head_dim: int = 16
+    qk_rope_head_dim: int = bounded(16, at_least(1))
     #: MLA: per-head value width.
-    v_head_dim: int = 32
+    v_head_dim: int = bounded(32, at_least(1))
     #: Key/value heads (GQA); must divide ``num_heads``.
-    num_kv_heads: int = 2
+    num_kv_heads: int = bounded(2, at_least(1))
     #: Per-head width; 0 = ``hidden_size // num_heads``.
     head_dim: int = 0
     #: Add a bias to the q/k/v projections (GLM-4.5 does).
@@ -63,30 +64,30 @@ class ModelConfig:
     #: RMSNorm over head_dim on q and k before RoPE (GLM-4.5 does).
     qk_norm: bool = True
     #: RoPE base.
-    rope_theta: float = 10000.0
+    rope_theta: float = bounded(10000.0, at_least(0))
     #: Share of head_dim that is rotated (GLM uses 0.5: the first half rotates).
-    partial_rotary_factor: float = 0.5
+    partial_rotary_factor: float = bounded(0.5, Range(0, 1, low_open=True))
     #: Rotate pairs (2i, 2i+1) instead of (i, i + d/2) (GLM-4.5 uses rotate_half = false).
     rope_interleaved: bool = False
     #: Longest position the RoPE tables cover.
-    max_position_embeddings: int = 4096
+    max_position_embeddings: int = bounded(4096, at_least(1))
     #: RoPE scaling beyond the trained context: type none|linear|ntk|dynamic_ntk|yarn, factor,
     #: original_max_position, beta_fast, beta_slow, attention_factor (documented in model/rope_scaling.py).
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     #: Epsilon of every RMSNorm.
-    rms_norm_eps: float = 1e-5
+    rms_norm_eps: float = bounded(1e-5, at_least(0))
     #: Hidden width of the dense SwiGLU FFN of the first ``first_k_dense`` layers.
-    intermediate_size: int = 512
+    intermediate_size: int = bounded(512, at_least(1))
     #: Leading layers with a dense FFN; the rest are MoE layers.
     first_k_dense: int = 1
     #: Routed experts per MoE layer.
-    num_experts: int = 8
+    num_experts: int = bounded(8, at_least(1))
     #: Experts chosen per token.
-    top_k: int = 2
+    top_k: int = bounded(2, at_least(1))
     #: Hidden width of one routed (and one shared) expert.
-    moe_intermediate_size: int = 128
+    moe_intermediate_size: int = bounded(128, at_least(1))
     #: Shared experts applied to every token (fused into one SwiGLU of width n * moe_intermediate_size).
-    num_shared_experts: int = 1
+    num_shared_experts: int = bounded(1, at_least(0))
     #: Router score function: softmax or sigmoid (GLM-4.5: sigmoid).
     score_func: str = "softmax"
     #: Aux-loss-free balancing (DeepSeek-V3 / GLM-4.5 ``e_score_correction_bias``): a per-expert bias
@@ -100,11 +101,11 @@ class ModelConfig:
     #: Renormalise the k chosen weights to sum to one.
     norm_topk_prob: bool = True
     #: Multiplier on the routed output (GLM-4.5: 2.5).
-    routed_scaling_factor: float = 1.0
+    routed_scaling_factor: float = bounded(1.0, above(0))
     #: Share the input embedding with the LM head.
     tie_word_embeddings: bool = False
     #: Standard deviation of the normal initialisation of every matrix.
-    initializer_range: float = 0.02
+    initializer_range: float = bounded(0.02, at_least(0))
     #: Multi-token-prediction depths D (DeepSeek-V3 §2.2; model/mtp.py): depth k predicts token t+k+1 from the
     #: previous depth's hidden state and the embedding of token t+k, through one extra MoE decoder layer that
     #: shares the embedding and the LM head. Training only (``train.mtp_loss_coeff``); evaluation, generation
@@ -159,26 +160,13 @@ class ModelConfig:
         return self.num_layers - self.first_k_dense
 
 
-#: Sizes that must be >= 1; vocab_size may also be 0 (= the tokenizer's).
-SIZE_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "num_layers",
-    "num_heads",
-    "num_kv_heads",
-    "intermediate_size",
-    "moe_intermediate_size",
-    "num_experts",
-    "top_k",
-    "max_position_embeddings",
-)
-NON_NEGATIVE_KEYS = ("rms_norm_eps", "initializer_range", "rope_theta")
+#: MLA widths: their domains are checked only for ``attention_type=mla`` (GQA does not read them, nor MLA the
+#: ``GQA_ONLY_KEYS``).
+MLA_SIZE_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 CHOICES = {
     "score_func": SCORE_FUNCS,
     "attention_type": ATTENTION_TYPES,
 }
-#: MLA widths, each >= 1 (``q_lora_rank`` may also be null).
-MLA_SIZE_KEYS = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
 
 
 def validate_model_config(cfg: ModelConfig) -> None:
@@ -187,14 +175,12 @@ def validate_model_config(cfg: ModelConfig) -> None:
     def fail(key: str, why: str):
         raise ValueError(f"model.{key}={getattr(cfg, key)!r}: {why}")
 
-    for key in SIZE_KEYS:
-        if getattr(cfg, key) < (0 if key == "vocab_size" else 1):
-            fail(key, "must be positive")
+    for key, domain in field_ranges(ModelConfig).items():
+        unread = GQA_ONLY_KEYS if cfg.attention_type == "mla" else MLA_SIZE_KEYS
+        if key not in unread and not domain.contains(getattr(cfg, key)):
+            fail(key, f"must be {domain.text()}")
     _check_attention(cfg, fail)
     _check_routing(cfg, fail)
-    for key in NON_NEGATIVE_KEYS:
-        if getattr(cfg, key) < 0:
-            fail(key, "must be >= 0")
     if isinstance(cfg.mtp_layers, bool) or not isinstance(cfg.mtp_layers, int) or cfg.mtp_layers < 0:
         fail("mtp_layers", "must be an integer >= 0 (0 = no multi-token prediction; DeepSeek-V3 and GLM-4.5 use 1)")
     validate_rope_scaling(cfg.rope_scaling, cfg.max_position_embeddings, cfg.rotary_dim)
@@ -226,8 +212,6 @@ def _check_attention(cfg: ModelConfig, fail) -> None:
             f"is 0 but model.hidden_size={cfg.hidden_size} is not a multiple of "
             f"model.num_heads={cfg.num_heads}; set head_dim explicitly",
         )
-    if not 0.0 < cfg.partial_rotary_factor <= 1.0:
-        fail("partial_rotary_factor", "must be in (0, 1]")
     if cfg.rotary_dim % 2:
         fail("partial_rotary_factor", f"gives an odd rotary dim {cfg.rotary_dim}; it must be even")
 
@@ -237,9 +221,6 @@ def _check_mla(cfg: ModelConfig, fail) -> None:
         isinstance(cfg.q_lora_rank, bool) or not isinstance(cfg.q_lora_rank, int) or cfg.q_lora_rank < 1
     ):
         fail("q_lora_rank", "must be a positive integer, or null for a plain q_proj")
-    for key in MLA_SIZE_KEYS:
-        if getattr(cfg, key) < 1:
-            fail(key, "must be positive")
     if cfg.qk_rope_head_dim % 2:
         fail("qk_rope_head_dim", "must be even (RoPE rotates channel pairs)")
 
@@ -247,8 +228,6 @@ def _check_mla(cfg: ModelConfig, fail) -> None:
 def _check_routing(cfg: ModelConfig, fail) -> None:
     if cfg.top_k > cfg.num_experts:
         fail("top_k", f"cannot exceed model.num_experts={cfg.num_experts}")
-    if cfg.num_shared_experts < 0:
-        fail("num_shared_experts", "must be >= 0")
     for key, choices in CHOICES.items():
         if getattr(cfg, key) not in choices:
             fail(key, f"must be one of {choices}")

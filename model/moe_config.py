@@ -9,6 +9,8 @@ pretrained model or a resumed run may change them freely. The run records them b
 import dataclasses
 from dataclasses import dataclass
 
+from mindmoe.conf.ranges import Range, above, at_least, bounded, field_ranges
+
 #: ``moe.dispatch``: ``auto`` resolves per run (:meth:`MoEConfig.resolved`).
 DISPATCH_MODES = ("auto", "capacity", "dropless")
 AUX_LOSS_TYPES = ("switch", "seq", "none")
@@ -38,27 +40,27 @@ class MoEConfig:
     #: ``lora.base_checkpoint``: dropping would change its logits), capacity for one initialised here.
     dispatch: str = "auto"
     #: Expert capacity = ceil(capacity_factor * tokens * top_k / num_experts) per micro-batch.
-    capacity_factor: float = 1.25
+    capacity_factor: float = bounded(1.25, above(0))
     #: Load-balancing loss: switch (coeff * E * sum_e f_e P_e, f_e = c_e / (k T), over the micro-batch),
     #: seq (the same per sequence, averaged over sequences; DeepSeek-V3) or none.
     aux_loss: str = "switch"
     #: Coefficient of the aux loss; perfectly balanced routing gives exactly this value per layer.
-    aux_loss_coeff: float = 1e-2
+    aux_loss_coeff: float = bounded(1e-2, at_least(0))
     #: Coefficient of the router z-loss, coeff * mean(logsumexp(logits)^2); 0 disables it.
-    z_loss_coeff: float = 1e-3
+    z_loss_coeff: float = bounded(1e-3, at_least(0))
     #: Step of the aux-loss-free balancing bias (``model.expert_bias``) per optimizer step,
     #: ``b += rate * sign(mean_load - load)`` from the effective routing counts of the whole global batch;
     #: 0 keeps the bias fixed (e.g. an imported one).
-    bias_update_rate: float = 0.0
+    bias_update_rate: float = bounded(0.0, at_least(0))
     #: Expert locking: after ``lock_run_length`` consecutive tokens of a document with the same natural
     #: top-k set, the next ``lock_span`` tokens are routed to that set.
     expert_lock: bool = False
     #: Identical consecutive routing decisions that start a lock.
-    lock_run_length: int = 5
+    lock_run_length: int = bounded(5, at_least(1))
     #: Tokens after a qualifying run that stay locked.
-    lock_span: int = 10
+    lock_span: int = bounded(10, at_least(1))
     #: lambda: how much locked tokens still train the experts they are locked to (1 = no isolation).
-    isolation_decay: float = 0.3
+    isolation_decay: float = bounded(0.3, Range(0, 1))
     #: expert_update (scale expert e's optimizer update by 1-(1-lambda)*f_e, f_e = locked share of its
     #: tokens; survives Adam's scale invariance) or token_grad (scale locked tokens' expert gradients).
     isolation_mode: str = "expert_update"
@@ -85,16 +87,6 @@ class MoEConfig:
         return cls(**values)
 
 
-#: The bound of each numeric ``moe.*`` key, written once: ``(low, low inclusive, high, high inclusive)``.
-MOE_BOUNDS = {
-    "capacity_factor": (0.0, False, None, False),
-    "aux_loss_coeff": (0.0, True, None, False),
-    "z_loss_coeff": (0.0, True, None, False),
-    "bias_update_rate": (0.0, True, None, False),
-    "lock_run_length": (1, True, None, False),
-    "lock_span": (1, True, None, False),
-    "isolation_decay": (0.0, True, 1.0, True),
-}
 MOE_CHOICES = {"dispatch": DISPATCH_MODES, "aux_loss": AUX_LOSS_TYPES, "isolation_mode": ISOLATION_MODES}
 
 
@@ -104,16 +96,9 @@ def validate_moe_config(moe: MoEConfig, expert_bias: bool = True) -> None:
     for key, choices in MOE_CHOICES.items():
         if getattr(moe, key) not in choices:
             raise ValueError(f"moe.{key}={getattr(moe, key)!r}: must be one of {choices}")
-    for key, (low, low_in, high, high_in) in MOE_BOUNDS.items():
-        value = getattr(moe, key)
-        below = value < low if low_in else value <= low
-        over = high is not None and (value > high if high_in else value >= high)
-        if isinstance(value, bool) or below or over:
-            if high is None:
-                bound = f"{'>=' if low_in else '>'} {low}"
-            else:
-                bound = f"in {'[' if low_in else '('}{low}, {high}{']' if high_in else ')'}"
-            raise ValueError(f"moe.{key}={value!r}: must be {bound}")
+    for key, domain in field_ranges(MoEConfig).items():
+        if not domain.contains(getattr(moe, key)):
+            raise ValueError(f"moe.{key}={getattr(moe, key)!r}: must be {domain.text()}")
     if moe.bias_update_rate > 0 and not expert_bias:
         raise ValueError(
             f"moe.bias_update_rate={moe.bias_update_rate!r}: needs model.expert_bias=true (there is no bias to update)"

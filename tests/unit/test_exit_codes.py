@@ -107,6 +107,7 @@ def test_a_moved_key_exits_2_naming_its_new_place_and_the_check_is_a_leaf(capsys
         "mindmoe.conf",
         "mindmoe.conf.exit_codes",
         "mindmoe.conf.moved_keys",
+        "mindmoe.conf.ranges",
         "mindmoe.model",
         "mindmoe.model.dsa_config",
         "mindmoe.model.moe_config",

@@ -46,8 +46,8 @@ def test_parameter_shapes_list_exactly_the_mla_models_parameters(q_lora_rank):
     [
         (dict(attention_type="mha"), "model.attention_type='mha': must be one of"),
         (dict(q_lora_rank=0), "model.q_lora_rank=0: must be a positive integer, or null"),
-        (dict(kv_lora_rank=0), "model.kv_lora_rank=0: must be positive"),
-        (dict(v_head_dim=0), "model.v_head_dim=0: must be positive"),
+        (dict(kv_lora_rank=0), "model.kv_lora_rank=0: must be >= 1"),
+        (dict(v_head_dim=0), "model.v_head_dim=0: must be >= 1"),
         (dict(qk_rope_head_dim=5), "model.qk_rope_head_dim=5: must be even"),
         (
             dict(attention_type="gqa", num_kv_heads=2, rope_scaling=RopeScalingConfig("yarn", 2.0, mscale_all_dim=1.0)),

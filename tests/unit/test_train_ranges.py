@@ -11,9 +11,10 @@ import pytest
 
 from mindmoe.conf.checks import validate_run_config
 from mindmoe.conf.exit_codes import CONFIG_ERROR
-from mindmoe.conf.ranges import DATA_RANGES, TRAIN_RANGES
+from mindmoe.conf.ranges import field_ranges
 from mindmoe.data.config import DataConfig
-from mindmoe.model.moe_config import MOE_BOUNDS, MoEConfig
+from mindmoe.model.config import ModelConfig, validate_model_config
+from mindmoe.model.moe_config import MoEConfig
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
 from tests.helpers.runs import compose_config
@@ -21,7 +22,16 @@ from tests.helpers.tiny_run import TINY_RUN
 
 REPO = Path(__file__).resolve().parents[2]
 #: Numeric keys checked elsewhere, with the reason.
-CHECKED_ELSEWHERE = {"data.weights"}  # one per data.train_files entry: data.config.validate_data_config
+CHECKED_ELSEWHERE = {
+    "data.weights",  # one per data.train_files entry: data.config.validate_data_config
+    # against other model keys or with a special value (model.config.validate_model_config)
+    "model.head_dim",  # 0 = hidden_size / num_heads
+    "model.q_lora_rank",  # null = a plain q_proj
+    "model.first_k_dense",  # at most num_layers
+    "model.n_group",  # divides num_experts
+    "model.topk_group",  # at most n_group
+    "model.mtp_layers",  # an integer (a float would build a fraction of a layer)
+}
 
 
 def check(*overrides):
@@ -50,7 +60,7 @@ def check(*overrides):
         ("data.micro_batch_size=0", r"data\.micro_batch_size=0 must be >= 1"),
         ("data.num_proc=0", r"data\.num_proc=0 must be >= 1"),
         ("moe.capacity_factor=0", r"moe\.capacity_factor=0\.0: must be > 0"),
-        ("moe.isolation_decay=1.5", r"moe\.isolation_decay=1\.5: must be in \[0\.0, 1\.0\]"),
+        ("moe.isolation_decay=1.5", r"moe\.isolation_decay=1\.5: must be in \[0, 1\]"),
         ("moe.lock_span=0", r"moe\.lock_span=0: must be >= 1"),
     ],
 )
@@ -87,6 +97,20 @@ def test_boundary_values_that_mean_something_are_accepted():
     check()  # the defaults
 
 
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"hidden_size": 0}, r"model\.hidden_size=0: must be >= 1"),
+        ({"rope_theta": -1.0}, r"model\.rope_theta=-1\.0: must be >= 0"),
+        ({"routed_scaling_factor": 0.0}, r"model\.routed_scaling_factor=0\.0: must be > 0"),
+        ({"partial_rotary_factor": 0.0}, r"model\.partial_rotary_factor=0\.0: must be in \(0, 1\]"),
+    ],
+)
+def test_a_model_value_out_of_its_field_domain_names_the_key(changes, message):
+    with pytest.raises(ValueError, match=message):
+        validate_model_config(ModelConfig(**changes))
+
+
 def _numeric(annotation) -> bool:
     args = typing.get_args(annotation)
     if typing.get_origin(annotation) in (typing.Union, list, typing.List):
@@ -95,14 +119,15 @@ def _numeric(annotation) -> bool:
 
 
 @pytest.mark.parametrize(
-    "section, cls, ranges",
-    [("train", TrainConfig, TRAIN_RANGES), ("data", DataConfig, DATA_RANGES), ("moe", MoEConfig, MOE_BOUNDS)],
+    "section, cls",
+    [("train", TrainConfig), ("data", DataConfig), ("moe", MoEConfig), ("model", ModelConfig)],
 )
-def test_every_numeric_key_has_a_range(section, cls, ranges):
+def test_every_numeric_key_has_a_range(section, cls):
+    ranges = field_ranges(cls)
     hints = typing.get_type_hints(cls)
     numeric = {f"{section}.{field.name}" for field in dataclasses.fields(cls) if _numeric(hints[field.name])}
     covered = {f"{section}.{key}" for key in ranges} | CHECKED_ELSEWHERE
-    assert numeric - covered == set(), "add the domain of these keys to conf/ranges.py"
+    assert numeric - covered == set(), "declare the domain of these keys on their fields (conf.ranges.bounded)"
     assert {f"{section}.{key}" for key in ranges} <= numeric
 
 
