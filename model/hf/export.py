@@ -56,9 +56,11 @@ def export_hf(
     if out_dir is None:
         raise ValueError("export_hf: out_dir is required")
     cfg, tensors = _source(source, model_config)
-    if moe is None:
-        moe = source.moe_config if hasattr(source, "moe_config") else _checkpoint_policy(source)[0]
-    stage = source.dsa_training.stage if hasattr(source, "dsa_training") else _checkpoint_policy(source)[1]
+    if hasattr(source, "moe_config"):  # a model
+        recorded_moe, stage = source.moe_config, source.dsa_training.stage
+    else:
+        recorded_moe, stage = _checkpoint_policy(source)
+    moe = recorded_moe if moe is None else moe
     model_type, hf_config, notes = hf_config_from_model(cfg, model_type, moe, stage)
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
