@@ -5,13 +5,13 @@ config maps one to one. Every field is read by the model; :func:`validate_model_
 rejects values the model cannot honour before anything is built.
 """
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
 from mindmoe.conf.ranges import Range, above, at_least, bounded, field_ranges
 from mindmoe.model.dsa_config import DSA_TRAINING_KEYS, DSAConfig, dsa_config, validate_dsa
 from mindmoe.model.moe_config import MOE_KEYS
+from mindmoe.model.records import from_record
 from mindmoe.model.rope_scaling import RopeScalingConfig, rope_scaling_config, validate_rope_scaling
 
 SCORE_FUNCS = ("softmax", "sigmoid")
@@ -127,17 +127,13 @@ class ModelConfig:
     def from_dict(cls, values: dict, source: str) -> "ModelConfig":
         """The config ``dataclasses.asdict`` wrote (a checkpoint's ``state.json``, an export manifest);
         ValueError naming ``source`` for a key this version does not have."""
-        if not isinstance(values, dict):
-            raise ValueError(f"{source}: must be an object of model.* keys, got {type(values).__name__}")
-        # state.json of a run from before the moe.* section recorded the MoE policy here
-        # (:func:`model.checkpoint_files.checkpoint_moe_config` reads it from there).
-        values = {key: value for key, value in values.items() if key not in MOE_KEYS}
-        if isinstance(values.get("dsa"), dict):  # and DSA's training keys (checkpoint_dsa_training reads them)
-            values["dsa"] = {key: value for key, value in values["dsa"].items() if key not in DSA_TRAINING_KEYS}
-        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"{source}: unknown model keys {', '.join(unknown)} (written by another mindmoe version?)")
-        return cls(**values)
+        if isinstance(values, dict):
+            # state.json of a run from before the moe.* section recorded the MoE policy here
+            # (:func:`model.checkpoint_files.checkpoint_moe_config` reads it from there).
+            values = {key: value for key, value in values.items() if key not in MOE_KEYS}
+            if isinstance(values.get("dsa"), dict):  # and DSA's training keys (checkpoint_dsa_training reads them)
+                values["dsa"] = {key: value for key, value in values["dsa"].items() if key not in DSA_TRAINING_KEYS}
+        return from_record(cls, values, source, "model")
 
     @property
     def resolved_head_dim(self) -> int:

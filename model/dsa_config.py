@@ -24,6 +24,8 @@ unless told otherwise; every export serves ``sparse`` (``off`` stays dense).
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
+from mindmoe.model.records import from_record
+
 DSA_STAGES = ("dense_warmup", "sparse", "off")
 
 
@@ -62,12 +64,7 @@ class DSATrainingConfig:
     @classmethod
     def from_dict(cls, values: dict, source: str) -> "DSATrainingConfig":
         """The schedule ``dataclasses.asdict`` wrote (``state.json`` ``dsa_config``); ValueError naming ``source``."""
-        if not isinstance(values, Mapping):
-            raise ValueError(f"{source}: must be an object of dsa.* keys, got {type(values).__name__}")
-        unknown = sorted(set(values) - set(DSA_TRAINING_KEYS))
-        if unknown:
-            raise ValueError(f"{source}: unknown dsa keys {', '.join(unknown)} (written by another mindmoe version?)")
-        return cls(**dict(values))
+        return from_record(cls, values, source, "dsa")
 
 
 def dsa_training(value) -> DSATrainingConfig:

@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from mindmoe.conf.ranges import Range, above, at_least, bounded, field_ranges
+from mindmoe.model.records import from_record
 
 #: ``moe.dispatch``: ``auto`` resolves per run (:meth:`MoEConfig.resolved`).
 DISPATCH_MODES = ("auto", "capacity", "dropless")
@@ -79,12 +80,7 @@ class MoEConfig:
     @classmethod
     def from_dict(cls, values: dict, source: str) -> "MoEConfig":
         """The policy ``dataclasses.asdict`` wrote (``state.json`` ``moe_config``); ValueError naming ``source``."""
-        if not isinstance(values, dict):
-            raise ValueError(f"{source}: must be an object of moe.* keys, got {type(values).__name__}")
-        unknown = sorted(set(values) - {f.name for f in dataclasses.fields(cls)})
-        if unknown:
-            raise ValueError(f"{source}: unknown moe keys {', '.join(unknown)} (written by another mindmoe version?)")
-        return cls(**values)
+        return from_record(cls, values, source, "moe")
 
 
 MOE_CHOICES = {"dispatch": DISPATCH_MODES, "aux_loss": AUX_LOSS_TYPES, "isolation_mode": ISOLATION_MODES}
