@@ -4,41 +4,36 @@ process without ZeRO resumes on the same loss curve."""
 
 import re
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.helpers.launches import LAUNCH_RUN, assert_same_losses, finish, start
+from tests.helpers.launches import LAUNCH_RUN, assert_same_losses, finish, launch_command, start, train_command
 from tests.helpers.processes import free_port
 from tests.helpers.runs import REPO, losses_by_step
+from tests.helpers.shared_runs import reference_runs
 
-STEPS, SAVE_AT = 4, 2
-RUN = [o for o in LAUNCH_RUN if not o.startswith(("train.max_steps=", "train.save_every="))] + [
-    f"train.max_steps={STEPS}",
-    f"train.save_every={SAVE_AT}",
-]
+STEPS = int(next(o for o in LAUNCH_RUN if o.startswith("train.max_steps=")).split("=")[1])
+SAVE_AT = int(next(o for o in LAUNCH_RUN if o.startswith("train.save_every=")).split("=")[1])  # the first checkpoint
 MOMENT_LINE = re.compile(r"zero: rank (\d) holds (\d+) of (\d+) AdamW moment elements")
-
-
-def train_one_process(run_dir, data_cache, *extra):
-    command = [sys.executable, "-m", "mindmoe.train.cli", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}"]
-    subprocess.run([*command, *RUN, *extra], cwd=REPO, check=True, capture_output=True, timeout=900)
-    return losses_by_step(run_dir)
 
 
 @pytest.mark.msrun
 def test_zero1_on_two_workers_gives_the_losses_of_one_process_with_half_the_moments_and_resumes_without_it(
-    tmp_path, data_cache, processes
+    tmp_path, tmp_path_factory, data_cache, processes
 ):
     from mindmoe.model.checkpoint_shards import read_tensors
 
-    single = train_one_process(tmp_path / "single", data_cache)
     run_dir = tmp_path / "zero1"
-    launch = [sys.executable, "-m", "mindmoe.launch.cli", f"hydra.run.dir={run_dir}", f"data.cache_dir={data_cache}"]
     launcher = start(
-        processes, [*launch, *RUN, "parallel.zero=1", "launch.procs_per_node=2", f"launch.master_port={free_port()}"]
+        processes,
+        launch_command(
+            run_dir, data_cache, "parallel.zero=1", "launch.procs_per_node=2", f"launch.master_port={free_port()}"
+        ),
     )
+    # The session's one-process run of the same overrides (trained now, while the workers compile, if no test
+    # asked for it yet).
+    single = losses_by_step(reference_runs(tmp_path_factory, data_cache, {"default": ()})["default"])
     code, stdout, stderr = finish(launcher)
     assert code == 0, stdout[-3000:] + stderr[-3000:]
     assert_same_losses(losses_by_step(run_dir), single, range(1, STEPS + 1))
@@ -61,6 +56,9 @@ def test_zero1_on_two_workers_gives_the_losses_of_one_process_with_half_the_mome
         assert moments[f"adam_v.{name}"].shape == weights[name].shape
     assert all(np.any(moments[f"adam_v.{name}"].reshape(-1)[-(weights[name].size // 2) :]) for name in trained)
 
-    resumed = train_one_process(tmp_path / "resumed", data_cache, f"train.resume={checkpoint}")
+    resumed_dir = tmp_path / "resumed"
+    command = train_command(resumed_dir, data_cache, f"train.resume={checkpoint}")
+    subprocess.run(command, cwd=REPO, check=True, capture_output=True, timeout=900)
+    resumed = losses_by_step(resumed_dir)
     assert sorted(resumed) == list(range(SAVE_AT + 1, STEPS + 1))
     assert_same_losses(resumed, single, range(SAVE_AT + 1, STEPS + 1))

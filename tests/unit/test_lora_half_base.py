@@ -20,7 +20,7 @@ from mindmoe.model.peft_adapter import ADAPTER_WEIGHTS, save_adapter
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.checkpoints.checkpoint import load_parameters, parameters_to_numpy
 
-from .test_lora import tiny_config
+from .test_lora_model import tiny_config
 
 HIDDEN, WIDTH, RANK, EXPERTS, ROWS = 12, 10, 3, 3, 5
 HALF = ["fp16", "bf16"]
