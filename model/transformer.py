@@ -138,8 +138,7 @@ class MoEDecoderLayer(DecoderLayer):
     def routed_ffn_residual(self, x_BSH, h_TH, scores_TE, topk_idx_TK, dispatcher):
         """The FFN half's output for tokens routed to ``topk_idx``, through ``dispatcher``."""
         routing = (topk_idx_TK, self.mlp.router.combine_weights(scores_TE, topk_idx_TK))
-        ffn_TH, _ = self.mlp.expert_output(h_TH, routing, dispatcher)
-        return x_BSH + ffn_TH.reshape(x_BSH.shape)
+        return x_BSH + self.mlp.dispatched(h_TH, routing, dispatcher).reshape(x_BSH.shape)
 
     def construct(self, x_BSH, cos, sin, mask, doc_ids_BS):
         """``(output, aux, z, routing_stats, layer_stats)``, and the indexer's loss last with DSA."""

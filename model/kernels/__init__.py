@@ -225,7 +225,7 @@ def rope(interleaved: bool, device_target: str = None):
 
 
 def grouped_matmul(device_target: str = None, weight_grad: bool = True, frozen_weight=None):
-    """``(x_sorted [N, b, F], weight [E, O, F], group_sizes [E] int32) -> [N, b, O]``: the sorted rows
+    """``(x_sorted [N, b, F], weight [E, O, F], group_sizes [E] int32[, scale [N, b]]) -> [N, b, O]``: the sorted rows
     (``X = N * b``, flattened in order) fall into E contiguous groups of ``group_sizes[e]`` rows, each a
     multiple of b (the :func:`grouped_alignment`); row r of group e gives ``x_r weight[e]^T``. Rows past
     the last group are zeros and give zeros; they are never combined, so their gradient is not specified
@@ -237,7 +237,8 @@ def grouped_matmul(device_target: str = None, weight_grad: bool = True, frozen_w
     ``weight_grad=False``, the Parameter that every call passes as ``weight``; an implementation that reads
     weights on the host may read it in place instead of taking it as an input (the CPU one: no graph keeps a
     copy of it). An instance serves one product of the model (the CPU one keeps what its forward took for its
-    backward)."""
+    backward). ``scale``: the row scale of :func:`grouped_matmul_row_scaled`, which has this signature; unused
+    here, so a caller passes it to either."""
     return implementation("grouped_matmul", device_target)(weight_grad, frozen_weight)
 
 
@@ -282,8 +283,9 @@ def dropout_keep(threshold: int, scale: float, device_target: str = None):
 
 def token_experts(specs, shapes, scaling, num_experts, first_expert, num_held, top_k, device_target: str = None):
     """The routed experts from tokens to tokens in one kernel, or None where the grouped path (dispatcher, grouped
-    matmuls, combine) is the device's way: ``(x [T, H], topk [T, K] int32, block [1] int32, weight [T, K], scale [T],
-    then per projection gate, up, down: weight, lora_A, lora_B, row_Z, col_F) -> y [T, H]``, ``y_t = sum_k w_tk
+    matmuls, combine) is the device's way: ``(x [T, H], topk [T, K] int32, row [T * K] int32, sources [1] int32,
+    weight [T, K], scale [T], then per projection gate, up, down: weight, lora_A, lora_B, row_Z, col_F) -> y [T, H]``
+    (``row``: each assignment's row in the grouped path's expert-sorted buffer), ``y_t = sum_k w_tk
     expert_{i_tk}(x_t)`` over the ``num_held`` experts from ``first_expert``, with the adapters and dropout of
     ``specs`` (:class:`~.cpu_token_experts.ProjectionSpec`). CPU: :class:`~.cpu_token_experts.HostTokenExperts` (no
     expert row in the graph); Ascend: None. Training graphs only (static token count)."""

@@ -66,7 +66,8 @@ class AscendGroupedMatmul(nn.Cell):
     def rows(self, x_NbF):
         return x_NbF.reshape(-1, x_NbF.shape[-1])
 
-    def construct(self, x_NbF, w_EOF, group_sizes_E):
+    def construct(self, x_NbF, w_EOF, group_sizes_E, scale_Nb=None):
+        # ``scale_Nb``: the row scale a row-scaled product takes (:class:`AscendRowScaledGroupedMatmul`); unused here.
         group_list = group_sizes_E.astype(ms.int64)
         y_XO = gmm([self.rows(x_NbF)], [w_EOF.transpose(0, 2, 1)], group_list=group_list, group_list_type=1)[0]
         return y_XO.reshape(x_NbF.shape[:-1] + (w_EOF.shape[1],))

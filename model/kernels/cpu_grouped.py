@@ -310,7 +310,8 @@ class BlockGroupedMatmul(nn.Cell):
             scale_Nb = ops.ones(x_NbF.shape[:2], ms.float32)
         return self.matmul(x_NbF, w_EOF, group_sizes_G, scale_Nb)
 
-    def construct(self, x_NbF, w_EOF, group_sizes_G):
+    def construct(self, x_NbF, w_EOF, group_sizes_G, scale_Nb=None):
+        # ``scale_Nb``: the row scale a row-scaled product takes (:class:`RowScaledBlockGroupedMatmul`); unused here.
         return self._run(x_NbF, w_EOF, group_sizes_G, None)
 
 

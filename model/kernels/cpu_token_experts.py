@@ -7,18 +7,20 @@ here, O / F output / input features of one projection, R adapter rank, X rows of
 The grouped path (dispatcher -> grouped matmuls -> combine) holds every sorted row ``[X, H]`` and ``[X, I]`` several
 times in the graph, plus MindSpore's host copy of each ``pyfunc`` input, whatever share of the experts a process
 holds: under ``parallel.ep`` (allgather) every rank keeps the whole sorted buffer, the rows of other ranks' experts
-zero. Here the graph sees ``x [T, H]`` in and ``y [T, H]`` out; the kernel sorts the assignments of its held experts
-on the host (stable: token order within an expert, the grouped path's order) and keeps, between its forward and its
+zero. Here the graph sees ``x [T, H]`` in and ``y [T, H]`` out; the kernel orders the assignments of its held experts
+on the host by their rows of the grouped path (token order within an expert) and keeps, between its forward and its
 backward, only what those rows need (the gate and up pre-activations, the expert outputs and the adapters' low-rank
 products). A rank holding half of the experts keeps about half of the rows.
 
 ``y_t = sum_k w_tk * expert_{i_tk}(x_t)`` over the held experts (other experts contribute zero; a caller holding a
 share sums ``y`` over the expert group), ``expert(x) = down(silu(gate(x)) * up(x))`` and each projection
 ``p(x) = x W^T + scaling * (drop(x) A^T) B^T`` with the adapter when it has one. ``drop`` is the LoRA dropout draw of
-:mod:`model.lora_dropout`, keyed by each assignment's row in the expert-sorted buffer (:func:`sorted_rows`, computed
-here from the routing and the block size): the masks the grouped path draws. The backward gives ``dx``, ``dw`` (the
-combine weights' gradient ``<dy_t, expert(x_t)>``), and the gradients of the trainable base weights and of the
-adapters, each row's share scaled by the token's ``scale_T`` (gradient isolation's ``token_grad``; ones otherwise).
+:mod:`model.lora_dropout`, keyed by each assignment's row in the expert-sorted buffer (``row_A``, an input: the rows
+the graph computes for the grouped path, ``model.moe.dispatch.grouped_rows``): the masks the grouped path draws. The
+kernel takes its order from those rows too (:func:`expert_order`), so the expert-sorted order has one definition.
+The backward gives ``dx``, ``dw`` (the combine weights' gradient ``<dy_t, expert(x_t)>``), and the gradients of the
+trainable base weights and of the adapters, each row's share scaled by the token's ``scale_T`` (gradient isolation's
+``token_grad``; ones otherwise).
 Products run in fp32 in NumPy's BLAS, each on one BLAS thread; the held experts are split over this process's cores
 (:mod:`model.kernels.host_threads`), each thread's tokens summed in float64 apart and the threads' sums added.
 
@@ -66,11 +68,12 @@ def _rows(segment):
     return segment[1].size
 
 
-def expert_order(topk_TK, num_experts: int):
-    """``(expert_A, order, counts_E)``: each flattened assignment's expert, the assignments sorted by expert (stable:
-    token order within an expert) and each expert's count."""
+def expert_order(topk_TK, row_A, num_experts: int):
+    """``(expert_A, order, counts_E)``: each flattened assignment's expert, the assignments in the order of their rows
+    ``row_A`` in the expert-sorted buffer (distinct rows, by expert, token order within an expert) and each expert's
+    count."""
     expert_A = np.asarray(topk_TK, np.int64).reshape(-1)
-    return expert_A, np.argsort(expert_A, kind="stable"), np.bincount(expert_A, minlength=num_experts)
+    return expert_A, np.argsort(np.asarray(row_A), kind="stable"), np.bincount(expert_A, minlength=num_experts)
 
 
 def expert_groups(order, counts_E, first_expert: int, num_held: int):
@@ -102,16 +105,6 @@ def source_segments(groups, top_k: int, num_tokens: int, sources: int):
         cuts = np.searchsorted(assignments // top_k, bounds)
         split += [(e, part) for part in np.split(assignments, cuts) if part.size]
     return split
-
-
-def sorted_rows(expert_A, order, counts_E, block: int):
-    """``[A]``: each assignment's row in the grouped path's expert-sorted buffer (``model.moe.dispatch.grouped_rows``):
-    experts in order, each group padded to a multiple of ``block`` rows, token order within a group
-    (``expert_A, order, counts_E``: :func:`expert_order`)."""
-    sizes = -(-counts_E // block) * block
-    rank_A = np.empty_like(expert_A)
-    rank_A[order] = np.arange(expert_A.size) - (np.cumsum(counts_E) - counts_E)[expert_A[order]]
-    return (np.cumsum(sizes) - sizes)[expert_A] + rank_A
 
 
 class Projection:
@@ -170,12 +163,12 @@ class Projection:
 
 
 def token_experts_forward(
-    x_TH, topk_TK, block, weight_TK, projections, num_experts, first_expert, num_held, sources: int = 1
+    x_TH, topk_TK, row_A, weight_TK, projections, num_experts, first_expert, num_held, sources: int = 1
 ):
-    """``(y [T, H] float64, row_A, saved)``: the held experts' weighted outputs per token, each assignment's sorted row
-    (:func:`sorted_rows` with ``block``) and what :func:`token_experts_backward` reads (per expert and token source
-    with rows, :func:`source_segments`: its assignments, gate and up pre-activations, output and adapters' low-rank
-    products).
+    """``(y [T, H] float64, saved)``: the held experts' weighted outputs per token (``row_A [T * K]``: each
+    assignment's row in the expert-sorted buffer) and what :func:`token_experts_backward` reads (per expert and token
+    source with rows, :func:`source_segments`: its assignments, gate and up pre-activations, output and adapters'
+    low-rank products).
 
     Each weighted output is a float32 product; a token's are added in float64, where a sum of a few float32 values is
     exact (unless their magnitudes span more than about 2**26), so it does not depend on the order of the terms nor on
@@ -184,8 +177,8 @@ def token_experts_forward(
     gate, up, down = projections
     top_k = topk_TK.shape[1]
     weight_A = _fp32(weight_TK).reshape(-1)
-    expert_A, order, counts_E = expert_order(topk_TK, num_experts)
-    row_A = sorted_rows(expert_A, order, counts_E, block)
+    row_A = np.asarray(row_A, np.int64).reshape(-1)
+    _, order, counts_E = expert_order(topk_TK, row_A, num_experts)
     groups = expert_groups(order, counts_E, first_expert, num_held)
 
     def run(part):
@@ -204,7 +197,7 @@ def token_experts_forward(
 
     parts = map_experts(run, source_segments(groups, top_k, x_TH.shape[0], sources), _rows)
     y_TH = _added([y for y, _ in parts], (x_TH.shape[0], down.weight.shape[1]))
-    return y_TH, row_A, [entry for _, saved in parts for entry in saved]
+    return y_TH, [entry for _, saved in parts for entry in saved]
 
 
 def token_experts_backward(dy_TH, scale_T, x_TH, topk_TK, row_A, weight_TK, projections, saved):
@@ -246,9 +239,9 @@ _DUMMY = (1,)
 
 
 class HostTokenExperts(nn.Cell):
-    """``(x [T, H], topk [T, K] int32, block [2] int32, weight [T, K], scale [T], then per projection (gate,
-    up, down): weight, lora_A, lora_B, row_Z, col_F) -> y [T, H]``; ``block``: the grouped path's rows per block, which
-    with the routing fixes each assignment's sorted row (:func:`sorted_rows`, the key of its dropout masks), then the
+    """``(x [T, H], topk [T, K] int32, row [T * K] int32, sources [1] int32, weight [T, K], scale [T], then per
+    projection (gate, up, down): weight, lora_A, lora_B, row_Z, col_F) -> y [T, H]``; ``row``: each assignment's row in
+    the grouped path's expert-sorted buffer (the kernel's order and the key of its dropout masks), ``sources``: the
     number of ranks whose tokens ``x`` concatenates (:func:`source_segments`; 1: one micro-batch); on the host
     (module docstring). A projection's slot it does not use holds a ``[1]`` placeholder: the base weight of a frozen
     one (read in place from its Parameter: no graph keeps a copy), the adapters of one without, the dropout factors
@@ -279,14 +272,17 @@ class HostTokenExperts(nn.Cell):
                 built.append(Projection(spec, weight, lora_A, lora_B, row_Z, col_F, scaling))
             return built
 
-        def forward(x, topk, block, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df):
+        def forward(
+            x, topk, row_A, sources, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df
+        ):
             projs = projections((gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df))
             state.clear()
-            if block.shape != (2,):
-                raise ValueError(f"token experts: block must be [block size, source ranks], got shape {block.shape}")
-            sources = int(block[1])
-            y_TH, row_A, saved = token_experts_forward(
-                x, topk, int(block[0]), weight_TK, projs, num_experts, first_expert, num_held, sources
+            if row_A.shape != (topk.size,) or sources.shape != (1,):
+                raise ValueError(
+                    f"token experts: row must be [{topk.size}] and sources [1], got {row_A.shape} and {sources.shape}"
+                )
+            y_TH, saved = token_experts_forward(
+                x, topk, row_A, weight_TK, projs, num_experts, first_expert, num_held, int(sources[0])
             )
             state.update(x=x, topk=topk, row_A=row_A, weight=weight_TK, projections=projs, saved=saved)
             return y_TH.astype(x.dtype, copy=False)
@@ -327,21 +323,25 @@ class HostTokenExperts(nn.Cell):
             func_type="pyfunc",
         )
 
-    def construct(self, x, topk, block, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df):
+    def construct(
+        self, x, topk, row, sources, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df
+    ):
         return self.forward(
-            x, topk, block, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df
+            x, topk, row, sources, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df
         )
 
     def bprop(
-        self, x, topk, block, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df, out, dy
-    ):
+        self, x, topk, row, sources, weight_TK, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df,
+        out, dy,
+    ):  # fmt: skip
         # The output gradient need not depend on the forward's values (a linear loss): order them explicitly.
         grads = self.backward(ops.depend(dy, out), scale)
         slots = ((gw, ga, gb, gz, gf), (uw, ua, ub, uz, uf), (dw, da, db, dz, df))
         result = (
             grads[0],
             ops.zeros_like(topk),
-            ops.zeros_like(block),
+            ops.zeros_like(row),
+            ops.zeros_like(sources),
             self.cast(grads[1], weight_TK.dtype),
             ops.zeros_like(scale),
         )

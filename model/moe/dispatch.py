@@ -46,15 +46,23 @@ def grouped_row_count(num_assignments: int, num_experts: int, block: int) -> int
     return (num_assignments + num_experts * (block - 1)) // block * block
 
 
+def group_starts(group_sizes_E):
+    """``[E]``: the first row of each expert's group in the expert-sorted buffer (the groups in expert order)."""
+    return ops.cumsum(group_sizes_E, 0) - group_sizes_E
+
+
 def grouped_rows(topk_idx_TK, num_experts: int, block: int):
     """``(row_A int32, group_sizes_E int32, num_rows)``: each assignment's row in the expert-sorted buffer
     (stable: token order within an expert), each expert's group size (its assignments rounded up to a
-    multiple of ``block``) and the buffer's static row count, a multiple of ``block``."""
+    multiple of ``block``) and the buffer's static row count, a multiple of ``block``.
+
+    The one definition of the expert-sorted order: the grouped dispatchers, the expert-parallel exchange
+    (``train/parallel/grouped_exchange.py``) and the tokens-to-tokens host kernel (which takes ``row_A`` as an input)
+    all use these rows."""
     num_assignments = topk_idx_TK.shape[0] * topk_idx_TK.shape[1]
     expert_A, rank_A, count_E = expert_ranks(topk_idx_TK, num_experts)
     group_sizes_E = (count_E + (block - 1)) // block * block
-    starts_E = ops.cumsum(group_sizes_E, 0) - group_sizes_E
-    row_A = ops.gather(starts_E, expert_A, 0) + rank_A
+    row_A = ops.gather(group_starts(group_sizes_E), expert_A, 0) + rank_A
     num_rows = grouped_row_count(num_assignments, num_experts, block)
     return row_A.astype(ms.int32), group_sizes_E.astype(ms.int32), num_rows
 

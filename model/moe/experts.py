@@ -44,6 +44,18 @@ class RowScaledWeightGradMatmul(nn.Cell):
         return dx_ECF, dw_EOF, ops.zeros_like(scale_EC)
 
 
+class BatchedMatmul(nn.Cell):
+    """``x @ w^T`` per expert, the :class:`RowScaledWeightGradMatmul` signature with its autodiff backward: the row
+    scale is not used (experts built without gradient isolation)."""
+
+    def __init__(self):
+        super().__init__()
+        self.bmm = ops.BatchMatMul(transpose_b=True)
+
+    def construct(self, x_ECF, w_EOF, scale_EC):
+        return self.bmm(x_ECF, w_EOF)
+
+
 def _held_rows(weight_EOF, held_experts):
     if held_experts is None or len(held_experts) == weight_EOF.shape[0]:
         return weight_EOF
@@ -54,8 +66,14 @@ def _held_rows(weight_EOF, held_experts):
 
 
 class RoutedExperts(nn.Cell):
-    """Applies expert e to row-block e of ``x [E, C, H]`` (one batched matmul per projection), or, in
-    :meth:`grouped`, to group e of expert-sorted rows (one grouped matmul per projection).
+    """``(x, group_sizes, row_scale) -> y``: expert e applied to row-block e of ``x [E, C, H]`` (``group_sizes``
+    None: one batched matmul per projection), or to group e of expert-sorted rows ``x [N, b, H]`` in groups of
+    ``group_sizes [E]`` (of all E experts; a process holding a share runs only its own: one grouped matmul per
+    projection). The arguments are what a dispatcher's ``expert_args`` returns.
+
+    ``row_scaled`` (gradient isolation's ``token_grad``, fixed at build): every product whose weights train takes
+    ``row_scale`` (``[E, C]`` or ``[N, b]``), by which it scales each row's share of its weight gradient; otherwise
+    the products ignore it. Each projection is one product either way, its kernel chosen here.
 
     ``held_experts`` (a range of expert indices, default all): the experts this process holds. The
     initial weights are drawn for all ``num_experts`` and sliced, so a process holding a share starts
@@ -76,8 +94,10 @@ class RoutedExperts(nn.Cell):
         held_experts: range = None,
         dtypes: dict = None,
         frozen: tuple = (),
+        row_scaled: bool = False,
     ):
         super().__init__()
+        self.row_scaled = row_scaled
         self.first_expert = 0 if held_experts is None else held_experts.start
         self.num_experts = num_experts
         self.num_held = num_experts if held_experts is None else len(held_experts)
@@ -96,8 +116,7 @@ class RoutedExperts(nn.Cell):
             name="down_proj",
         )
         self.half_weights = any(is_half(d) for d in (gate_dtype, up_dtype, down_dtype))
-        self.bmm = ops.BatchMatMul(transpose_b=True)
-        self.scaled_bmm = RowScaledWeightGradMatmul()
+        self.bmm = RowScaledWeightGradMatmul() if row_scaled else BatchedMatmul()
         # Projections whose weights never train (a LoRA base): their grouped matmul computes no weight gradient.
         self.gate_proj_frozen, self.up_proj_frozen, self.down_proj_frozen = (
             p in frozen for p in ("gate_proj", "up_proj", "down_proj")
@@ -146,41 +165,39 @@ class RoutedExperts(nn.Cell):
         none_f32, none_i32 = ops.zeros((1,), ms.float32), ops.zeros((1,), ms.int32)
         return weight, none_f32, none_f32, none_i32, none_i32
 
-    def tokens(self, x_TH, topk_TK, block_2, weight_TK, scale_T, num_rows: int):
+    def tokens(self, x_TH, topk_TK, row_A, sources_1, weight_TK, scale_T, num_rows: int):
         """``y [T, H] = sum_k weight_tk * expert_{topk_tk}(x_t)`` over this process's experts in one kernel
-        (:meth:`build_token_kernel`); ``block_2`` ([2] int32: the block size and the number of ranks whose tokens
-        ``x_TH`` concatenates) and ``num_rows``: the block size and rows of the expert-sorted buffer whose rows key the
-        adapters' dropout masks; ``scale_T`` scales each token's share of the
-        weight gradients."""
+        (:meth:`build_token_kernel`); ``row_A`` ([T * K] int32) and ``num_rows``: each assignment's row in the
+        expert-sorted buffer and its rows (they key the adapters' dropout masks); ``sources_1`` ([1] int32): the number
+        of ranks whose tokens ``x_TH`` concatenates; ``scale_T`` scales each token's share of the weight gradients."""
         g = self.token_slots("gate_proj", num_rows)
         u = self.token_slots("up_proj", num_rows)
         d = self.token_slots("down_proj", num_rows)
         return self.token_kernel(
-            x_TH, topk_TK, block_2, weight_TK, scale_T,
+            x_TH, topk_TK, row_A, sources_1, weight_TK, scale_T,
             g[0], g[1], g[2], g[3], g[4], u[0], u[1], u[2], u[3], u[4], d[0], d[1], d[2], d[3], d[4],
         )  # fmt: skip
 
     def add_grouped_site(self, site: str, frozen: bool):
-        """The grouped matmuls of product ``site`` (an instance of a grouped kernel may keep what its forward
-        took for its backward, so every product has its own): ``{site}_gmm`` (no weight gradient when
-        ``frozen``) and ``{site}_scaled_gmm`` (its weight gradient scaled per row)."""
-        frozen_weight = getattr(self, site) if frozen else None  # read in place by a host kernel
-        setattr(self, f"{site}_gmm", kernels.grouped_matmul(weight_grad=not frozen, frozen_weight=frozen_weight))
-        setattr(self, f"{site}_scaled_gmm", None if frozen else kernels.grouped_matmul_row_scaled())
+        """The grouped matmul of product ``site`` (an instance of a grouped kernel may keep what its forward took for
+        its backward, so every product has its own): no weight gradient when ``frozen``, its weight gradient scaled
+        per row when the experts are ``row_scaled``."""
+        if self.row_scaled and not frozen:
+            gmm = kernels.grouped_matmul_row_scaled()
+        else:
+            frozen_weight = getattr(self, site) if frozen else None  # read in place by a host kernel
+            gmm = kernels.grouped_matmul(weight_grad=not frozen, frozen_weight=frozen_weight)
+        setattr(self, f"{site}_gmm", gmm)
 
     def expert_matmul(self, x, w_EOF, scale, group_sizes, site: str):
         """``x @ w_e^T`` per expert: on an ``[E, C, F]`` buffer (``group_sizes`` None) or on grouped rows (the
-        kernels of product ``site``, :meth:`add_grouped_site`); ``scale`` (or None) scales each row's share of
-        the weight gradient (irrelevant to a frozen site's weight, which gets no gradient)."""
-        grouped = group_sizes is not None
+        kernel of product ``site``, :meth:`add_grouped_site`); ``scale`` (or None) as ``row_scale``."""
         gmm = getattr(self, site + "_gmm")
         # The CPU grouped kernel casts each expert's half weight itself: no fp32 copy of the experts.
-        if self.half_weights and not (grouped and gmm.takes_half_weights):
+        if self.half_weights and not (group_sizes is not None and gmm.takes_half_weights):
             w_EOF = w_EOF.astype(x.dtype)
-        if not grouped:
-            if scale is None:
-                return self.bmm(x, w_EOF)
-            return self.scaled_bmm(x, w_EOF, scale)
+        if group_sizes is None:
+            return self.bmm(x, w_EOF, scale)
         if self.num_held < self.num_experts and not gmm.takes_outside_groups:
             # Zero weights for the groups of the experts other processes hold (see held_groups); the CPU
             # kernel takes those groups as they are and masks their outputs (no padded weight copy, which
@@ -189,10 +206,7 @@ class RoutedExperts(nn.Cell):
             # call of a compiled graph on; a concat with zero tensors failed kernel selection in the fused
             # train step on CPU (an input of type None).
             w_EOF = self.pad_other_experts(w_EOF)
-        scaled_gmm = getattr(self, site + "_scaled_gmm")
-        if scale is None or scaled_gmm is None:  # None: a frozen site
-            return gmm(x, w_EOF, group_sizes)
-        return scaled_gmm(x, w_EOF, group_sizes, scale)
+        return gmm(x, w_EOF, group_sizes, scale)
 
     def held_groups(self, group_sizes_E):
         """Group sizes over this process's experts: with a share, the rows of the experts before and after
@@ -210,17 +224,10 @@ class RoutedExperts(nn.Cell):
         up = self.expert_matmul(x, self.up_proj, scale, group_sizes, "up_proj")
         return self.expert_matmul(self.activation(gate, up), self.down_proj, scale, group_sizes, "down_proj")
 
-    def construct(self, x_ECH):
-        return self._forward(x_ECH, None, None)
-
-    def with_weight_grad_scale(self, x_ECH, scale_EC):
-        """Same forward; row c contributes ``scale[e, c]`` times its gradient to the weights."""
-        return self._forward(x_ECH, scale_EC, None)
-
-    def grouped(self, x_NbH, group_sizes_E, scale_Nb=None):
-        """The experts on expert-sorted rows ``[N, b, H]`` in groups of ``group_sizes [E]`` (of all E experts;
-        a process holding a share runs only its own); ``scale_Nb`` as in :meth:`with_weight_grad_scale`."""
-        return self._forward(x_NbH, scale_Nb, self.held_groups(group_sizes_E))
+    def construct(self, x, group_sizes=None, row_scale=None):
+        if group_sizes is None:
+            return self._forward(x, row_scale, None)
+        return self._forward(x, row_scale, self.held_groups(group_sizes))
 
 
 def routed_expert_cells(model) -> list:

@@ -1,4 +1,5 @@
-"""The MoE feed-forward block: :class:`Router` -> token dispatcher -> :class:`RoutedExperts` (+ shared experts).
+"""The MoE feed-forward block: :class:`Router` -> routed part (a token dispatcher over the :class:`RoutedExperts`, or
+their host kernel; :mod:`model.moe.routed_part`) + shared experts.
 
 Shape legend: B batch, S sequence, T = B*S tokens, H hidden, E experts, K top-k, A = T*K assignments.
 """
@@ -6,13 +7,13 @@ Shape legend: B batch, S sequence, T = B*S tokens, H hidden, E experts, K top-k,
 import mindspore as ms
 import numpy as np
 from mindspore import nn, ops
-from mindspore.ops import functional as F
 
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lora_layers import NO_LORA, AdapterScope
 from mindmoe.model.mlp import SwiGLU
 from mindmoe.model.moe.locking import flip_rate
 from mindmoe.model.moe.lora_experts import routed_experts
+from mindmoe.model.moe.routed_part import dispatched_output, routed_part
 from mindmoe.model.moe.router import Router
 from mindmoe.model.moe.token_dispatcher import SINGLE_DEVICE
 from mindmoe.model.moe_config import MoEConfig, moe_policy
@@ -42,7 +43,8 @@ class MoELayer(nn.Cell):
     tokens (for ``expert_update`` isolation).
 
     ``expert_dispatcher`` (a :class:`model.moe.token_dispatcher.ExpertPlacement`, default one process
-    holding every expert) decides which experts this process holds and builds the layer's dispatcher.
+    holding every expert) decides which experts this process holds and builds the layer's dispatcher, behind
+    which :func:`model.moe.routed_part.routed_part` picks the layer's one routed part.
     """
 
     def __init__(
@@ -58,8 +60,9 @@ class MoELayer(nn.Cell):
         self.num_experts = cfg.num_experts
         self.top_k = cfg.top_k
         moe = moe_policy(moe)
-        self.isolate_token_grad = moe.expert_lock and moe.isolation_mode == "token_grad"
-        self.isolation_decay = moe.isolation_decay
+        isolate_token_grad = moe.expert_lock and moe.isolation_mode == "token_grad"
+        # lambda scales a locked token's share of the expert weight gradients; 1 (exactly) without token_grad.
+        self.isolation_decay = moe.isolation_decay if isolate_token_grad else 1.0
         self.router = Router(cfg, rng, moe)
         self.experts = routed_experts(
             cfg.num_experts,
@@ -69,11 +72,9 @@ class MoELayer(nn.Cell):
             rng,
             lora.child("experts"),
             held_experts=placement.held_experts(cfg.num_experts),
+            row_scaled=isolate_token_grad,
         )
-        self.dispatcher = placement.dispatcher(cfg, moe)
-        # CPU training with dropless dispatch: the experts run from tokens to tokens in one host kernel, so no
-        # expert row lives in the graph (kernels.token_experts; Ascend keeps the grouped path).
-        self.routes_tokens = self.dispatcher.routes_tokens and self.experts.build_token_kernel(cfg.top_k)
+        self.routed = routed_part(placement.dispatcher(cfg, moe), self.experts, cfg.top_k)
         self.has_shared = cfg.num_shared_experts > 0
         if self.has_shared:
             self.shared_experts = SwiGLU(
@@ -84,37 +85,13 @@ class MoELayer(nn.Cell):
                 lora.child("shared_experts"),
             )
 
-    def expert_output(self, x_TH, routing, dispatcher, grad_scale_T=None):
-        """``(routed + shared output [T, H], kept [A] fp32)`` for ``routing = (topk_idx [T, K], weight [T, K])``.
-
-        ``grad_scale_T`` (``token_grad`` isolation): how much each token trains the expert weights.
-        The serving graphs call this with their own (dropless) dispatcher.
-        """
-        expert_inputs, state = dispatcher.dispatch(x_TH, routing)
-        group_sizes = dispatcher.group_sizes(state)
-        if self.isolate_token_grad and grad_scale_T is not None:
-            row_scale = dispatcher.row_scale(grad_scale_T, state)
-            if group_sizes is None:
-                expert_outputs = self.experts.with_weight_grad_scale(expert_inputs, row_scale)
-            else:
-                expert_outputs = self.experts.grouped(expert_inputs, group_sizes, row_scale)
-        elif group_sizes is None:
-            expert_outputs = self.experts(expert_inputs)
-        else:
-            expert_outputs = self.experts.grouped(expert_inputs, group_sizes)
-        out_TH = dispatcher.combine(expert_outputs, state)
+    def dispatched(self, x_TH, routing, dispatcher):
+        """Routed + shared output ``[T, H]`` of the experts behind another ``dispatcher`` (the serving graphs' grouped
+        one, for any token count); no gradient isolation."""
+        routed_TH, _ = dispatched_output(dispatcher, self.experts, x_TH, routing, None)
         if self.has_shared:
-            out_TH = out_TH + self.shared_experts(x_TH)
-        return out_TH, dispatcher.kept(state)
-
-    def token_output(self, x_TH, routing, grad_scale_T):
-        """:meth:`expert_output` of the training dispatcher on the experts' tokens-to-tokens kernel."""
-        num_tokens = x_TH.shape[0]
-        scale_T = grad_scale_T if self.isolate_token_grad else ops.ones((num_tokens,), ms.float32)
-        out_TH = self.dispatcher.token_experts(x_TH, routing, self.experts, scale_T)
-        if self.has_shared:
-            out_TH = out_TH + self.shared_experts(x_TH)
-        return out_TH, ops.ones((num_tokens * self.top_k,), ms.float32)
+            return routed_TH + self.shared_experts(x_TH)
+        return routed_TH
 
     def construct(self, x_BSH, doc_ids_BS):
         batch, seq_len, hidden = x_BSH.shape
@@ -125,12 +102,8 @@ class MoELayer(nn.Cell):
         weight_TK = self.router.combine_weights(scores_TE, topk_idx_TK)
         # lambda for locked tokens, 1 otherwise: how much each token trains its experts.
         grad_scale_T = 1.0 - (1.0 - self.isolation_decay) * locked_T
-        # Static token counts only (a host kernel's shapes are fixed when it compiles); a test may set another
-        # dispatcher after the build.
-        if self.routes_tokens and self.dispatcher.routes_tokens and F.isconstant(num_tokens):
-            out_TH, kept_A = self.token_output(x_TH, (topk_idx_TK, weight_TK), grad_scale_T)
-        else:
-            out_TH, kept_A = self.expert_output(x_TH, (topk_idx_TK, weight_TK), self.dispatcher, grad_scale_T)
+        routed_TH, kept_A = self.routed(self.experts, x_TH, (topk_idx_TK, weight_TK), grad_scale_T)
+        out_TH = routed_TH + self.shared_experts(x_TH) if self.has_shared else routed_TH
 
         aux = self.router.balance_loss(scores_TE, natural_TK, batch, seq_len)
         router_z = self.router.router_z_loss(logits_TE)

@@ -39,8 +39,11 @@ class LoraRoutedExperts(RoutedExperts):
         name: str = "experts",
         dtypes: dict = None,
         frozen: tuple = (),
+        row_scaled: bool = False,
     ):
-        super().__init__(num_experts, hidden_size, intermediate_size, std, rng, held_experts, dtypes, frozen)
+        super().__init__(
+            num_experts, hidden_size, intermediate_size, std, rng, held_experts, dtypes, frozen, row_scaled
+        )
         self.scaling = adapter.scaling
         self.dropout = adapter.dropout
         self.projections = tuple(p for p in EXPERT_PROJECTIONS if p in projections)
@@ -126,15 +129,24 @@ class LoraRoutedExperts(RoutedExperts):
 
 
 def routed_experts(
-    num_experts: int, hidden_size: int, intermediate_size: int, std: float, rng, lora: AdapterScope, held_experts=None
+    num_experts: int,
+    hidden_size: int,
+    intermediate_size: int,
+    std: float,
+    rng,
+    lora: AdapterScope,
+    held_experts=None,
+    row_scaled: bool = False,
 ):
     """The :class:`RoutedExperts` at scope ``lora`` (``layers.{i}.mlp.experts``), with the planned adapters;
-    ``held_experts`` as there."""
+    ``held_experts`` and ``row_scaled`` as there."""
     projections = lora.expert_projections()
     dtypes = {proj: lora.weight_dtype(proj) for proj in EXPERT_PROJECTIONS}
     frozen = tuple(proj for proj in EXPERT_PROJECTIONS if lora.frozen(proj))
     if not projections:
-        return RoutedExperts(num_experts, hidden_size, intermediate_size, std, rng, held_experts, dtypes, frozen)
+        return RoutedExperts(
+            num_experts, hidden_size, intermediate_size, std, rng, held_experts, dtypes, frozen, row_scaled
+        )
     return LoraRoutedExperts(
         num_experts,
         hidden_size,
@@ -147,4 +159,5 @@ def routed_experts(
         lora.prefix,
         dtypes,
         frozen,
+        row_scaled,
     )

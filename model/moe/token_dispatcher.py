@@ -3,20 +3,22 @@
 Shape legend: T tokens, H hidden, E experts, K experts per token, A = T * K assignments,
 C rows per expert in the expert buffer, X = E * C slots.
 
-A dispatcher is a parameter-free cell that subclasses :class:`TokenDispatcher`, whose methods
-:class:`model.moe.layer.MoELayer` calls inside its (compiled) ``construct``:
+A dispatcher is a parameter-free cell that subclasses :class:`TokenDispatcher`, whose four methods the
+grouped routed part (:class:`model.moe.routed_part.GroupedRoutedPart`) calls inside the compiled graph:
 
 - ``dispatch(x_TH, routing) -> (expert_inputs, state)``: ``routing = (topk_idx [T, K], weight [T, K])``;
   ``expert_inputs`` is the buffer the experts run on: ``[E, C, H]`` (row-block e for expert e), or for
-  a grouped dispatcher the expert-sorted rows ``[N, b, H]`` (:func:`model.kernels.grouped_matmul`);
-- ``group_sizes(state)``: ``None`` for an ``[E, C, H]`` buffer, else the ``[E]`` int32 group sizes of
-  the sorted rows (the experts then run the grouped matmul);
+  a grouped dispatcher (``grouped``) the expert-sorted rows ``[N, b, H]`` (:func:`model.kernels.grouped_matmul`);
+- ``expert_args(state, scale_T) -> (group_sizes, row_scale)``: what the experts take beside their inputs:
+  ``None`` for an ``[E, C, H]`` buffer, else the ``[E]`` int32 group sizes of the sorted rows; and the
+  per-token factor ``scale_T`` moved to the buffer's rows, ``[E, C]`` or ``[N, b]`` (gradient isolation
+  scales the expert weight gradient of locked tokens' rows), or ``None`` when ``scale_T`` is None;
 - ``combine(expert_outputs, state) -> y_TH``: the weighted sum of each token's expert outputs;
-- ``row_scale(scale_T, state)``: a per-token factor moved to the buffer's rows, ``[E, C]`` or ``[N, b]``
-  (gradient isolation scales the expert weight gradient of locked tokens' rows);
-- ``kept(state) -> kept_A`` fp32: 1 for each assignment an expert processed, 0 for a dropped one;
-- ``token_experts(x_TH, routing, experts, scale_T) -> y_TH`` where ``routes_tokens`` is true: the experts' weighted
-  outputs per token from their tokens-to-tokens kernel (CPU training graphs with dropless dispatch).
+- ``kept(state) -> kept_A`` fp32: 1 for each assignment an expert processed, 0 for a dropped one.
+
+A dispatcher whose ``routes_tokens`` is true also has ``token_experts(x_TH, routing, experts, scale_T) -> y_TH``:
+the experts' weighted outputs per token from their tokens-to-tokens kernel, which the host routed part
+(:class:`model.moe.routed_part.HostTokenPart`, CPU training graphs with dropless dispatch) calls instead.
 
 Which dispatcher a layer uses is fixed when the model is built (a compiled graph has one data path):
 :func:`local_dispatcher` picks it from ``moe.dispatch``; an :class:`ExpertPlacement` (the
@@ -45,27 +47,30 @@ from mindmoe.model.moe_config import moe_policy
 class TokenDispatcher(nn.Cell):
     """The dispatcher interface (module docstring); every dispatcher, expert-parallel ones included, subclasses it."""
 
-    #: Whether the experts may run from tokens to tokens (:meth:`token_experts`).
+    #: Whether :meth:`dispatch` gives expert-sorted rows with group sizes (else an ``[E, C, H]`` buffer).
+    grouped = False
+    #: Whether the experts may run from tokens to tokens (a ``token_experts`` method; module docstring).
     routes_tokens = False
 
     def dispatch(self, x_TH, routing):
         raise NotImplementedError(f"{type(self).__name__}.dispatch")
 
+    def expert_args(self, state, scale_T):
+        raise NotImplementedError(f"{type(self).__name__}.expert_args")
+
     def combine(self, expert_outputs, state):
         raise NotImplementedError(f"{type(self).__name__}.combine")
-
-    def row_scale(self, scale_T, state):
-        raise NotImplementedError(f"{type(self).__name__}.row_scale")
-
-    def group_sizes(self, state):
-        """``None``: the buffer is ``[E, C, H]``, one row block per expert."""
-        return None
 
     def kept(self, state):
         raise NotImplementedError(f"{type(self).__name__}.kept")
 
-    def token_experts(self, x_TH, routing, experts, scale_T):
-        raise NotImplementedError(f"{type(self).__name__} does not route tokens to a tokens-to-tokens expert kernel")
+
+def token_rows_scale(scale_T, row_A, top_k: int, num_rows: int):
+    """``[num_rows]``: each token's factor at the rows of its assignments (``row_A [T * K]``, unique; a row past the
+    last, ``num_rows``, collects nothing), 1 in every other row (empty, padding or dropped)."""
+    num_tokens = scale_T.shape[0]
+    scale_A = ops.broadcast_to(scale_T.expand_dims(-1), (num_tokens, top_k)).reshape(-1)
+    return 1.0 + ops.scatter_nd(row_A.expand_dims(-1), scale_A - 1.0, (num_rows,))
 
 
 class CapacityDispatcher(TokenDispatcher):
@@ -94,21 +99,19 @@ class CapacityDispatcher(TokenDispatcher):
         slot_A, _, weight_TK = state
         return combine_from_slots(y_ECH, slot_A, weight_TK, self.combine_slots)
 
-    def row_scale(self, scale_T, state):
+    def expert_args(self, state, scale_T):
+        if scale_T is None:
+            return None, None
         slot_A, _, weight_TK = state
         num_tokens, top_k = weight_TK.shape
         capacity = self.capacity(num_tokens, top_k)
-        scale_A = ops.broadcast_to(scale_T.expand_dims(-1), (num_tokens, top_k)).reshape(-1)
         num_slots = self.num_experts * capacity
         # Slots are unique per kept assignment; the extra last slot collects the dropped ones.
-        slot_scale_X = 1.0 + ops.scatter_nd(slot_A.expand_dims(-1), scale_A - 1.0, (num_slots + 1,))
-        return slot_scale_X[:num_slots].reshape(self.num_experts, capacity)
+        slot_scale_X = token_rows_scale(scale_T, slot_A, top_k, num_slots + 1)
+        return None, slot_scale_X[:num_slots].reshape(self.num_experts, capacity)
 
     def kept(self, state):
         return state[1].astype(ms.float32)
-
-    def group_sizes(self, state):
-        return None
 
 
 class DroplessDispatcher(TokenDispatcher):
@@ -128,6 +131,7 @@ class DroplessDispatcher(TokenDispatcher):
         self.num_experts = num_experts
         self.alignment = alignment
         self.block_rule = kernels.grouped_alignment(device_target)
+        self.grouped = True
         # A training dispatcher (static token count) may hand the tokens to a tokens-to-tokens expert kernel.
         self.routes_tokens = alignment is None
 
@@ -144,33 +148,29 @@ class DroplessDispatcher(TokenDispatcher):
         return x_XH.reshape(-1, block, x_TH.shape[1]), (row_A, group_sizes_E, weight_TK)
 
     def token_experts(self, x_TH, routing, experts, scale_T, sources: int = 1):
-        """``[T, H]``: the experts' weighted outputs per token from their tokens-to-tokens kernel
-        (``experts.tokens``), which places each assignment in this dispatcher's sorted buffer itself (its row keys the
-        adapters' dropout masks); ``sources``: the ranks whose equal blocks of tokens ``x_TH`` concatenates (the kernel
-        multiplies each block's rows apart)."""
+        """``[T, H]``: the experts' weighted outputs per token from their tokens-to-tokens kernel (``experts.tokens``),
+        given each assignment's row in this dispatcher's sorted buffer (:func:`grouped_rows`: the kernel's order and
+        the key of the adapters' dropout masks); ``sources``: the ranks whose equal blocks of tokens ``x_TH``
+        concatenates (the kernel multiplies each block's rows apart)."""
         topk_idx_TK, weight_TK = routing
-        num_assignments = topk_idx_TK.shape[0] * topk_idx_TK.shape[1]
-        block = self.block(num_assignments)
-        num_rows = grouped_row_count(num_assignments, self.num_experts, block)
-        block_2 = ops.concat((ops.fill(ms.int32, (1,), block), ops.fill(ms.int32, (1,), sources)))
-        return experts.tokens(x_TH, topk_idx_TK.astype(ms.int32), block_2, weight_TK, scale_T, num_rows)
+        block = self.block(topk_idx_TK.shape[0] * topk_idx_TK.shape[1])
+        row_A, _, num_rows = grouped_rows(topk_idx_TK, self.num_experts, block)
+        sources_1 = ops.fill(ms.int32, (1,), sources)
+        return experts.tokens(x_TH, topk_idx_TK.astype(ms.int32), row_A, sources_1, weight_TK, scale_T, num_rows)
 
     def combine(self, y_NbH, state):
         row_A, _, weight_TK = state
         return combine_rows(y_NbH.reshape(-1, y_NbH.shape[-1]), row_A, weight_TK)
 
-    def row_scale(self, scale_T, state):
-        row_A, _, weight_TK = state
+    def expert_args(self, state, scale_T):
+        row_A, group_sizes_E, weight_TK = state
+        if scale_T is None:
+            return group_sizes_E, None
         num_tokens, top_k = weight_TK.shape
         block = self.block(num_tokens * top_k)
         num_rows = grouped_row_count(num_tokens * top_k, self.num_experts, block)
-        scale_A = ops.broadcast_to(scale_T.expand_dims(-1), (num_tokens, top_k)).reshape(-1)
         # Rows are unique per assignment; padding rows keep 1 (they are zero and carry no gradient).
-        scale_X = 1.0 + ops.scatter_nd(row_A.expand_dims(-1), scale_A - 1.0, (num_rows,))
-        return scale_X.reshape(-1, block)
-
-    def group_sizes(self, state):
-        return state[1]
+        return group_sizes_E, token_rows_scale(scale_T, row_A, top_k, num_rows).reshape(-1, block)
 
     def kept(self, state):
         weight_TK = state[2]
@@ -196,15 +196,14 @@ class AllExpertsDispatcher(TokenDispatcher):
         combine_TE = dense_combine_weights(topk_idx_TK, weight_TK, self.num_experts).astype(y_ETH.dtype)
         return (y_ETH.transpose(1, 0, 2) * combine_TE.expand_dims(-1)).sum(1)
 
-    def row_scale(self, scale_T, state):
-        return ops.broadcast_to(scale_T.expand_dims(0), (self.num_experts, scale_T.shape[0]))
+    def expert_args(self, state, scale_T):
+        if scale_T is None:
+            return None, None
+        return None, ops.broadcast_to(scale_T.expand_dims(0), (self.num_experts, scale_T.shape[0]))
 
     def kept(self, state):
         topk_idx_TK = state[0]
         return ops.ones((topk_idx_TK.shape[0] * topk_idx_TK.shape[1],), ms.float32)
-
-    def group_sizes(self, state):
-        return None
 
 
 def local_dispatcher(cfg, moe=None):

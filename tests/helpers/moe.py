@@ -5,7 +5,7 @@ import numpy as np
 from mindspore import Tensor
 
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.moe import MoELayer
+from mindmoe.model.moe import ExpertPlacement, MoELayer
 from mindmoe.model.moe_config import MOE_KEYS, MoEConfig, validate_moe_config
 
 HIDDEN, EXPERTS, TOP_K, INTERMEDIATE = 16, 4, 2, 8
@@ -45,9 +45,20 @@ def layer_configs(dispatch, capacity_factor=4.0, score_func="softmax", **overrid
     return cfg, moe
 
 
-def build_layer(cfg, moe, seed=7):
-    """A MoELayer with O(1) random weights (seeded, so every dispatch mode gets the same weights)."""
-    layer = MoELayer(cfg, np.random.default_rng(0), moe=moe)
+class GivenDispatcher(ExpertPlacement):
+    """A placement holding every expert whose layers route through ``make_dispatcher()`` (a new one per layer)."""
+
+    def __init__(self, make_dispatcher):
+        self.make_dispatcher = make_dispatcher
+
+    def dispatcher(self, cfg, moe=None):
+        return self.make_dispatcher()
+
+
+def build_layer(cfg, moe, seed=7, placement=None):
+    """A MoELayer with O(1) random weights (seeded, so every dispatch mode gets the same weights); ``placement``:
+    its ``expert_dispatcher`` (e.g. :class:`GivenDispatcher`)."""
+    layer = MoELayer(cfg, np.random.default_rng(0), expert_dispatcher=placement, moe=moe)
     rng = np.random.default_rng(seed)
     for _, param in layer.parameters_and_names():
         param.set_data(Tensor((0.4 * rng.normal(size=param.shape)).astype(np.float32)))

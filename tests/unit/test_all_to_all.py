@@ -144,7 +144,7 @@ class SimulatedGroup(nn.Cell):
             [GroupedExchange(EXPERTS, r, RANKS, "unused", NoExchange, alignment=block) for r in range(RANKS)]
         )
         share = EXPERTS // RANKS
-        self.experts = nn.CellList([make_experts(range(r * share, (r + 1) * share)) for r in range(RANKS)])
+        self.experts = nn.CellList([make_experts(range(r * share, (r + 1) * share), scaled) for r in range(RANKS)])
 
     def construct(self, x_GTH, topk_GTK, weight_GTK, scale_GT, w_out_GTH):
         sends = [self.exchanges[r].send(x_GTH[r], (topk_GTK[r], weight_GTK[r])) for r in range(RANKS)]
@@ -158,11 +158,8 @@ class SimulatedGroup(nn.Cell):
         outputs = []
         for r in range(RANKS):
             x_NbH, group_sizes_E, dest_R = self.exchanges[r].receive(received[r], received_sizes[r], self.block)
-            if self.scaled:
-                scale_Nb = self.exchanges[r].receive_scale(received_scale[r], dest_R, self.block)
-                y_NbH = self.experts[r].grouped(x_NbH, group_sizes_E, scale_Nb)
-            else:
-                y_NbH = self.experts[r].grouped(x_NbH, group_sizes_E)
+            scale_Nb = self.exchanges[r].receive_scale(received_scale[r], dest_R, self.block) if self.scaled else None
+            y_NbH = self.experts[r](x_NbH, group_sizes_E, scale_Nb)
             outputs.append(self.exchanges[r].send_back(y_NbH, dest_R))
         returned = swap(outputs)
         outs = ops.stack(
@@ -180,25 +177,25 @@ class ReferenceGroup(nn.Cell):
         super().__init__()
         self.scaled = scaled
         self.dispatcher = AllExpertsDispatcher(EXPERTS)
-        self.experts = make_experts(None)
+        self.experts = make_experts(None, scaled)
 
     def construct(self, x_GTH, topk_GTK, weight_GTK, scale_GT, w_out_GTH):
         outs = []
         for r in range(RANKS):
             inputs, state = self.dispatcher.dispatch(x_GTH[r], (topk_GTK[r], weight_GTK[r]))
-            if self.scaled:
-                y = self.experts.with_weight_grad_scale(inputs, self.dispatcher.row_scale(scale_GT[r], state))
-            else:
-                y = self.experts(inputs)
+            group_sizes, row_scale = self.dispatcher.expert_args(state, scale_GT[r] if self.scaled else None)
+            y = self.experts(inputs, group_sizes, row_scale)
             outs.append(self.dispatcher.combine(y, state))
         outs = ops.stack(outs)
         return (outs * w_out_GTH).sum(), outs
 
 
-def make_experts(held):
+def make_experts(held, row_scaled=False):
     from mindmoe.model.moe import RoutedExperts
 
-    return RoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.5, np.random.default_rng(7), held_experts=held)
+    return RoutedExperts(
+        EXPERTS, HIDDEN, WIDTH, 0.5, np.random.default_rng(7), held_experts=held, row_scaled=row_scaled
+    )
 
 
 def group_problem(case: str):

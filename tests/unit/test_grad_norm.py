@@ -119,7 +119,7 @@ def test_expert_shards_are_every_expert_tensor_with_its_first_row_and_a_whole_mo
     # Its layers keep the local dispatcher: refused as before; taken once that dispatcher counts as expert-parallel.
     with pytest.raises(ValueError, match=r"parallel.ep=2: layers\.1\.mlp routes its tokens with a \w+, not an"):
         expert_shards(model, experts, 2)
-    local = type(model.layers[1].mlp.dispatcher)
+    local = type(model.layers[1].mlp.routed.dispatcher)
     monkeypatch.setattr(
         expert_parallel, "EXPERT_PARALLEL_DISPATCHERS", (*expert_parallel.EXPERT_PARALLEL_DISPATCHERS, local)
     )

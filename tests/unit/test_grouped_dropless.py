@@ -18,44 +18,33 @@ from mindmoe.model.lora_layers import AdapterSpec
 from mindmoe.model.moe import AllExpertsDispatcher, DroplessDispatcher, MoELayer, RoutedExperts, local_dispatcher
 from mindmoe.model.moe.dispatch import grouped_rows
 from mindmoe.model.moe.lora_experts import LoraRoutedExperts
+from mindmoe.model.moe.routed_part import GroupedRoutedPart
 from mindmoe.model.moe_config import MoEConfig
-from tests.helpers.moe import build_layer
+from tests.helpers.moe import GivenDispatcher, build_layer
 from tests.unit.test_locking import lock_layer_config, runs_input
 
 TOKENS, HIDDEN, WIDTH, EXPERTS, TOP_K = 11, 6, 5, 5, 2  # A = 22 assignments: not a multiple of 4
 
 
 class ExpertsRoundTrip(nn.Cell):
-    """dispatch -> experts (grouped or on the [E, C, H] buffer, optionally row-scaled) -> combine."""
+    """The grouped routed part: dispatch -> experts (grouped or on the [E, C, H] buffer, row-scaled when the experts
+    are) -> combine."""
 
-    def __init__(self, dispatcher, experts, scaled: bool):
+    def __init__(self, dispatcher, experts):
         super().__init__()
-        self.dispatcher = dispatcher
+        self.routed = GroupedRoutedPart(dispatcher, experts.row_scaled)
         self.experts = experts
-        self.scaled = scaled
 
     def construct(self, x_TH, topk_idx_TK, weight_TK, scale_T):
-        inputs, state = self.dispatcher.dispatch(x_TH, (topk_idx_TK, weight_TK))
-        group_sizes = self.dispatcher.group_sizes(state)
-        if self.scaled:
-            row_scale = self.dispatcher.row_scale(scale_T, state)
-            if group_sizes is None:
-                outputs = self.experts.with_weight_grad_scale(inputs, row_scale)
-            else:
-                outputs = self.experts.grouped(inputs, group_sizes, row_scale)
-        elif group_sizes is None:
-            outputs = self.experts(inputs)
-        else:
-            outputs = self.experts.grouped(inputs, group_sizes)
-        return self.dispatcher.combine(outputs, state), self.dispatcher.kept(state)
+        return self.routed(self.experts, x_TH, (topk_idx_TK, weight_TK), scale_T)
 
 
-def make_experts(lora: bool):
+def make_experts(lora: bool, scaled: bool = False):
     rng = np.random.default_rng(3)
     if not lora:
-        return RoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.5, rng)
+        return RoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.5, rng, row_scaled=scaled)
     spec = AdapterSpec(2, 1.5, 0.0, np.random.default_rng(4))
-    experts = LoraRoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.5, rng, ("gate_proj", "down_proj"), spec)
+    experts = LoraRoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.5, rng, ("gate_proj", "down_proj"), spec, row_scaled=scaled)
     for proj in experts.projections:  # B starts at zero; make the adapters contribute
         lora_B = getattr(experts, f"{proj}_lora")[1]
         lora_B.set_data(Tensor(rng.normal(0, 0.3, size=lora_B.shape).astype(np.float32)))
@@ -69,7 +58,7 @@ def values_and_grads(dispatcher, routing_TK, scaled=False, lora=False, seed=0):
     weight_TK = Tensor(rng.uniform(0.1, 1.0, size=routing_TK.shape).astype(np.float32))
     scale_T = Tensor(rng.uniform(0.2, 1.0, size=TOKENS).astype(np.float32))
     probe_TH = Tensor(rng.normal(size=(TOKENS, HIDDEN)).astype(np.float32))
-    net = ExpertsRoundTrip(dispatcher, make_experts(lora), scaled)
+    net = ExpertsRoundTrip(dispatcher, make_experts(lora, scaled))
     params = net.trainable_params()
 
     def loss(x, weight):
@@ -159,9 +148,11 @@ def test_locked_moe_layer_with_grouped_dispatch_equals_the_reference_layer(stati
     x, doc_ids = runs_input()
     probe = Tensor(np.random.default_rng(2).normal(size=x.shape).astype(np.float32))
     results = []
-    for dispatcher in (DroplessDispatcher(cfg.num_experts, alignment=4), AllExpertsDispatcher(cfg.num_experts)):
-        layer = build_layer(cfg, moe, seed=5)
-        layer.dispatcher = dispatcher
+    for make in (
+        lambda: DroplessDispatcher(cfg.num_experts, alignment=4),
+        lambda: AllExpertsDispatcher(cfg.num_experts),
+    ):
+        layer = build_layer(cfg, moe, seed=5, placement=GivenDispatcher(make))
         params = layer.trainable_params()
         step = ms.jit(ms.value_and_grad(layer_loss(layer, probe, Tensor(doc_ids)), 0, params, has_aux=True))
         (value, (stats, layer_stats)), (dx, dparams) = step(Tensor(x))
@@ -196,9 +187,9 @@ def test_expert_share_runs_only_its_groups_and_the_shares_sum_to_the_whole(stati
     @ms.jit
     def outputs(x, topk, weight):
         inputs, state = dispatcher.dispatch(x, (topk, weight))
-        sizes = dispatcher.group_sizes(state)
-        parts = [dispatcher.combine(share.grouped(inputs, sizes), state) for share in shares]
-        return dispatcher.combine(whole.grouped(inputs, sizes), state), parts
+        sizes, _ = dispatcher.expert_args(state, None)
+        parts = [dispatcher.combine(share(inputs, sizes), state) for share in shares]
+        return dispatcher.combine(whole(inputs, sizes), state), parts
 
     full, parts = outputs(x_TH, Tensor(routing_TK), weight_TK)
     np.testing.assert_allclose(sum(p.asnumpy() for p in parts), full.asnumpy(), rtol=1e-6, atol=1e-7)
@@ -219,7 +210,8 @@ def test_a_share_gets_its_rows_of_the_whole_expert_gradient_at_every_call_of_the
     def objective(experts):
         def loss(x, topk, weight, w_out):
             inputs, state = dispatcher.dispatch(x, (topk, weight))
-            return (dispatcher.combine(experts.grouped(inputs, dispatcher.group_sizes(state)), state) * w_out).sum()
+            sizes, _ = dispatcher.expert_args(state, None)
+            return (dispatcher.combine(experts(inputs, sizes), state) * w_out).sum()
 
         return ms.jit(ms.value_and_grad(loss, None, experts.trainable_params()))
 
@@ -243,4 +235,4 @@ def test_a_share_gets_its_rows_of_the_whole_expert_gradient_at_every_call_of_the
 
 def test_moe_layer_class_is_unchanged_for_capacity():
     layer = MoELayer(ModelConfig(num_experts=EXPERTS), np.random.default_rng(0), moe=MoEConfig(dispatch="capacity"))
-    assert layer.dispatcher.group_sizes(None) is None
+    assert type(layer.routed) is GroupedRoutedPart and not layer.routed.dispatcher.grouped

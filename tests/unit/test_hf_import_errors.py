@@ -184,7 +184,7 @@ def test_architecture_overrides_must_agree_and_the_moe_policy_reaches_the_model(
     cfg, model, notes = load_hf_pretrained(glm4_dir, {"hidden_size": HIDDEN, "vocab_size": 0}, moe=moe)
     assert model.moe_config == moe and cfg.hidden_size == HIDDEN
     moe_layers = [layer.mlp for layer in model.layers[cfg.first_k_dense :]]
-    assert moe_layers and all(type(mlp.dispatcher).__name__ == "CapacityDispatcher" for mlp in moe_layers)
+    assert moe_layers and all(type(mlp.routed.dispatcher).__name__ == "CapacityDispatcher" for mlp in moe_layers)
     assert all(mlp.router.aux_loss_type == "seq" for mlp in moe_layers)
     assert not any("dropless" in note for note in notes)
 

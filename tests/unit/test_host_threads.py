@@ -3,10 +3,12 @@ thread inside, and the token-experts kernel's results the same bits whatever the
 
 import numpy as np
 import pytest
+from mindspore import Tensor
 from threadpoolctl import threadpool_info
 
 from mindmoe.model.kernels import host_threads
 from mindmoe.model.kernels.cpu_token_experts import token_experts_backward, token_experts_forward
+from mindmoe.model.moe.dispatch import grouped_rows
 from tests.unit.test_token_experts import host_projections
 
 
@@ -71,7 +73,8 @@ def test_token_experts_give_the_same_bits_on_one_two_or_three_threads(monkeypatc
 
     def run(threads):
         monkeypatch.setattr(host_threads, "host_threads", lambda: threads)
-        y, row_A, saved = token_experts_forward(x, topk, 1, weight, projections, experts, first, held, sources)
+        row_A = grouped_rows(Tensor(topk), experts, 1)[0].asnumpy()
+        y, saved = token_experts_forward(x, topk, row_A, weight, projections, experts, first, held, sources)
         dx, dw, grads = token_experts_backward(dy, scale, x, topk, row_A, weight, projections, saved)
         return [y, dx, dw] + [grads[i][name] for i in range(3) for name in ("weight", "lora_A", "lora_B")]
 

@@ -119,9 +119,10 @@ def peft_experts(experts: RoutedExperts, adapters: dict, alpha: float):
     return holder.eval()
 
 
-def lora_experts(projections, seed=0):
+def lora_experts(projections, seed=0, row_scaled=False):
     rng = np.random.default_rng(seed)
-    layer = LoraRoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.2, rng, projections, AdapterSpec(RANK, 16.0 / RANK, 0.0, rng))
+    spec = AdapterSpec(RANK, 16.0 / RANK, 0.0, rng)
+    layer = LoraRoutedExperts(EXPERTS, HIDDEN, WIDTH, 0.2, rng, projections, spec, row_scaled=row_scaled)
     adapters = {}
     for proj in layer.projections:
         lora_A, lora_B = getattr(layer, f"{proj}_lora")
@@ -147,7 +148,7 @@ def test_expert_adapters_equal_peft_on_each_hf_expert(projections):
 def test_expert_adapter_gradients_follow_token_grad_isolation():
     """Rows are independent, so the isolated gradient of every factor is the torch gradient of
     ``sum_ec scale_ec * <out_ec, probe_ec>``, while the input gradient is that of the plain loss."""
-    layer, adapters = lora_experts(("gate_proj", "up_proj", "down_proj"), seed=4)
+    layer, adapters = lora_experts(("gate_proj", "up_proj", "down_proj"), seed=4, row_scaled=True)
     for param in (layer.gate_proj, layer.up_proj, layer.down_proj):
         param.requires_grad = False
     rng = np.random.default_rng(5)
@@ -158,7 +159,7 @@ def test_expert_adapter_gradients_follow_token_grad_isolation():
     assert len(params) == 6
 
     def loss_fn(x_ECH, scale_EC, probe_ECH):
-        return (layer.with_weight_grad_scale(x_ECH, scale_EC) * probe_ECH).sum()
+        return (layer(x_ECH, None, scale_EC) * probe_ECH).sum()
 
     grad_fn = ms.value_and_grad(loss_fn, 0, params)
 

@@ -9,7 +9,7 @@ import torch
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindmoe.model import kernels
-from mindmoe.model.kernels.cpu_token_experts import ProjectionSpec, expert_order, sorted_rows
+from mindmoe.model.kernels.cpu_token_experts import ProjectionSpec, expert_order
 from mindmoe.model.kernels.dropout_mask import host_scaled_keep
 from mindmoe.model.lora_dropout import drop_threshold
 from mindmoe.model.moe.dispatch import grouped_rows
@@ -61,12 +61,14 @@ class Wrapped(nn.Cell):
         self.trainable = trainable
         self.gate_proj, self.up_proj, self.down_proj = weights
 
-    def construct(self, x, topk, block, weight, scale, ga, gb, gz, gf, ua, ub, uz, uf, da, db, dz, df, upstream):
+    def construct(self, x, topk, row, sources, weight, scale, ga, gb, gz, gf, ua, ub, uz, uf, da, db, dz, df, upstream):
         placeholder = ops.zeros((1,), ms.float32)
         gw = self.gate_proj if self.trainable else placeholder
         uw = self.up_proj if self.trainable else placeholder
         dw = self.down_proj if self.trainable else placeholder
-        y = self.kernel(x, topk, block, weight, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df)
+        y = self.kernel(
+            x, topk, row, sources, weight, scale, gw, ga, gb, gz, gf, uw, ua, ub, uz, uf, dw, da, db, dz, df
+        )
         return (y * upstream).sum()
 
 
@@ -111,12 +113,13 @@ def test_token_experts_match_torch(first, held, trainable, base_dtype):
     y_ref, upstream, dx_ref, dw_ref, grads_ref = torch_reference(
         x, topk, rows, weight, scale, arrays, masks, first, held, trainable
     )
-    inputs = [Tensor(x), Tensor(topk), Tensor(np.array([block, 1], np.int32)), Tensor(weight), Tensor(scale)]
+    sources = Tensor(np.array([1], np.int32))
+    inputs = [Tensor(x), Tensor(topk), Tensor(rows), sources, Tensor(weight), Tensor(scale)]
     for proj in PROJ_SHAPES:
         inputs += [Tensor(arrays[proj + ".A"]), Tensor(arrays[proj + ".B"])]
         inputs += [Tensor(factors[proj][0]), Tensor(factors[proj][1])]
     inputs.append(Tensor(upstream))
-    positions = (0, 3) + tuple(range(5, 17))
+    positions = (0, 4) + tuple(range(6, 18))
     loss, (input_grads, param_grads) = ms.value_and_grad(net, grad_position=positions, weights=net.trainable_params())(
         *inputs
     )
@@ -134,12 +137,20 @@ def test_token_experts_match_torch(first, held, trainable, base_dtype):
         assert len(param_grads) == 3
 
 
-def test_sorted_rows_are_the_grouped_paths_rows():
+def test_the_kernels_order_is_the_grouped_rows_order():
+    """The kernel orders the assignments by their grouped rows (an input): by expert, token order within an expert."""
     rng = np.random.default_rng(3)
     topk = np.stack([rng.choice(E, K, replace=False) for _ in range(40)]).astype(np.int32)
     for block in (1, 4):
-        expected, _, _ = grouped_rows(Tensor(topk), E, block)
-        np.testing.assert_array_equal(sorted_rows(*expert_order(topk, E), block), expected.asnumpy())
+        rows, _, _ = grouped_rows(Tensor(topk), E, block)
+        expert_A, order, counts = expert_order(topk, rows.asnumpy(), E)
+        np.testing.assert_array_equal(order, np.argsort(topk.reshape(-1), kind="stable"))
+        np.testing.assert_array_equal(counts, np.bincount(topk.reshape(-1), minlength=E))
+
+
+def sorted_rows(topk, num_experts):
+    """Each assignment's row in the expert-sorted buffer of block 1 (the grouped path's MindSpore ops)."""
+    return grouped_rows(Tensor(topk), num_experts, 1)[0].asnumpy()
 
 
 def test_token_experts_is_none_on_ascend():
@@ -187,7 +198,8 @@ def test_each_source_ranks_tokens_are_multiplied_apart_as_their_own_micro_batch_
         blocks.append((x, topk, weight, dy, np.ones(tokens, np.float32)))
 
     def run(x, topk, weight, dy, scale, sources):
-        y, row_A, saved = token_experts_forward(x, topk, 1, weight, projections, E, first, held, sources)
+        row_A = sorted_rows(topk, E)
+        y, saved = token_experts_forward(x, topk, row_A, weight, projections, E, first, held, sources)
         return (y, *token_experts_backward(dy, scale, x, topk, row_A, weight, projections, saved))
 
     alone = [run(*block, sources=1) for block in blocks]
@@ -217,7 +229,8 @@ def test_a_tokens_expert_outputs_add_up_to_the_same_bits_whichever_ranks_hold_th
 
     def run(first, held, dtype):
         projections = all_projections(slice(first, first + held))
-        y, row_A, saved = token_experts_forward(x, topk, 1, weight, projections, experts, first, held)
+        row_A = sorted_rows(topk, experts)
+        y, saved = token_experts_forward(x, topk, row_A, weight, projections, experts, first, held)
         dx = token_experts_backward(dy, np.ones(tokens, np.float32), x, topk, row_A, weight, projections, saved)[0]
         return y.astype(dtype), dx.astype(dtype)
 

@@ -187,7 +187,7 @@ def test_softmax_routing_with_capacity_dispatch_matches_hf_with_a_softmax_router
     cfg = ours_config(score_func="softmax", norm_topk_prob=False, routed_scaling_factor=1.0)
     capacity = MoEConfig(dispatch="capacity", capacity_factor=float(EXPERTS))  # capacity >= tokens: no drops
     ours, hf = build_pair(cfg, seed=2, moe=capacity)
-    assert all(isinstance(layer.mlp.dispatcher, CapacityDispatcher) for layer in ours.layers[FIRST_DENSE:])
+    assert all(isinstance(layer.mlp.routed.dispatcher, CapacityDispatcher) for layer in ours.layers[FIRST_DENSE:])
     for layer in hf.model.layers[FIRST_DENSE:]:
         layer.mlp.gate.forward = softmax_router_forward.__get__(layer.mlp.gate)
     ids = input_ids(seed=2)

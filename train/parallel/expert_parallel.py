@@ -144,7 +144,7 @@ class AllGatherDispatcher(TokenDispatcher):
     """A local dispatcher whose expert rows are split over the expert group: this rank runs rows
     ``first_expert .. first_expert + e - 1`` of its buffer, and the results are all-gathered before
     the local combine. Dropping, capacity and statistics are the local dispatcher's, unchanged.
-    A grouped local dispatcher (``group_sizes`` not None) keeps the whole sorted buffer on every rank
+    A grouped local dispatcher (``grouped``) keeps the whole sorted buffer on every rank
     (the experts run only their own groups) and its outputs are summed over the group."""
 
     def __init__(self, local, first_expert: int, num_local: int, rank_in_group: int, ep: int, group: str):
@@ -153,6 +153,7 @@ class AllGatherDispatcher(TokenDispatcher):
         self.first_expert = first_expert
         self.last_expert = first_expert + num_local
         self.routes_tokens = local.routes_tokens
+        self.grouped = local.grouped
         self.copy_in = CopyToGroup(group)
         self.copy_tokens_in = CopyTokensToGroup(group, ep, rank_in_group)
         self.gather_out = GatherFromGroup(group, rank_in_group, num_local, ep)
@@ -161,7 +162,7 @@ class AllGatherDispatcher(TokenDispatcher):
 
     def dispatch(self, x_TH, routing):
         x_ECH, state = self.local.dispatch(x_TH, routing)
-        if self.local.group_sizes(state) is not None:
+        if self.grouped:
             return self.copy_in(x_ECH), state
         return self.copy_in(x_ECH)[self.first_expert : self.last_expert], state
 
@@ -176,18 +177,16 @@ class AllGatherDispatcher(TokenDispatcher):
         y_TH64 = self.local.token_experts(x_TH64, (topk_idx_TK, weight_TK), experts, scale_T)
         return self.exact_sum_out(y_TH64).astype(x_TH.dtype)
 
+    def expert_args(self, state, scale_T):
+        group_sizes, row_scale = self.local.expert_args(state, scale_T)
+        if self.grouped or row_scale is None:
+            return group_sizes, row_scale
+        return group_sizes, row_scale[self.first_expert : self.last_expert]
+
     def combine(self, y_eCH, state):
-        if self.local.group_sizes(state) is not None:
+        if self.grouped:
             return self.local.combine(self.sum_out(y_eCH), state)
         return self.local.combine(self.gather_out(y_eCH), state)
-
-    def row_scale(self, scale_T, state):
-        if self.local.group_sizes(state) is not None:
-            return self.local.row_scale(scale_T, state)
-        return self.local.row_scale(scale_T, state)[self.first_expert : self.last_expert]
-
-    def group_sizes(self, state):
-        return self.local.group_sizes(state)
 
     def kept(self, state):
         return self.local.kept(state)
@@ -227,9 +226,9 @@ def expert_shards(model, num_experts: int, ep: int) -> dict:
     in its MoE layers and its multi-token-prediction depths (``routed_expert_cells``); raises if its experts are
     whole, i.e. it was built without one."""
     for name, layer in model.cells_and_names():
-        if isinstance(layer, MoELayer) and not isinstance(layer.dispatcher, EXPERT_PARALLEL_DISPATCHERS):
+        if isinstance(layer, MoELayer) and not isinstance(layer.routed.dispatcher, EXPERT_PARALLEL_DISPATCHERS):
             raise ValueError(
-                f"parallel.ep={ep}: {name} routes its tokens with a {type(layer.dispatcher).__name__}, not an "
+                f"parallel.ep={ep}: {name} routes its tokens with a {type(layer.routed.dispatcher).__name__}, not an "
                 "expert-parallel dispatcher; build the model with MoETransformer(..., "
                 "expert_dispatcher=dist.expert_dispatcher)"
             )

@@ -42,7 +42,7 @@ import numpy as np
 from mindspore import Tensor, ops
 
 from mindmoe.model import kernels
-from mindmoe.model.moe.dispatch import combine_rows, gather_rows, grouped_rows
+from mindmoe.model.moe.dispatch import combine_rows, gather_rows, group_starts, grouped_rows
 from mindmoe.model.moe.token_dispatcher import DroplessDispatcher, TokenDispatcher
 from mindmoe.train.parallel.token_gather import GroupTokenExperts
 
@@ -58,8 +58,7 @@ def slot_of_assignments(topk_idx_TK, num_experts: int, ep: int, block: int, num_
     the group size of every (destination, local expert)."""
     row_A, group_sizes_E, _ = grouped_rows(topk_idx_TK, num_experts, block)
     num_local = num_experts // ep
-    starts_E = ops.cumsum(group_sizes_E, 0) - group_sizes_E
-    range_start_G = starts_E.reshape(ep, num_local)[:, 0]
+    range_start_G = group_starts(group_sizes_E).reshape(ep, num_local)[:, 0]
     rank_A = topk_idx_TK.reshape(-1) // num_local
     slot_A = rank_A * num_slot_rows + row_A - ops.gather(range_start_G, rank_A, 0)
     return slot_A.astype(ms.int32), group_sizes_E.reshape(ep, num_local)
@@ -96,7 +95,7 @@ def received_order(sizes_Ge, num_slot_rows: int, block: int, unused_first: bool)
 
 
 class GroupedExchange(TokenDispatcher):
-    """A token-routed dropless dispatcher (the five dispatcher methods) over the all-to-all exchange.
+    """A token-routed dropless dispatcher (the dispatcher interface) over the all-to-all exchange.
 
     ``exchange``: a factory ``(group, G, rank_in_group) -> cell`` of the all-to-all (default
     :func:`model.kernels.all_to_all`); tests pass a stand-in. :meth:`send`, :meth:`receive`, :meth:`send_back`
@@ -106,6 +105,7 @@ class GroupedExchange(TokenDispatcher):
     def __init__(self, num_experts: int, rank_in_group: int, ep: int, group: str, exchange=None, alignment=None):
         super().__init__()
         self.alignment = alignment
+        self.grouped = True
         # Where the experts run from tokens to tokens (a CPU training graph) the tokens travel instead of the rows
         # (:meth:`token_experts`); a fixed alignment (tests of the row exchange) keeps the rows.
         self.routes_tokens = alignment is None
@@ -214,16 +214,15 @@ class GroupedExchange(TokenDispatcher):
         slot_A, weight_TK, dest_R, _ = state
         return self.receive_back(self.from_experts(self.send_back(y_NbH, dest_R)), slot_A, weight_TK)
 
-    def row_scale(self, scale_T, state):
-        slot_A, weight_TK, dest_R, _ = state
+    def expert_args(self, state, scale_T):
+        slot_A, weight_TK, dest_R, group_sizes_E = state
+        if scale_T is None:
+            return group_sizes_E, None
         block, _ = self.layout(weight_TK)
         # A factor of the weight gradient only: nothing flows back through it.
         # After the rows' exchange (dest_R depends on it), so every rank runs the two in the same order.
         scale_GX = ops.depend(ops.stop_gradient(self.send_scale(scale_T, slot_A, weight_TK)), dest_R)
-        return self.receive_scale(self.scale_to_experts(scale_GX), dest_R, block)
-
-    def group_sizes(self, state):
-        return state[3]
+        return group_sizes_E, self.receive_scale(self.scale_to_experts(scale_GX), dest_R, block)
 
     def kept(self, state):
         weight_TK = state[1]

@@ -58,13 +58,12 @@ class AllToAllDispatcher(TokenDispatcher):
         returned_GeCH = self.from_experts(y_GeCH)
         return self.local.combine(returned_GeCH.reshape(-1, capacity, hidden), state)
 
-    def row_scale(self, scale_T, state):
+    def expert_args(self, state, scale_T):
+        _, row_scale = self.local.expert_args(state, scale_T)
+        if row_scale is None:
+            return None, None
         # A factor of the weight gradient only: nothing flows back through it.
-        scale_EC = ops.stop_gradient(self.local.row_scale(scale_T, state))
-        return self.to_owners(scale_EC, self.scale_to_experts)
-
-    def group_sizes(self, state):
-        return None
+        return None, self.to_owners(ops.stop_gradient(row_scale), self.scale_to_experts)
 
     def kept(self, state):
         return self.local.kept(state)
