@@ -75,11 +75,11 @@ class IndexerScores(nn.Cell):
         mask = document_causal_mask(doc_ids, model.config.num_heads)
         x = model.embed(input_ids)
         scores = []
-        for layer_idx, layer in enumerate(model.layers):
+        for layer in model.layers:
             h = layer.input_layernorm(x)
             attn = layer.self_attn
             scores.append(attn.indexer(h, attn.query_residual(h), cos, sin).expand_dims(0))
-            x = layer(x, cos, sin, mask)[0] if layer_idx < model.num_dense else layer(x, cos, sin, mask, doc_ids)[0]
+            x, _ = layer(x, cos, sin, mask, doc_ids)
         return ops.concat(scores, 0)
 
 

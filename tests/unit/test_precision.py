@@ -11,6 +11,7 @@ from mindspore import Tensor
 
 from mindmoe.conf.checks import validate_precision
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.outputs import OUT_AUX_LOSS, OUT_HEAD, OUT_Z_LOSS
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
@@ -116,8 +117,9 @@ def loss_and_grads(model, batch):
     input_ids, doc_ids, labels, loss_mask = split_window(batch)
 
     def loss_fn(input_ids, doc_ids, labels, loss_mask):
-        logits, aux, z_loss, _, _ = model(input_ids, doc_ids)
-        return masked_cross_entropy(logits, labels, loss_mask)[0] + aux + z_loss
+        out = model(input_ids, doc_ids)
+        loss = masked_cross_entropy(out[OUT_HEAD], labels, loss_mask)[0]
+        return loss + out[OUT_AUX_LOSS] + out[OUT_Z_LOSS]
 
     grad_fn = ms.jit(ms.value_and_grad(loss_fn, None, model.trainable_params()))
     loss, grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
