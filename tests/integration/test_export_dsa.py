@@ -22,6 +22,7 @@ from mindmoe.model.export.mindir import cache_layout, export_mindir
 from mindmoe.model.export.mla_serving import serving_dsa_stage
 from mindmoe.model.export.runner import MANIFEST_FILE, ExportedModel
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.export import ExportSource, build_manifest, serve_dsa_sparse
 from mindmoe.train.export_config import ExportConfig
@@ -58,7 +59,7 @@ def dynamic(model):
 
 def training_logits(model, ids):
     """The training forward's logits ``[B, S, V]`` of prompts ``ids`` (one document each)."""
-    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
+    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[OUT_HEAD].asnumpy()
 
 
 class IndexerScores(nn.Cell):

@@ -7,6 +7,7 @@ from mindspore import Tensor, nn
 
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.param_count import count_parameters, mtp_layer_parameters, parameter_shapes
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.step import CompiledStep
@@ -102,7 +103,7 @@ def test_mtp_loss_equals_a_numpy_transcription_of_the_formula(depths):
     window = rng.integers(0, VOCAB, (2, SEQ + 1))
     doc_ids = np.array([[0] * 5 + [1] * 8, [0] * 13])  # a document boundary inside the first window
     batch = {"input_ids": window, "doc_ids": doc_ids}
-    hidden0 = model(Tensor(window[:, :-1].astype(np.int32)), Tensor(doc_ids[:, :-1].astype(np.int32)), True)[0]
+    hidden0 = model(Tensor(window[:, :-1].astype(np.int32)), Tensor(doc_ids[:, :-1].astype(np.int32)), True)[OUT_HEAD]
     expected = numpy_mtp_loss(model, window, doc_ids, hidden0.asnumpy(), coeff=0.25)
     optimizer = nn.SGD(model.trainable_params(), learning_rate=0.0)
     stats = CompiledStep(model, optimizer, 0.0, 1, mtp_loss_coeff=0.25).step([batch])

@@ -145,7 +145,7 @@ def test_fp16_compute_keeps_fp32_weights_and_moves_logits_by_fp16_rounding_only(
     loss_scale = apply_precision(model, TrainConfig(dtype="fp16", loss_scale=1024.0, loss_scale_window=10))
     assert loss_scale == LossScale(initial=1024.0, window=10)
     assert all(p.dtype == ms.float32 for p in model.get_parameters())
-    logits = model(ids, doc_ids)[0].asnumpy()
+    logits = model(ids, doc_ids)[OUT_HEAD].asnumpy()
     difference = np.abs(logits - reference).max()
     # fp16 has a 2^-11 relative step: the matmuls were cast (difference > 0) and nothing else broke.
     assert 0 < difference < 1e-2 * np.abs(reference).max()
