@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import mindspore as ms
+import numpy as np
 from mindspore import ops
 
 from mindmoe.model.outputs import OUT_AUX_LOSS, OUT_INDEXER_LOSS, OUT_LAYER_STATS, OUT_ROUTING_STATS, OUT_Z_LOSS
@@ -34,8 +35,8 @@ class Objective:
 
 
 class StepTerms(NamedTuple):
-    """Host-side names of a micro-batch's terms, which :func:`step_objective` returns as a plain tuple in this order
-    (graph code cannot build a NamedTuple without stopping gradients: model/outputs.py)."""
+    """Names of a micro-batch's terms, which :func:`step_objective` returns as a plain tuple in this order (graph code
+    cannot build a NamedTuple without stopping gradients: model/outputs.py)."""
 
     loss: ms.Tensor
     lm_loss: ms.Tensor
@@ -47,8 +48,13 @@ class StepTerms(NamedTuple):
     indexer_loss: ms.Tensor
 
     @classmethod
-    def of(cls, terms) -> "StepTerms":
-        return cls(*terms)
+    def over_micro_batches(cls, micro_terms) -> "StepTerms":
+        """NumPy values of a step from its micro-batches' term tuples: the routing counts summed, every other term
+        averaged."""
+        named = [cls(*terms) for terms in micro_terms]
+        values = {field: np.mean([getattr(t, field).asnumpy() for t in named], axis=0) for field in cls._fields}
+        values["routing_stats"] = np.sum([t.routing_stats.asnumpy() for t in named], axis=0)
+        return cls(**values)
 
 
 #: Indices of the terms the compiled step itself reads.

@@ -285,28 +285,24 @@ class CompiledStep:
         scale_before = self._loss_scale()
         if self.accum_steps == 1:
             terms, norm, lr, finite = self._fused_step(*windows[0], weight, *mtp_inputs[0])
-            micro = [StepTerms.of(terms)]
+            host = StepTerms.over_micro_batches([terms])
         else:
-            micro = [StepTerms.of(self._accumulate(*window, weight, *mtp)) for window, mtp in zip(windows, mtp_inputs)]
-            mean_loss = Tensor(np.float32(np.mean([t.loss.asnumpy() for t in micro])))
-            norm, lr, finite = self._apply_accumulated(mean_loss, Tensor(sum(t.routing_stats.asnumpy() for t in micro)))
-
-        def mean(field):
-            return float(np.mean([getattr(t, field).asnumpy() for t in micro]))
-
+            micro = [self._accumulate(*window, weight, *mtp) for window, mtp in zip(windows, mtp_inputs)]
+            host = StepTerms.over_micro_batches(micro)
+            norm, lr, finite = self._apply_accumulated(Tensor(np.float32(host.loss)), Tensor(host.routing_stats))
         stats = self._global_stats(
             StepStats(
                 skipped=not bool(finite.asnumpy()),
-                loss=mean("loss"),
-                lm_loss=mean("lm_loss"),
-                aux_loss=mean("aux_loss"),
-                z_loss=mean("z_loss"),
+                loss=float(host.loss),
+                lm_loss=float(host.lm_loss),
+                aux_loss=float(host.aux_loss),
+                z_loss=float(host.z_loss),
                 grad_norm=float(norm.asnumpy()),
                 lr=float(np.asarray(lr.asnumpy()).reshape(-1)[0]),
-                routing_stats=np.sum([t.routing_stats.asnumpy() for t in micro], axis=0),
-                layer_stats=np.mean([t.layer_stats.asnumpy() for t in micro], axis=0),
-                mtp_loss=mean("mtp_loss") if self.objective.mtp_depths else None,
-                indexer_loss=mean("indexer_loss") if self.objective.dsa else None,
+                routing_stats=host.routing_stats,
+                layer_stats=host.layer_stats,
+                mtp_loss=float(host.mtp_loss) if self.objective.mtp_depths else None,
+                indexer_loss=float(host.indexer_loss) if self.objective.dsa else None,
             )
         )
         stats = self._with_loss_scale(stats, scale_before)
