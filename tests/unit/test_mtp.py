@@ -7,7 +7,7 @@ from mindspore import Tensor, nn
 
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.moe_config import MoEConfig
-from mindmoe.model.outputs import OUT_HEAD
+from mindmoe.model.outputs import OUT_HEAD, ModelOutput
 from mindmoe.model.param_count import count_parameters, mtp_layer_parameters, parameter_shapes
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.step import CompiledStep
@@ -125,8 +125,10 @@ def test_mtp_layers_do_not_change_the_main_model_outputs_or_initial_values():
     ids = Tensor(np.arange(16).reshape(2, 8).astype(np.int32) % VOCAB)
     docs = Tensor(np.zeros((2, 8), np.int32))
     plain, with_mtp = MoETransformer(tiny(), seed=5, moe=MOE), MoETransformer(tiny(mtp_layers=1), seed=5, moe=MOE)
-    np.testing.assert_array_equal(plain(ids, docs)[0].asnumpy(), with_mtp(ids, docs)[0].asnumpy())
-    assert len(with_mtp(ids, docs)) == 5  # without future ids (evaluation, generation) MTP does not run
+    plain_out, mtp_out = ModelOutput.of(plain(ids, docs)), ModelOutput.of(with_mtp(ids, docs))
+    np.testing.assert_array_equal(plain_out.head.asnumpy(), mtp_out.head.asnumpy())
+    assert plain_out.aux_loss.asnumpy() == mtp_out.aux_loss.asnumpy()
+    assert mtp_out.mtp_hidden.shape == (0,)  # without future ids (evaluation, generation) MTP does not run
 
 
 def test_parameter_names_and_counts_of_the_mtp_layers():
