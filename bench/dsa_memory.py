@@ -64,6 +64,7 @@ def measure_case(case: str, seq_len: int, batch: int) -> dict:
     from mindmoe.model import attention
     from mindmoe.model.kernels.host_runtime import configure_host_runtime
     from mindmoe.model.moe_config import MoEConfig
+    from mindmoe.model.outputs import OUT_HEAD, OUT_INDEXER_LOSS
     from mindmoe.model.transformer import MoETransformer
 
     ms.set_context(mode=ms.GRAPH_MODE, device_target="CPU")
@@ -78,7 +79,7 @@ def measure_case(case: str, seq_len: int, batch: int) -> dict:
 
     def loss(input_ids, doc_ids_BS):
         outs = model(input_ids, doc_ids_BS)
-        return outs[0].mean() + outs[-1]
+        return outs[OUT_HEAD].mean() + outs[OUT_INDEXER_LOSS]
 
     step = ms.jit(ms.value_and_grad(loss, None, params))
     before = current_rss()

@@ -42,7 +42,7 @@ def mtp_layer_class(decoder_layer_cls):
 
     class MTPLayer(decoder_layer_cls):
         """One MTP depth: ``construct(embedded_BSH, previous_BSH, cos, sin, mask, doc_ids_BS)`` ->
-        ``(h^k [B, S, H] before shared_head.norm, aux, z, routing_stats, layer_stats)``."""
+        ``(h^k [B, S, H] before shared_head.norm, aux)``, ``aux`` the decoder layer's (model/outputs.py)."""
 
         def __init__(
             self,

@@ -32,6 +32,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Parameter, lazy_inline, nn, ops
 
+from mindmoe.model import outputs
 from mindmoe.model.attention import Attention, document_causal_mask, training_attention_masks
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.dsa_config import DSATrainingConfig, dsa_training, validate_dsa_training
@@ -66,9 +67,11 @@ class Embedding(nn.Cell):
 class DecoderLayer(nn.Cell):
     """Pre-RMSNorm residual block: attention, then a dense or MoE FFN.
 
-    The halves are methods so the serving graphs (``model.export.serving``) run the same blocks with a
-    KV cache: :meth:`attention_qkv` + :meth:`attention_residual` is :meth:`attention_block` with the
-    keys/values in between; :meth:`ffn_block` is the dense FFN half.
+    ``construct(x, cos, sin, mask, doc_ids)`` -> ``(x, aux)``, ``aux`` a :class:`model.outputs.LayerAux` tuple
+    (zeros for a dense layer, but the DSA indexer's loss). The halves are methods so the serving graphs
+    (``model.export.serving``) run the same blocks with a KV cache: :meth:`attention_qkv` +
+    :meth:`attention_residual` is :meth:`attention_block` with the keys/values in between; :meth:`ffn_block` is
+    the dense FFN half.
     """
 
     def __init__(
@@ -83,6 +86,7 @@ class DecoderLayer(nn.Cell):
     ):
         super().__init__()
         self.is_moe = layer_idx >= cfg.first_k_dense
+        self.num_experts = cfg.num_experts
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if cfg.attention_type == "mla":
             self.self_attn = MLAttention(cfg, rng, lora.child("self_attn"), dsa_stage)
@@ -114,12 +118,18 @@ class DecoderLayer(nn.Cell):
     def ffn_block(self, x_BSH):
         return x_BSH + self.mlp(self.post_attention_layernorm(x_BSH))
 
-    def construct(self, x_BSH, cos, sin, mask):
-        """The block's output; with DSA (``self_attn.dsa_active``) also the indexer's loss."""
+    def attention_half(self, x_BSH, cos, sin, mask):
+        """``(x after the attention half, the indexer's loss)``; the loss is 0 unless DSA runs
+        (``self_attn.dsa_active``)."""
         if self.self_attn.dsa_active:
-            x_BSH, indexer_loss = self.indexed_attention_block(x_BSH, cos, sin, mask)
-            return self.ffn_block(x_BSH), indexer_loss
-        return self.ffn_block(self.attention_block(x_BSH, cos, sin, mask))
+            return self.indexed_attention_block(x_BSH, cos, sin, mask)
+        return self.attention_block(x_BSH, cos, sin, mask), ops.zeros((), ms.float32)
+
+    def construct(self, x_BSH, cos, sin, mask, doc_ids_BS):
+        """``(output, aux)``; ``doc_ids`` is for the MoE layers' routing statistics."""
+        x_BSH, indexer_loss = self.attention_half(x_BSH, cos, sin, mask)
+        aux = outputs.dense_layer_aux(len(ROUTING_STATS), len(LAYER_STATS), self.num_experts, indexer_loss)
+        return self.ffn_block(x_BSH), aux
 
 
 class MoEDecoderLayer(DecoderLayer):
@@ -141,16 +151,14 @@ class MoEDecoderLayer(DecoderLayer):
         return x_BSH + self.mlp.dispatched(h_TH, routing, dispatcher).reshape(x_BSH.shape)
 
     def construct(self, x_BSH, cos, sin, mask, doc_ids_BS):
-        """``(output, aux, z, routing_stats, layer_stats)``, and the indexer's loss last with DSA."""
-        if self.self_attn.dsa_active:
-            x_BSH, indexer_loss = self.indexed_attention_block(x_BSH, cos, sin, mask)
-            return self.moe_ffn_block(x_BSH, doc_ids_BS) + (indexer_loss,)
-        return self.moe_ffn_block(self.attention_block(x_BSH, cos, sin, mask), doc_ids_BS)
+        """``(output, aux)``: the router's losses and statistics, and the indexer's loss (0 without DSA)."""
+        x_BSH, indexer_loss = self.attention_half(x_BSH, cos, sin, mask)
+        return self.moe_ffn_block(x_BSH, doc_ids_BS, indexer_loss)
 
-    def moe_ffn_block(self, x_BSH, doc_ids_BS):
-        """``(output, aux, z, routing_stats, layer_stats)`` of the MoE half."""
+    def moe_ffn_block(self, x_BSH, doc_ids_BS, indexer_loss):
+        """``(output, aux)`` of the MoE half; ``MoELayer`` returns its five outputs positionally."""
         ffn_BSH, aux, router_z, routing_stats, layer_stats = self.mlp(self.post_attention_layernorm(x_BSH), doc_ids_BS)
-        return x_BSH + ffn_BSH, aux, router_z, routing_stats, layer_stats
+        return x_BSH + ffn_BSH, outputs.layer_aux(aux, router_z, routing_stats, layer_stats, indexer_loss)
 
 
 @functools.lru_cache(maxsize=None)
@@ -182,13 +190,12 @@ def reused_layer_class(layer_cls):
 
 
 class MoETransformer(nn.Cell):
-    """``construct(input_ids [B,S], doc_ids [B,S])`` -> ``(logits [B,S,V] fp32, aux_loss, z_loss,
-    routing_stats [L_moe, 3, E], layer_stats [L_moe, 5])``; with ``hidden_only=True`` the first output is
-    the final normed hidden rows ``[B*S, H]`` instead, for a loss that applies :meth:`head_weight` itself.
-
-    The aux and z losses are summed over MoE layers (each layer's balanced aux loss equals the
-    coefficient); the statistics rows are named by ``model.moe.layer.ROUTING_STATS`` /
-    ``LAYER_STATS``.
+    """``construct(input_ids [B,S], doc_ids [B,S], hidden_only=False, future_ids=None)`` -> a
+    :class:`model.outputs.ModelOutput` tuple (one layout whatever the model has): ``head`` the logits
+    ``[B,S,V]`` fp32, or with ``hidden_only`` the final normed rows ``[B*S, H]`` for a loss that applies
+    :meth:`head_weight` itself; the aux and z losses summed over MoE layers (each layer's balanced aux loss equals
+    the coefficient); per-MoE-layer statistics rows named by ``model.moe.layer.ROUTING_STATS`` / ``LAYER_STATS``.
+    Every layer runs in :meth:`run_layers`.
 
     ``cell_reuse`` (``train.cell_reuse``, Ascend only) builds the layers with :func:`reused_layer_class`.
     ``expert_dispatcher``: a :class:`model.moe.token_dispatcher.ExpertPlacement` that decides which
@@ -202,14 +209,14 @@ class MoETransformer(nn.Cell):
     the adapters (and ``lora.modules_to_save``) train. Kept as ``adapter_plan`` (None without LoRA).
 
     Multi-token prediction (``model.mtp_layers`` = U > 0, model/mtp.py): given ``future_ids [U, B, S]`` (depth k's
-    input tokens ``t_{i+k}``, :func:`model.mtp.shifted_tokens` rows 0..U-1) and ``hidden_only``, a sixth output
+    input tokens ``t_{i+k}``, :func:`model.mtp.shifted_tokens` rows 0..U-1) and ``hidden_only``, ``mtp_hidden``
     holds each depth's ``shared_head.norm`` output ``[U, B*S, H]`` for the loss to apply the shared head to. The
     MTP layers' aux and z losses join the sums; their routing statistics are left out of the per-layer rows
     (whose layers the router updates and the metrics index), so an MTP router's correction bias stays fixed.
-    Without ``future_ids`` (evaluation, generation, export) the MTP layers do not run.
+    Without ``future_ids`` (evaluation, generation, export) the MTP layers do not run (``mtp_hidden`` is empty).
 
     DeepSeek Sparse Attention (``model.dsa``, ``dsa.stage`` sparse or dense_warmup; model/dsa.py): every layer runs its
-    indexer, and a last output holds the mean over the layers (and MTP depths) of the indexer's KL loss. Those
+    indexer, and ``indexer_loss`` is the mean over the layers (and MTP depths) of its KL loss (0 without DSA). Those
     layers take the whole document-causal mask (no causal chunks, no blockwise attention).
     """
 
@@ -308,44 +315,44 @@ class MoETransformer(nn.Cell):
         hidden_ZH = self.final_hidden(x_ZH)
         return self.logits_matmul(hidden_ZH, self.head_weight().astype(hidden_ZH.dtype)).astype(ms.float32)
 
+    def attention_masks(self, doc_ids_BS):
+        """The attention masks every layer of a training or evaluation forward takes."""
+        num_heads = self.config.num_heads
+        if ops.is_sequence_value_unknown(doc_ids_BS.shape):  # a graph compiled for any length
+            return document_causal_mask(doc_ids_BS, num_heads)
+        if self.layers[0].self_attn.dsa_active:  # indexed_attention past attention.BLOCK_SIZE, else the [S, S] mask
+            return training_attention_masks(doc_ids_BS, num_heads, True, chunked=False)
+        return training_attention_masks(doc_ids_BS, num_heads, self.layers[0].self_attn.use_blockwise)
+
+    def run_layers(self, x_BSH, layer_step, inputs):
+        """The layer loop of training, evaluation, prefill and decode: ``(x after the last layer, [out of each
+        layer])`` with ``x, out = layer_step(layer_idx, layer, x, inputs)`` for each decoder layer in order.
+        Training's step is :meth:`train_layer_step`; the serving graphs pass theirs (model/export/serving.py)."""
+        outs = []
+        for layer_idx, layer in enumerate(self.layers):
+            x_BSH, out = layer_step(layer_idx, layer, x_BSH, inputs)
+            outs.append(out)
+        return x_BSH, outs
+
+    def train_layer_step(self, layer_idx, layer, x_BSH, inputs):
+        """The layer's own ``construct`` on ``inputs`` ``(cos, sin, masks, doc_ids)``: ``(x, aux)``."""
+        return layer(x_BSH, *inputs)
+
     def construct(self, input_ids_BS, doc_ids_BS, hidden_only=False, future_ids_UBS=None):
         batch, seq_len = input_ids_BS.shape
         cos, sin = self.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
-        dsa = self.layers[0].self_attn.dsa_active
-        if ops.is_sequence_value_unknown(input_ids_BS.shape):  # a graph compiled for any length
-            masks = document_causal_mask(doc_ids_BS, self.config.num_heads)
-        elif dsa:  # the indexed_attention kernel past attention.BLOCK_SIZE, else the whole [S, S] mask
-            masks = training_attention_masks(doc_ids_BS, self.config.num_heads, True, chunked=False)
-        else:
-            blockwise = self.layers[0].self_attn.use_blockwise  # past attention.BLOCK_SIZE
-            masks = training_attention_masks(doc_ids_BS, self.config.num_heads, blockwise)
-        x_BSH = self.embed(input_ids_BS)
-        aux_losses = []
-        z_losses = []
-        routing_stats = []
-        layer_stats = []
-        indexer_losses = []
-        for layer_idx, layer in enumerate(self.layers):
-            if layer_idx < self.num_dense and dsa:
-                x_BSH, indexer_loss = layer(x_BSH, cos, sin, masks)
-                indexer_losses.append(indexer_loss)
-            elif layer_idx < self.num_dense:
-                x_BSH = layer(x_BSH, cos, sin, masks)
-            else:
-                outs = layer(x_BSH, cos, sin, masks, doc_ids_BS)
-                x_BSH, aux, router_z, layer_routing, layer_scalars = outs[:5]
-                if dsa:
-                    indexer_losses.append(outs[5])
-                aux_losses.append(aux)
-                z_losses.append(router_z)
-                routing_stats.append(layer_routing)
-                layer_stats.append(layer_scalars)
+        masks = self.attention_masks(doc_ids_BS)
+        layer_inputs = (cos, sin, masks, doc_ids_BS)
+        x_BSH, auxes = self.run_layers(self.embed(input_ids_BS), self.train_layer_step, layer_inputs)
+        indexer_losses = [aux[outputs.INDEXER_LOSS] for aux in auxes]
+        moe_auxes = auxes[self.num_dense :]  # dense layers' zeros stay out of the sums and the per-MoE-layer rows
+        aux_losses = [aux[outputs.AUX_LOSS] for aux in moe_auxes]
+        z_losses = [aux[outputs.Z_LOSS] for aux in moe_auxes]
         if hidden_only:  # the loss applies the head itself, in chunks (model.lm_loss)
             head_out = self.final_hidden(x_BSH)
         else:
             head_out = self.final_logits(x_BSH).reshape(batch, seq_len, -1)
-        outputs = (head_out,)
-        mtp_out = ()
+        mtp_UTH = ops.zeros((0,), ms.float32)
         if future_ids_UBS is not None and self.num_mtp:
             normed_TH = head_out if hidden_only else self.final_hidden(x_BSH)
             mtp_UTH, mtp_aux, mtp_z, mtp_indexer = self.mtp_hidden(
@@ -354,22 +361,22 @@ class MoETransformer(nn.Cell):
             aux_losses.append(mtp_aux)
             z_losses.append(mtp_z)
             indexer_losses += mtp_indexer
-            mtp_out = (mtp_UTH,)
-        if not aux_losses:
-            zero = ops.zeros((), ms.float32)
-            outputs += (zero, zero)
+        zero = ops.zeros((), ms.float32)
+        if not moe_auxes:
+            routing_stats = ops.zeros((0, len(ROUTING_STATS), self.config.num_experts), ms.float32)
+            layer_stats = ops.zeros((0, len(LAYER_STATS)), ms.float32)
         else:
-            outputs += (ops.stack(aux_losses).sum(), ops.stack(z_losses).sum())
-        if not routing_stats:
-            outputs += (
-                ops.zeros((0, len(ROUTING_STATS), self.config.num_experts), ms.float32),
-                ops.zeros((0, len(LAYER_STATS)), ms.float32),
-            )
-        else:
-            outputs += (ops.stack(routing_stats), ops.stack(layer_stats))
-        if dsa:  # the mean over the layers (and MTP depths) of each one's indexer loss
-            return outputs + mtp_out + (ops.stack(indexer_losses).mean(),)
-        return outputs + mtp_out
+            routing_stats = ops.stack([aux[outputs.ROUTING_STATS] for aux in moe_auxes])
+            layer_stats = ops.stack([aux[outputs.LAYER_STATS] for aux in moe_auxes])
+        return outputs.model_output(
+            head_out,
+            ops.stack(aux_losses).sum() if aux_losses else zero,
+            ops.stack(z_losses).sum() if z_losses else zero,
+            routing_stats,
+            layer_stats,
+            mtp_UTH,
+            ops.stack(indexer_losses).mean() if self.layers[0].self_attn.dsa_active else zero,
+        )
 
     def mtp_hidden(self, hidden_TH, future_ids_UBS, cos, sin, masks, doc_ids_BS):
         """``(shared_head.norm outputs [U, T, H], summed aux loss, summed z loss, [indexer loss per depth] (DSA;
@@ -377,14 +384,13 @@ class MoETransformer(nn.Cell):
         (model/mtp.py)."""
         batch, seq_len = doc_ids_BS.shape
         previous_BSH = hidden_TH.reshape(batch, seq_len, -1)
-        outputs, aux_total, z_total, indexer_losses = [], 0.0, 0.0, []
+        normed, aux_total, z_total, indexer_losses = [], 0.0, 0.0, []
         for depth, mtp_layer in enumerate(self.mtp_layers):
             embedded_BSH = self.embed(future_ids_UBS[depth])
-            outs = mtp_layer(embedded_BSH, previous_BSH, cos, sin, masks, doc_ids_BS)
-            previous_BSH, aux, router_z = outs[:3]
+            previous_BSH, aux = mtp_layer(embedded_BSH, previous_BSH, cos, sin, masks, doc_ids_BS)
             if mtp_layer.self_attn.dsa_active:
-                indexer_losses.append(outs[5])
-            outputs.append(mtp_layer.shared_head(previous_BSH).reshape(batch * seq_len, -1))
-            aux_total = aux_total + aux
-            z_total = z_total + router_z
-        return ops.stack(outputs), aux_total, z_total, indexer_losses
+                indexer_losses.append(aux[outputs.INDEXER_LOSS])
+            normed.append(mtp_layer.shared_head(previous_BSH).reshape(batch * seq_len, -1))
+            aux_total = aux_total + aux[outputs.AUX_LOSS]
+            z_total = z_total + aux[outputs.Z_LOSS]
+        return ops.stack(normed), aux_total, z_total, indexer_losses

@@ -9,6 +9,7 @@ import mindspore as ms
 from mindspore import ops
 
 from mindmoe.model.lm_loss import TokenNLL, chunk_rows
+from mindmoe.model.outputs import OUT_HEAD, OUT_MTP_HIDDEN
 
 
 def head_loss(model, trainable_params=None) -> TokenNLL:
@@ -26,12 +27,13 @@ def head_loss(model, trainable_params=None) -> TokenNLL:
 
 
 def head_nll(model, token_nll, input_ids_BS, doc_ids_BS, labels_BS, weight_BS):
-    """``(nll_sum, nll [T] fp32, aux_loss, z_loss, routing_stats, layer_stats)``: the model's outputs with the
-    cross-entropy of its head in place of the logits (``token_nll`` from :func:`head_loss`): ``nll_sum = sum_t
-    weight_t nll_t`` (``weight_BS``: the loss mask), the per-token ``nll`` (no gradient; statistics only)."""
-    hidden_TH, *others = model(input_ids_BS, doc_ids_BS, True)
-    losses = token_nll(hidden_TH, model.head_weight(), labels_BS.reshape(-1), _weights(weight_BS))
-    return (losses[0], losses[1], *others)
+    """``(nll_sum, nll [T] fp32, outputs)``: the cross-entropy of the model's head (``token_nll`` from
+    :func:`head_loss`) and the model's outputs (:class:`model.outputs.ModelOutput`, ``head`` the hidden rows):
+    ``nll_sum = sum_t weight_t nll_t`` (``weight_BS``: the loss mask), the per-token ``nll`` (no gradient;
+    statistics only)."""
+    outputs = model(input_ids_BS, doc_ids_BS, True)
+    losses = token_nll(outputs[OUT_HEAD], model.head_weight(), labels_BS.reshape(-1), _weights(weight_BS))
+    return losses[0], losses[1], outputs
 
 
 def _weights(weight_BS):
@@ -39,9 +41,8 @@ def _weights(weight_BS):
 
 
 def head_nll_with_mtp(model, token_nll, input_ids_BS, doc_ids_BS, future_ids_VBS, weight_BS, mtp_weights_UBS):
-    """:func:`head_nll`'s outputs (labels: ``future_ids[0]``, weights ``weight_BS``) with the multi-token-prediction sum
-    ``sum_k sum_i nll_k,i * mtp_weights[k, i]`` (model/mtp.py) after the layer statistics (and before the DSA
-    indexer loss, which the model returns last).
+    """``(nll_sum, nll, mtp_sum, outputs)``: :func:`head_nll`'s (labels: ``future_ids[0]``, weights ``weight_BS``) with
+    the multi-token-prediction sum ``mtp_sum = sum_k sum_i nll_k,i * mtp_weights[k, i]`` (model/mtp.py).
 
     ``future_ids`` ``[U + 1, B, S]`` is :func:`model.mtp.shifted_tokens`: row 0 the labels, rows 0..U-1 the depths'
     input tokens, row k depth k's targets; ``mtp_weights`` the depths' loss masks times their token weights. Every
@@ -50,13 +51,13 @@ def head_nll_with_mtp(model, token_nll, input_ids_BS, doc_ids_BS, future_ids_VBS
     depths = mtp_weights_UBS.shape[0]
     head_VH = model.head_weight()
     outputs = model(input_ids_BS, doc_ids_BS, True, future_ids_VBS[:depths])
-    hidden_TH, aux, z, routing, layers, mtp_UTH = outputs[:6]
-    losses = token_nll(hidden_TH, head_VH, future_ids_VBS[0].reshape(-1), _weights(weight_BS))
+    losses = token_nll(outputs[OUT_HEAD], head_VH, future_ids_VBS[0].reshape(-1), _weights(weight_BS))
+    mtp_UTH = outputs[OUT_MTP_HIDDEN]
     mtp_sum = ops.zeros((), ms.float32)
     for depth in range(depths):
         depth_labels_T = future_ids_VBS[depth + 1].reshape(-1)
         mtp_sum = mtp_sum + token_nll(mtp_UTH[depth], head_VH, depth_labels_T, _weights(mtp_weights_UBS[depth]))[0]
-    return (losses[0], losses[1], aux, z, routing, layers, mtp_sum) + outputs[6:]
+    return losses[0], losses[1], mtp_sum, outputs
 
 
 def masked_sum(nll_T, mask_BS):

@@ -37,7 +37,7 @@ from mindmoe.model.mtp import mtp_loss_mask, shifted_tokens
 from mindmoe.train.grad_norm import expert_parameter_names, layout_free_norm
 from mindmoe.train.head_loss import head_loss, head_nll, masked_sum
 from mindmoe.train.loss_scaling import loss_scaling
-from mindmoe.train.objective import Objective, step_objective
+from mindmoe.train.objective import TERM_LOSS, TERM_ROUTING_STATS, Objective, StepTerms, step_objective
 
 
 def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
@@ -170,9 +170,9 @@ def _compile_fused_step(grad_fn, unscale, clip_and_apply):
 
     @ms.jit
     def fused_step(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):
-        (_, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights)
-        norm, lr, finite = clip_and_apply(unscale(grads), aux[0], aux[4])
-        return aux, norm, lr, finite
+        (_, terms), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights)
+        norm, lr, finite = clip_and_apply(unscale(grads), terms[TERM_LOSS], terms[TERM_ROUTING_STATS])
+        return terms, norm, lr, finite
 
     return fused_step
 
@@ -184,10 +184,10 @@ def _compile_accumulation(grad_fn, unscale, clip_and_apply, buffers, accum_steps
 
     @ms.jit
     def accumulate(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):
-        (_, aux), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights)
+        (_, terms), grads = grad_fn(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights)
         for buffer, grad in zip(buffers, unscale(grads)):
             ops.assign_add(buffer, grad * inv_accum)
-        return aux
+        return terms
 
     @ms.jit
     def apply_accumulated(mean_loss, routing_L3E):
@@ -205,7 +205,7 @@ def _compile_evaluate(model, token_nll):
 
     @ms.jit
     def evaluate(input_ids, doc_ids, labels, loss_mask):
-        nll_T = head_nll(model, token_nll, input_ids, doc_ids, labels, loss_mask)[1]
+        _, nll_T, _ = head_nll(model, token_nll, input_ids, doc_ids, labels, loss_mask)
         return masked_sum(nll_T, loss_mask)
 
     return evaluate
@@ -235,8 +235,8 @@ class CompiledStep:
         self.token_nll = head_loss(model, params)
 
         def scaled_loss(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):
-            loss, aux = self._loss(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights)
-            return scale_loss(loss), aux
+            loss, terms = self._loss(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights)
+            return scale_loss(loss), terms
 
         grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
         self.grad_buffers = _grad_buffers(params, accum_steps)
@@ -262,8 +262,8 @@ class CompiledStep:
         )
 
     def _loss(self, input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):
-        """The micro-batch's share of the step objective, and ``(loss, lm, aux, z, routing, layer, mtp, indexer)``
-        unscaled (:func:`train.objective.step_objective`)."""
+        """The micro-batch's share of the step objective, and its terms unscaled
+        (:func:`train.objective.step_objective`, :class:`train.objective.StepTerms`)."""
         return step_objective(
             self.model,
             self.token_nll,
@@ -284,25 +284,25 @@ class CompiledStep:
         mtp_inputs = self._mtp_inputs(micro_batches)
         scale_before = self._loss_scale()
         if self.accum_steps == 1:
-            aux, norm, lr, finite = self._fused_step(*windows[0], weight, *mtp_inputs[0])
-            auxes = [aux]
+            terms, norm, lr, finite = self._fused_step(*windows[0], weight, *mtp_inputs[0])
+            host = StepTerms.over_micro_batches([terms])
         else:
-            auxes = [self._accumulate(*window, weight, *mtp) for window, mtp in zip(windows, mtp_inputs)]
-            mean_loss = Tensor(np.float32(np.mean([a[0].asnumpy() for a in auxes])))
-            norm, lr, finite = self._apply_accumulated(mean_loss, Tensor(sum(a[4].asnumpy() for a in auxes)))
+            micro = [self._accumulate(*window, weight, *mtp) for window, mtp in zip(windows, mtp_inputs)]
+            host = StepTerms.over_micro_batches(micro)
+            norm, lr, finite = self._apply_accumulated(Tensor(np.float32(host.loss)), Tensor(host.routing_stats))
         stats = self._global_stats(
             StepStats(
                 skipped=not bool(finite.asnumpy()),
-                loss=float(np.mean([a[0].asnumpy() for a in auxes])),
-                lm_loss=float(np.mean([a[1].asnumpy() for a in auxes])),
-                aux_loss=float(np.mean([a[2].asnumpy() for a in auxes])),
-                z_loss=float(np.mean([a[3].asnumpy() for a in auxes])),
+                loss=float(host.loss),
+                lm_loss=float(host.lm_loss),
+                aux_loss=float(host.aux_loss),
+                z_loss=float(host.z_loss),
                 grad_norm=float(norm.asnumpy()),
                 lr=float(np.asarray(lr.asnumpy()).reshape(-1)[0]),
-                routing_stats=np.sum([a[4].asnumpy() for a in auxes], axis=0),
-                layer_stats=np.mean([a[5].asnumpy() for a in auxes], axis=0),
-                mtp_loss=float(np.mean([a[6].asnumpy() for a in auxes])) if self.objective.mtp_depths else None,
-                indexer_loss=float(np.mean([a[7].asnumpy() for a in auxes])) if self.objective.dsa else None,
+                routing_stats=host.routing_stats,
+                layer_stats=host.layer_stats,
+                mtp_loss=float(host.mtp_loss) if self.objective.mtp_depths else None,
+                indexer_loss=float(host.indexer_loss) if self.objective.dsa else None,
             )
         )
         stats = self._with_loss_scale(stats, scale_before)

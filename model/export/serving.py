@@ -76,6 +76,10 @@ class GQACacheAttention(nn.Cell):
         return x_B1H, ops.stack((k_BGPD, v_BGPD))
 
 
+#: A layer's lock state in the serving graphs' layer step where there is none (a dense layer, no expert locking).
+NO_LOCK_STATE = 0
+
+
 def stack_layers(tensors):
     """``ops.stack`` of a list built with ``append``, written as a concat: in a MindIR graph loaded with
     dynamic shapes, MindSpore 2.9's ``stack`` of such a list keeps the output shape of its first run."""
@@ -83,6 +87,9 @@ def stack_layers(tensors):
 
 
 class _ServingGraph(nn.Cell):
+    """What prefill and decode share: the layer step they pass to :meth:`MoETransformer.run_layers`. A subclass
+    says how a layer attends (:meth:`attend`) and how the carried lock state overrides routing (:meth:`lock`)."""
+
     #: Tokens per call the grouped dispatcher's block size is chosen for.
     tokens_hint = 1024
 
@@ -101,9 +108,43 @@ class _ServingGraph(nn.Cell):
         block = kernels.grouped_alignment()(self.tokens_hint * cfg.top_k, cfg.num_experts)
         self.dispatcher = DroplessDispatcher(cfg.num_experts, alignment=block)
 
+    def layer_step(self, layer_idx, layer, x_BSH, inputs):
+        """One layer with the cache: ``(x, (its cache, its lock state))``; ``inputs`` ``(attention inputs, lock
+        inputs)``. Dense layers and graphs without expert locking return ``NO_LOCK_STATE``."""
+        attention_inputs, lock_inputs = inputs
+        x_BSH, layer_cache = self.attend(layer_idx, layer, x_BSH, attention_inputs)
+        if layer_idx < self.num_dense:
+            return layer.ffn_block(x_BSH), (layer_cache, NO_LOCK_STATE)
+        h_TH, scores_TE, topk_idx_TK = layer.ffn_routing(x_BSH)
+        if self.expert_lock:
+            topk_idx_TK, state_BW = self.lock(layer_idx - self.num_dense, topk_idx_TK, lock_inputs)
+            x_BSH = layer.routed_ffn_residual(x_BSH, h_TH, scores_TE, topk_idx_TK, self.dispatcher)
+            return x_BSH, (layer_cache, state_BW)
+        x_BSH = layer.routed_ffn_residual(x_BSH, h_TH, scores_TE, topk_idx_TK, self.dispatcher)
+        return x_BSH, (layer_cache, NO_LOCK_STATE)
+
+    def run_layers(self, x_BSH, attention_inputs, lock_inputs):
+        """``(x after the last layer, kv_cache [L, ...], lock_state [M, B, W] or None)``."""
+        x_BSH, outs = self.model.run_layers(x_BSH, self.layer_step, (attention_inputs, lock_inputs))
+        kv_cache = stack_layers([out[0] for out in outs])
+        if self.expert_lock:
+            return x_BSH, kv_cache, stack_layers([out[1] for out in outs[self.num_dense :]])
+        return x_BSH, kv_cache, None
+
 
 class PrefillGraph(_ServingGraph):
     """``construct(input_ids [B, S])`` -> last-position logits, KV cache (and lock state)."""
+
+    def attend(self, layer_idx, layer, x_BSH, attention_inputs):
+        cos, sin, mask_BNSP = attention_inputs
+        return self.attention.prefill(layer, x_BSH, cos, sin, mask_BNSP)
+
+    def lock(self, moe_idx, topk_idx_TK, lock_inputs):
+        batch, seq_len = lock_inputs
+        locked_BSK, state_BW = prefill_lock_state(
+            topk_idx_TK.reshape(batch, seq_len, self.top_k), self.lock_run_length, self.lock_span
+        )
+        return locked_BSK.reshape(batch * seq_len, self.top_k), state_BW
 
     def construct(self, input_ids):
         batch, seq_len = input_ids.shape
@@ -111,27 +152,11 @@ class PrefillGraph(_ServingGraph):
         cos, sin = model.rotary_emb(ops.arange(seq_len, dtype=ms.int32))
         # Built at every query head's shape once, not tiled again by each layer's attention.
         mask_BNSP = document_causal_mask(ops.zeros_like(input_ids), model.config.num_heads)
-        x_BSH = model.embed(input_ids)
-        kv_cache = []
-        lock_states = []
-        for layer_idx, layer in enumerate(model.layers):
-            x_BSH, layer_cache = self.attention.prefill(layer, x_BSH, cos, sin, mask_BNSP)
-            kv_cache.append(layer_cache)
-            if layer_idx < self.num_dense:
-                x_BSH = layer.ffn_block(x_BSH)
-                continue
-            h_TH, scores_TE, topk_idx_TK = layer.ffn_routing(x_BSH)
-            if self.expert_lock:
-                locked_BSK, state_BW = prefill_lock_state(
-                    topk_idx_TK.reshape(batch, seq_len, self.top_k), self.lock_run_length, self.lock_span
-                )
-                topk_idx_TK = locked_BSK.reshape(batch * seq_len, self.top_k)
-                lock_states.append(state_BW)
-            x_BSH = layer.routed_ffn_residual(x_BSH, h_TH, scores_TE, topk_idx_TK, self.dispatcher)
+        x_BSH, kv_cache, lock_state = self.run_layers(model.embed(input_ids), (cos, sin, mask_BNSP), (batch, seq_len))
         logits_BV = model.final_logits(x_BSH[:, -1])
         if self.expert_lock:
-            return logits_BV, stack_layers(kv_cache), stack_layers(lock_states)
-        return logits_BV, stack_layers(kv_cache)
+            return logits_BV, kv_cache, lock_state
+        return logits_BV, kv_cache
 
 
 class DecodeGraph(_ServingGraph):
@@ -144,6 +169,14 @@ class DecodeGraph(_ServingGraph):
     """
 
     tokens_hint = 1
+
+    def attend(self, layer_idx, layer, x_B1H, attention_inputs):
+        kv_cache, cos, sin, write_BP, visible_BP = attention_inputs
+        return self.attention.decode(layer, x_B1H, kv_cache[layer_idx], cos, sin, write_BP, visible_BP)
+
+    def lock(self, moe_idx, topk_idx_BK, lock_inputs):
+        lock_state_MBW, position_B = lock_inputs
+        return decode_lock_step(topk_idx_BK, lock_state_MBW[moe_idx], position_B, self.lock_run_length, self.lock_span)
 
     def step(self, input_ids_B1, kv_cache, position_B, lock_state_MBW):
         model = self.model
@@ -161,29 +194,13 @@ class DecodeGraph(_ServingGraph):
             ops.zeros((batch, capacity), ms.float32),
             ops.fill(ms.float32, (batch, capacity), MASK_VALUE),
         )
-        x_B1H = model.embed(input_ids_B1)
-        new_cache = []
-        new_states = []
-        for layer_idx, layer in enumerate(model.layers):
-            x_B1H, layer_cache = self.attention.decode(
-                layer, x_B1H, kv_cache[layer_idx], cos, sin, write_BP, visible_BP
-            )
-            new_cache.append(layer_cache)
-            if layer_idx < self.num_dense:
-                x_B1H = layer.ffn_block(x_B1H)
-                continue
-            moe_idx = layer_idx - self.num_dense
-            h_BH, scores_BE, topk_idx_BK = layer.ffn_routing(x_B1H)
-            if self.expert_lock:
-                topk_idx_BK, state_BW = decode_lock_step(
-                    topk_idx_BK, lock_state_MBW[moe_idx], position_B, self.lock_run_length, self.lock_span
-                )
-                new_states.append(state_BW)
-            x_B1H = layer.routed_ffn_residual(x_B1H, h_BH, scores_BE, topk_idx_BK, self.dispatcher)
+        x_B1H, new_cache, new_state = self.run_layers(
+            model.embed(input_ids_B1), (kv_cache, cos, sin, write_BP, visible_BP), (lock_state_MBW, position_B)
+        )
         logits_BV = model.final_logits(x_B1H.reshape(batch, -1))
         if self.expert_lock:
-            return logits_BV, stack_layers(new_cache), stack_layers(new_states)
-        return logits_BV, stack_layers(new_cache)
+            return logits_BV, new_cache, new_state
+        return logits_BV, new_cache
 
     def construct(self, input_ids, kv_cache, position):
         return self.step(input_ids, kv_cache, position, None)

@@ -27,6 +27,7 @@ from mindmoe.data.config import DataConfig
 from mindmoe.data.prepare import prepare_data
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.checkpoints.checkpoint import CarriedFiles, load_model_weights, save_checkpoint
@@ -138,9 +139,8 @@ def reference_losses(model_cfg, checkpoint, rope_scaling, ids, docs, cross_docum
     attention_docs = np.zeros_like(docs) if cross_document else docs
     ms.set_context(mode=ms.PYNATIVE_MODE)
     try:
-        logits = model(Tensor(ids[:, :-1].astype(np.int32)), Tensor(attention_docs[:, :-1].astype(np.int32)))[
-            0
-        ].asnumpy()
+        inputs = Tensor(ids[:, :-1].astype(np.int32)), Tensor(attention_docs[:, :-1].astype(np.int32))
+        logits = model(*inputs)[OUT_HEAD].asnumpy()
     finally:
         ms.set_context(mode=ms.GRAPH_MODE)
     logits = logits.astype(np.float64)
@@ -274,7 +274,7 @@ def test_static_scaling_changes_the_logits_even_within_the_trained_length(tiny_r
             RopeScalingConfig(type="dynamic_ntk", factor=FACTOR, original_max_position=TRAINED),
         ):
             model = MoETransformer(dataclasses.replace(model_cfg, rope_scaling=scaling), seed=3)
-            logits[scaling.type] = model(ids, docs)[0].asnumpy()
+            logits[scaling.type] = model(ids, docs)[OUT_HEAD].asnumpy()
     finally:
         ms.set_context(mode=ms.GRAPH_MODE)
     assert np.abs(logits["linear"] - logits["none"]).max() > 1e-3

@@ -25,6 +25,7 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.export.runner import ExportedModel, sample_next
 from mindmoe.model.moe import lock_routing
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.checkpoints.checkpoint import MODEL_FILE, CarriedFiles, load_model_weights, save_checkpoint
 
@@ -120,7 +121,7 @@ def training_model(checkpoint):
 
     def logits(ids_BS):
         ids_BS = np.asarray(ids_BS, np.int32)
-        return model(Tensor(ids_BS), Tensor(np.zeros_like(ids_BS)))[0].asnumpy()
+        return model(Tensor(ids_BS), Tensor(np.zeros_like(ids_BS)))[OUT_HEAD].asnumpy()
 
     return logits
 
@@ -269,7 +270,7 @@ def test_export_format_hf_from_checkpoint_loads_in_transformers(hf_dir, checkpoi
     # HF routes without expert locking (a mindmoe rule), so the reference here has it off.
     model = MoETransformer(CONFIG, moe=MoEConfig(dispatch="dropless"))
     load_model_weights(list(model.get_parameters()), checkpoint)
-    expected = model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
+    expected = model(Tensor(ids), Tensor(np.zeros_like(ids)))[OUT_HEAD].asnumpy()
     np.testing.assert_allclose(hf_logits, expected, rtol=0, atol=1e-4)
 
 

@@ -22,6 +22,7 @@ from mindmoe.model.export.mindir import cache_layout, export_mindir
 from mindmoe.model.export.mla_serving import serving_dsa_stage
 from mindmoe.model.export.runner import MANIFEST_FILE, ExportedModel
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.export.config import ExportConfig
 from mindmoe.train.export.exporter import ExportSource, build_manifest, serve_dsa_sparse
@@ -58,7 +59,7 @@ def dynamic(model):
 
 def training_logits(model, ids):
     """The training forward's logits ``[B, S, V]`` of prompts ``ids`` (one document each)."""
-    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
+    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[OUT_HEAD].asnumpy()
 
 
 class IndexerScores(nn.Cell):
@@ -75,11 +76,11 @@ class IndexerScores(nn.Cell):
         mask = document_causal_mask(doc_ids, model.config.num_heads)
         x = model.embed(input_ids)
         scores = []
-        for layer_idx, layer in enumerate(model.layers):
+        for layer in model.layers:
             h = layer.input_layernorm(x)
             attn = layer.self_attn
             scores.append(attn.indexer(h, attn.query_residual(h), cos, sin).expand_dims(0))
-            x = layer(x, cos, sin, mask)[0] if layer_idx < model.num_dense else layer(x, cos, sin, mask, doc_ids)[0]
+            x, _ = layer(x, cos, sin, mask, doc_ids)
         return ops.concat(scores, 0)
 
 

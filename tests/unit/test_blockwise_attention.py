@@ -15,6 +15,7 @@ from mindspore import Tensor
 from mindmoe.model import attention, kernels
 from mindmoe.model.kernels import ascend_attention, cpu_attention
 from mindmoe.model.kernels.attention_masks import document_discard_mask
+from mindmoe.model.outputs import OUT_HEAD
 from tests.unit.test_transformer_hf import build_pair, hf_logits, ours_config
 
 
@@ -138,7 +139,7 @@ def test_model_on_the_blockwise_path_gives_hf_logits_for_each_packed_document(mo
     lengths = [[9, 11], [3, 13, 4]]
     doc_ids = doc_ids_of(lengths)
     ids = np.random.default_rng(3).integers(0, ours.config.vocab_size, size=doc_ids.shape).astype(np.int32)
-    logits = ours(Tensor(ids), Tensor(doc_ids))[0].asnumpy()
+    logits = ours(Tensor(ids), Tensor(doc_ids))[OUT_HEAD].asnumpy()
     for row, row_lengths in enumerate(lengths):
         start = 0
         for length in row_lengths:

@@ -14,6 +14,7 @@ from mindmoe.bench.earlier_loss import EarlierTokenNLL
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lm_loss import TokenNLL, chunk_rows
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train import head_loss as head_loss_module
 from mindmoe.train.config import TrainConfig
@@ -170,7 +171,7 @@ def test_train_step_with_chunks_gives_the_loss_and_gradients_of_the_plain_log_so
     one_hot = Tensor(np.eye(MODEL.vocab_size, dtype=np.float32)[ids[:, 1:]])
 
     def objective(inputs, docs):
-        log_probs = ops.log_softmax(model(inputs, docs)[0], -1)
+        log_probs = ops.log_softmax(model(inputs, docs)[OUT_HEAD], -1)
         return -((log_probs * one_hot).sum(-1) * scored).sum() / scored.sum()
 
     grad_fn = ms.jit(ms.value_and_grad(objective, None, model.trainable_params()))

@@ -17,6 +17,7 @@ from mindmoe.model.config import validate_model_config
 from mindmoe.model.dsa import UNSELECTED, indexer_kl, select_top_k
 from mindmoe.model.dsa_config import DSATrainingConfig, validate_dsa_training
 from mindmoe.model.mla import set_dsa_stage
+from mindmoe.model.outputs import OUT_HEAD, OUT_INDEXER_LOSS
 from mindmoe.model.transformer import MoETransformer
 from tests.helpers.dsa_models import randomize, tiny_dsa_config
 
@@ -167,14 +168,14 @@ def test_sparse_attention_attends_exactly_to_the_selected_keys(model):
 
 
 def gradients(model, output_index, probe):
-    """Gradients of ``sum(outputs[0] * probe)`` (logits) or of ``outputs[-1]`` (indexer loss) per parameter."""
+    """Gradients of ``sum(outputs[0] * probe)`` (logits) or of the indexer loss per parameter."""
     params = model.trainable_params()
     ids = Tensor(np.random.default_rng(4).integers(0, 64, (2, SEQ)).astype(np.int32))
     docs = Tensor(np.zeros((2, SEQ), np.int32))
 
     def objective(ids_BS, docs_BS):
         outputs = model(ids_BS, docs_BS)
-        return (outputs[0] * Tensor(probe)).sum() if output_index == 0 else outputs[-1]
+        return (outputs[OUT_HEAD] * Tensor(probe)).sum() if output_index == 0 else outputs[OUT_INDEXER_LOSS]
 
     _, grads = ms.value_and_grad(ms.jit(objective), None, params)(ids, docs)
     return {p.name: g.asnumpy() for p, g in zip(params, grads)}

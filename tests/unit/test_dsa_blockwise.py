@@ -12,6 +12,7 @@ from mindspore import Tensor
 
 from mindmoe.model import attention, kernels
 from mindmoe.model.kernels import cpu_dsa
+from mindmoe.model.outputs import OUT_HEAD, OUT_INDEXER_LOSS
 
 
 def doc_ids_of(lengths):
@@ -142,7 +143,8 @@ def test_model_on_the_blockwise_path_equals_its_full_mask_path(monkeypatch, stag
 
         def objective(input_ids, doc_ids_BS):
             outs = model(input_ids, doc_ids_BS)
-            return (outs[0] * Tensor(upstream)).sum() + 3.0 * outs[-1], (outs[0], outs[-1])
+            logits, indexer_loss = outs[OUT_HEAD], outs[OUT_INDEXER_LOSS]
+            return (logits * Tensor(upstream)).sum() + 3.0 * indexer_loss, (logits, indexer_loss)
 
         (_, (logits, indexer_loss)), grads = ms.jit(ms.value_and_grad(objective, None, params, has_aux=True))(
             Tensor(ids), Tensor(doc_ids)

@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from mindmoe.model.hf import HFCheckpointError, export_hf, load_hf_pretrained, read_hf_config
 from mindmoe.model.mla import mla_softmax_scale
+from mindmoe.model.outputs import OUT_HEAD
 from tests.helpers.hf_models import (
     DEEPSEEK_V3_VARIANTS,
     deepseek_v3_config,
@@ -50,7 +51,7 @@ def variant(tmp_path_factory):
 
 
 def our_logits(model, ids):
-    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
+    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[OUT_HEAD].asnumpy()
 
 
 def moved(hf, changed, ids) -> float:

@@ -19,6 +19,7 @@ from mindspore import Tensor
 
 from mindmoe.model.hf import HFCheckpointError, export_hf, load_hf_pretrained, read_hf_config
 from mindmoe.model.mla import mla_softmax_scale
+from mindmoe.model.outputs import OUT_HEAD
 from tests.helpers.hf_models import GLM4_MOE_LITE_VARIANTS, TRANSFORMERS5_YARN, glm4_moe_lite_config, token_ids
 
 ATOL = 1e-4
@@ -43,7 +44,7 @@ def variant(tf5_reference, tmp_path_factory):
 
 
 def our_logits(model, ids):
-    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
+    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[OUT_HEAD].asnumpy()
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -23,6 +23,7 @@ from mindspore import Tensor
 from mindmoe.model import attention
 from mindmoe.model.dsa_config import DSAConfig, DSATrainingConfig
 from mindmoe.model.hf import HFCheckpointError, export_hf, hf_config_from_model, load_hf_pretrained, read_hf_config
+from mindmoe.model.outputs import OUT_HEAD
 from tests.helpers.hf_models import GLM_MOE_DSA_VARIANTS as VARIANTS
 from tests.helpers.hf_models import glm_moe_dsa_config as dsa_config
 from tests.helpers.hf_models import token_ids
@@ -50,7 +51,7 @@ def variant(tf5_reference, tmp_path_factory):
 
 
 def our_logits(model, ids):
-    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
+    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[OUT_HEAD].asnumpy()
 
 
 def indexer_scores(params: dict, layer: int, cfg, captured: dict) -> np.ndarray:

@@ -29,6 +29,7 @@ from mindmoe.model.hf import (
     plan_hf_weights,
     read_pretrained_config,
 )
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.train.export.exporter import export_hf_with_tokenizer
 from tests.helpers.hf_models import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
 
@@ -39,7 +40,7 @@ ATOL = 1e-4
 
 
 def our_logits(model, ids):
-    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
+    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[OUT_HEAD].asnumpy()
 
 
 def assert_logits_match(ours, hf, ids):

@@ -27,6 +27,7 @@ from mindmoe.model.hf import (
     read_hf_config,
 )
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.param_count import parameter_shapes
 from mindmoe.model.transformer import MoETransformer
 from tests.helpers.hf_models import hf_logits, randomize_hf, save_hf, token_ids
@@ -39,7 +40,7 @@ ATOL = 1e-4
 
 
 def our_logits(model, ids):
-    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[0].asnumpy()
+    return model(Tensor(ids), Tensor(np.zeros_like(ids)))[OUT_HEAD].asnumpy()
 
 
 def assert_logits_match(ours, hf, ids):

@@ -21,6 +21,7 @@ from mindmoe.model.lora_dropout import (
 )
 from mindmoe.model.lora_layers import AdapterSpec, LoraLinear
 from mindmoe.model.lora_plan import plan_adapters
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.transformer import MoETransformer
 
 ROWS, IN, OUT, RANK, P, SCALING = 6, 40, 7, 3, 0.3, 2.0
@@ -258,7 +259,7 @@ def test_every_adapted_projection_of_a_model_has_its_own_stream_outside_the_para
 
     @ms.jit
     def forward(ids, docs):
-        return model(ids, docs)[0]
+        return model(ids, docs)[OUT_HEAD]
 
     forward(ids, docs)
     forward(ids, docs)

@@ -21,6 +21,7 @@ from mindmoe.model.lora_plan import (
 from mindmoe.model.moe.experts import RoutedExperts
 from mindmoe.model.moe.lora_experts import LoraRoutedExperts
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.param_count import parameter_shapes
 from mindmoe.model.transformer import MoETransformer
 
@@ -59,7 +60,7 @@ def randomize_adapters(model, seed):
 def logits(model, ids):
     @ms.jit
     def forward(input_ids, doc_ids):
-        return model(input_ids, doc_ids)[0]
+        return model(input_ids, doc_ids)[OUT_HEAD]
 
     return forward(Tensor(ids), Tensor(np.zeros_like(ids))).asnumpy()
 

@@ -25,6 +25,7 @@ from mindmoe.model.hf import load_hf_pretrained
 from mindmoe.model.lora import LoraConfig, is_adapter
 from mindmoe.model.lora_plan import lora_parameters, lora_report
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, merge_adapters, save_adapter
 from tests.helpers.hf_models import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
 
@@ -118,7 +119,7 @@ def test_peft_loads_the_adapters_and_matches_the_merged_model(trained):
 
     @ms.jit
     def forward(input_ids, doc_ids):
-        return merged(input_ids, doc_ids)[0]
+        return merged(input_ids, doc_ids)[OUT_HEAD]
 
     ours = forward(Tensor(ids), Tensor(np.zeros_like(ids))).asnumpy()
     np.testing.assert_allclose(ours, expected, atol=1e-4, rtol=0)
@@ -155,7 +156,7 @@ def test_modules_to_save_round_trip_through_peft(trained, tmp_path):
 
     @ms.jit
     def forward(input_ids, doc_ids):
-        return merged(input_ids, doc_ids)[0]
+        return merged(input_ids, doc_ids)[OUT_HEAD]
 
     ids = token_ids(9, seed=5)
     np.testing.assert_allclose(

@@ -7,6 +7,7 @@ from mindspore import Tensor, nn
 
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD, ModelOutput
 from mindmoe.model.param_count import count_parameters, mtp_layer_parameters, parameter_shapes
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.step import CompiledStep
@@ -102,7 +103,7 @@ def test_mtp_loss_equals_a_numpy_transcription_of_the_formula(depths):
     window = rng.integers(0, VOCAB, (2, SEQ + 1))
     doc_ids = np.array([[0] * 5 + [1] * 8, [0] * 13])  # a document boundary inside the first window
     batch = {"input_ids": window, "doc_ids": doc_ids}
-    hidden0 = model(Tensor(window[:, :-1].astype(np.int32)), Tensor(doc_ids[:, :-1].astype(np.int32)), True)[0]
+    hidden0 = model(Tensor(window[:, :-1].astype(np.int32)), Tensor(doc_ids[:, :-1].astype(np.int32)), True)[OUT_HEAD]
     expected = numpy_mtp_loss(model, window, doc_ids, hidden0.asnumpy(), coeff=0.25)
     optimizer = nn.SGD(model.trainable_params(), learning_rate=0.0)
     stats = CompiledStep(model, optimizer, 0.0, 1, mtp_loss_coeff=0.25).step([batch])
@@ -124,8 +125,10 @@ def test_mtp_layers_do_not_change_the_main_model_outputs_or_initial_values():
     ids = Tensor(np.arange(16).reshape(2, 8).astype(np.int32) % VOCAB)
     docs = Tensor(np.zeros((2, 8), np.int32))
     plain, with_mtp = MoETransformer(tiny(), seed=5, moe=MOE), MoETransformer(tiny(mtp_layers=1), seed=5, moe=MOE)
-    np.testing.assert_array_equal(plain(ids, docs)[0].asnumpy(), with_mtp(ids, docs)[0].asnumpy())
-    assert len(with_mtp(ids, docs)) == 5  # without future ids (evaluation, generation) MTP does not run
+    plain_out, mtp_out = ModelOutput.of(plain(ids, docs)), ModelOutput.of(with_mtp(ids, docs))
+    np.testing.assert_array_equal(plain_out.head.asnumpy(), mtp_out.head.asnumpy())
+    assert plain_out.aux_loss.asnumpy() == mtp_out.aux_loss.asnumpy()
+    assert mtp_out.mtp_hidden.shape == (0,)  # without future ids (evaluation, generation) MTP does not run
 
 
 def test_parameter_names_and_counts_of_the_mtp_layers():

@@ -11,6 +11,7 @@ from mindspore import Tensor
 
 from mindmoe.conf.checks import validate_precision
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.outputs import OUT_AUX_LOSS, OUT_HEAD, OUT_Z_LOSS
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
@@ -116,8 +117,9 @@ def loss_and_grads(model, batch):
     input_ids, doc_ids, labels, loss_mask = split_window(batch)
 
     def loss_fn(input_ids, doc_ids, labels, loss_mask):
-        logits, aux, z_loss, _, _ = model(input_ids, doc_ids)
-        return masked_cross_entropy(logits, labels, loss_mask)[0] + aux + z_loss
+        out = model(input_ids, doc_ids)
+        loss = masked_cross_entropy(out[OUT_HEAD], labels, loss_mask)[0]
+        return loss + out[OUT_AUX_LOSS] + out[OUT_Z_LOSS]
 
     grad_fn = ms.jit(ms.value_and_grad(loss_fn, None, model.trainable_params()))
     loss, grads = grad_fn(input_ids, doc_ids, labels, loss_mask)
@@ -138,12 +140,12 @@ def test_recompute_gives_the_same_loss_and_gradients():
 def test_fp16_compute_keeps_fp32_weights_and_moves_logits_by_fp16_rounding_only():
     ids = Tensor(batches(1, seed=7)[0]["input_ids"][:, :SEQ])
     doc_ids = Tensor(np.zeros((2, SEQ), np.int32))
-    reference = MoETransformer(MODEL, seed=3)(ids, doc_ids)[0].asnumpy()
+    reference = MoETransformer(MODEL, seed=3)(ids, doc_ids)[OUT_HEAD].asnumpy()
     model = MoETransformer(MODEL, seed=3)
     loss_scale = apply_precision(model, TrainConfig(dtype="fp16", loss_scale=1024.0, loss_scale_window=10))
     assert loss_scale == LossScale(initial=1024.0, window=10)
     assert all(p.dtype == ms.float32 for p in model.get_parameters())
-    logits = model(ids, doc_ids)[0].asnumpy()
+    logits = model(ids, doc_ids)[OUT_HEAD].asnumpy()
     difference = np.abs(logits - reference).max()
     # fp16 has a 2^-11 relative step: the matmuls were cast (difference > 0) and nothing else broke.
     assert 0 < difference < 1e-2 * np.abs(reference).max()

@@ -10,6 +10,7 @@ from mindspore import Tensor, ops
 from mindmoe.conf.checks import Layout
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.parallel.distributed import Distributed
 from mindmoe.train.step import CompiledStep
@@ -69,7 +70,7 @@ def reference(batch):
     ids, doc_ids, mask = batch["input_ids"], batch["doc_ids"], batch["loss_mask"]
     scored = ((doc_ids[:, 1:] == doc_ids[:, :-1]) & (mask[:, 1:] > 0)).astype(np.float32)
     inputs, docs, labels = Tensor(ids[:, :-1]), Tensor(doc_ids[:, :-1]), ids[:, 1:]
-    logits = model(inputs, docs)[0].asnumpy().astype(np.float64)
+    logits = model(inputs, docs)[OUT_HEAD].asnumpy().astype(np.float64)
     log_probs = logits - logits.max(-1, keepdims=True)
     log_probs -= np.log(np.exp(log_probs).sum(-1, keepdims=True))
     nll = -np.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
@@ -78,7 +79,7 @@ def reference(batch):
     weights = Tensor(scored / scored.sum())
 
     def objective(inputs, docs):
-        log_softmax = ops.log_softmax(model(inputs, docs)[0], -1)
+        log_softmax = ops.log_softmax(model(inputs, docs)[OUT_HEAD], -1)
         return -((log_softmax * one_hot).sum(-1) * weights).sum()
 
     grads = ms.jit(ms.value_and_grad(objective, None, model.trainable_params()))(inputs, docs)[1]

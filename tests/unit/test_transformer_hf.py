@@ -17,6 +17,7 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.export import hf_named_tensors
 from mindmoe.model.moe.token_dispatcher import CapacityDispatcher
 from mindmoe.model.moe_config import MoEConfig
+from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.transformer import MoETransformer
 
 VOCAB, HIDDEN, LAYERS, FIRST_DENSE, EXPERTS, TOP_K = 64, 32, 3, 1, 4, 2
@@ -164,7 +165,7 @@ def test_packed_documents_give_the_logits_hf_gives_for_each_document_alone(sigmo
     ids = input_ids(seed=1)
     lengths = [[4, 6], [3, 5, 2]]
     doc_ids = np.stack([np.repeat(np.arange(len(row)), row) for row in lengths]).astype(np.int32)
-    logits = ours(Tensor(ids), Tensor(doc_ids))[0].asnumpy()
+    logits = ours(Tensor(ids), Tensor(doc_ids))[OUT_HEAD].asnumpy()
     for row, row_lengths in enumerate(lengths):
         start = 0
         for length in row_lengths:

@@ -130,7 +130,7 @@ def nll_function(model):
 
     @ms.jit
     def nll_sums(input_ids, doc_ids, labels, loss_mask, beyond_mask):
-        nll_T = head_nll(model, token_nll, input_ids, doc_ids, labels, loss_mask)[1]
+        _, nll_T, _ = head_nll(model, token_nll, input_ids, doc_ids, labels, loss_mask)
         nll_all, count_all = masked_sum(nll_T, loss_mask)
         nll_beyond, count_beyond = masked_sum(nll_T, loss_mask * beyond_mask)
         return nll_all, count_all, nll_beyond, count_beyond
