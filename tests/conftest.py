@@ -35,33 +35,6 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(len(os.sched_getaffinity(0)), memory // MEMORY_PER_WORKER))
 
 
-# The modules that take minutes, longest first (pytest --durations on 2 cores). pytest-xdist hands out whole modules
-# (``--dist loadscope``); its default order, most tests first, put these one-test modules last, so the suite ended
-# with one worker running a long module while the other idled. With ``--no-loadscope-reorder`` (pyproject's addopts)
-# the order below is the order modules are handed out, and the many short unit modules fill both workers' ends.
-SLOWEST_FIRST = (
-    "tests/integration/test_distributed.py",
-    "tests/integration/test_lora_expert_parallel.py",
-    "tests/integration/test_lora_train.py",
-    "tests/integration/test_bench.py",
-    "tests/integration/test_dsa_train.py",
-    # After the two above, which take one core each: its 11 GiB peak (MEMORY_PER_WORKER) is then less likely to
-    # meet test_distributed's 4-worker runs.
-    "tests/integration/test_lora_air_memory.py",
-    "tests/integration/test_sharded_checkpoint.py",
-    "tests/integration/test_zero.py",
-    "tests/integration/test_train.py",
-    "tests/integration/test_reliability.py",
-)
-
-
-def pytest_collection_modifyitems(config, items):
-    """Modules of ``SLOWEST_FIRST`` first, in its order; the rest as collected (a stable sort keeps each module's
-    tests together and in their order)."""
-    rank = {path: index for index, path in enumerate(SLOWEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(SLOWEST_FIRST)))
-
-
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):
     """One tokenizer/MindRecord cache for the whole session, never the user's."""
