@@ -111,6 +111,7 @@ def test_a_moved_key_exits_2_naming_its_new_place_and_the_check_is_a_leaf(capsys
         "mindmoe.model",
         "mindmoe.model.dsa_config",
         "mindmoe.model.moe_config",
+        "mindmoe.model.records",
     )
     assert result.stdout.strip() == str(list(leaf))
 

@@ -17,7 +17,7 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.export import hf_named_tensors
 from mindmoe.model.moe.token_dispatcher import CapacityDispatcher
 from mindmoe.model.moe_config import MoEConfig
-from mindmoe.model.outputs import OUT_HEAD
+from mindmoe.model.outputs import OUT_HEAD, ModelOutput
 from mindmoe.model.transformer import MoETransformer
 
 VOCAB, HIDDEN, LAYERS, FIRST_DENSE, EXPERTS, TOP_K = 64, 32, 3, 1, 4, 2
@@ -146,8 +146,9 @@ def sigmoid_pair():
 def test_logits_match_hf_glm4_moe_for_causal_lm(sigmoid_pair):
     ours, hf, routed = sigmoid_pair
     ids = input_ids()
-    logits, aux, router_z, routing_stats, layer_stats = ours(Tensor(ids), Tensor(np.zeros_like(ids)))
-    counts, dropped = routing_stats[:, 0], layer_stats[:, 0]
+    out = ModelOutput.of(ours(Tensor(ids), Tensor(np.zeros_like(ids))))
+    logits, aux, router_z = out.head, out.aux_loss, out.z_loss
+    counts, dropped = out.routing_stats[:, 0], out.layer_stats[:, 0]
     expected = hf_logits(hf, ids)
     assert logits.shape == (BATCH, SEQ, VOCAB)
     assert np.abs(expected).max() > 1.0, "logits must be far from zero for the check to mean anything"
@@ -192,7 +193,7 @@ def test_softmax_routing_with_capacity_dispatch_matches_hf_with_a_softmax_router
     for layer in hf.model.layers[FIRST_DENSE:]:
         layer.mlp.gate.forward = softmax_router_forward.__get__(layer.mlp.gate)
     ids = input_ids(seed=2)
-    logits, _, _, _, layer_stats = ours(Tensor(ids), Tensor(np.zeros_like(ids)))
-    dropped = layer_stats[:, 0]
+    out = ModelOutput.of(ours(Tensor(ids), Tensor(np.zeros_like(ids))))
+    logits, dropped = out.head, out.layer_stats[:, 0]
     np.testing.assert_allclose(logits.asnumpy(), hf_logits(hf, ids), atol=1e-4, rtol=0)
     np.testing.assert_array_equal(dropped.asnumpy(), np.zeros(LAYERS - FIRST_DENSE))
