@@ -2,8 +2,7 @@
 
 Exit codes (:mod:`conf.exit_codes`): 0 done, 2 configuration or input error (also a run that diverged,
 ``train.max_bad_steps``, and a run dir another run holds: :mod:`train.checkpoints.run_lock`), 3 stopped by
-SIGTERM/SIGINT
-after the checkpoint of that step was written.
+SIGTERM/SIGINT after the checkpoint of that step was written.
 """
 
 import os

@@ -138,8 +138,7 @@ def test_lora_on_token_routed_workers_reproduces_one_process_accumulating_their_
     """``parallel.ep_dispatcher=alltoall``: each worker reads its own micro-batch of 2 conversations, the 2 ranks
     gather each other's tokens, run their own experts' assignments from tokens to tokens and sum the outputs back
     (train.parallel.token_gather); one process accumulates the same 2 micro-batches. Without adapter dropout:
-    data-parallel
-    ranks draw their own masks."""
+    data-parallel ranks draw their own masks."""
     single_dir, ep_dir, stdout, (expected_files, actual_files) = recipe_runs(
         tmp_path, data_cache, processes, ("lora.dropout=0",), ("parallel.ep_dispatcher=alltoall",)
     )

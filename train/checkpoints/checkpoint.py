@@ -136,8 +136,7 @@ def save_checkpoint(
     LoRA run's PEFT adapter; ``carried`` adds the tokenizer (named in ``state.json`` ``tokenizer``) and
     ``config.yaml``; both run on rank 0 only, after the index is written. A ``step_*`` directory of the same
     name (which :func:`train.checkpoints.lineage.settle_lineage` makes impossible in a training run) is moved aside,
-    never
-    deleted."""
+    never deleted."""
     dist = dist or OneProcess()
     final = checkpoint_root / f"step_{step:06d}"
     tmp = _shared_temporary_dir(checkpoint_root, step, dist)

@@ -79,8 +79,7 @@ class CopyTokensToGroup(nn.Cell):
     """:class:`CopyToGroup` of the tokens ``x [T, H]`` (float64: the expert kernel's input gradients are its float64
     partial sums) and their combine weights ``w [T, K]`` with one exact sum of both gradients over the group
     (train/parallel/exact_sum.py): two independent all-reduces of one backward may run in a different order on each rank
-    (seen:
-    with two, an expert-parallel LoRA run's losses left one process's from the second step)."""
+    (seen: with two, an expert-parallel LoRA run's losses left one process's from the second step)."""
 
     def __init__(self, group: str, group_size: int, rank_in_group: int):
         super().__init__()

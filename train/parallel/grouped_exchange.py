@@ -4,11 +4,9 @@ ep times the routed rows of one micro-batch instead of every expert on every tok
 
 Selected by :class:`train.parallel.expert_parallel.ExpertParallelDispatch` for ``moe.dispatch=dropless``; capacity
 dispatch keeps the fixed ``[e, C, H]`` exchange of :mod:`train.parallel.token_exchange`. Where the experts run from
-tokens
-to tokens (``kernels.token_experts``: a CPU training graph) the layer calls :meth:`GroupedExchange.token_experts`
+tokens to tokens (``kernels.token_experts``: a CPU training graph) the layer calls :meth:`GroupedExchange.token_experts`
 instead, and the group's tokens travel rather than the rows (:mod:`train.parallel.token_gather`); the row exchange below
-is
-the path of the devices with a grouped matmul (Ascend).
+is the path of the devices with a grouped matmul (Ascend).
 
 Shape legend: T tokens of this rank's micro-batch, K experts per token, A = T * K assignments, E experts,
 G = ep ranks of the group, e = E / G local experts, b rows per block of the grouped matmul, X rows of one

@@ -3,8 +3,7 @@ experts run as one tokens-to-tokens kernel, ``kernels.token_experts``: a CPU tra
 
 Every rank of the group reads its own micro-batch. Instead of sending each assignment's row to its expert's rank
 (:mod:`train.parallel.grouped_exchange`, whose fixed slots hold the worst case), the ranks gather the group's tokens,
-each
-rank's kernel runs only its own experts' assignments among them, and the partial outputs are summed back to the
+each rank's kernel runs only its own experts' assignments among them, and the partial outputs are summed back to the
 ranks the tokens came from:
 
     [x_TH | weight_TK | topk_TK | scale_T] of this rank      one packed buffer, one exchange
@@ -19,8 +18,7 @@ with no worst-case padding), and the exchanges move ``G * T`` tokens where the r
 ``G * T * min(K, e)`` rows. Routing, the balancing loss and the statistics stay per micro-batch, as in
 :mod:`train.parallel.grouped_exchange`. On CPU the gather is AllGather (world group) or a masked AllReduce, and the
 reduce-scatter an exact float64 sum of the gathered partial sums (:mod:`train.parallel.exact_sum`): one process's
-float32
-sums, whichever rank holds which of a token's experts.
+float32 sums, whichever rank holds which of a token's experts.
 
 Shape legend: T tokens of this rank's micro-batch, K experts per token, G ranks of the group, H hidden, F packed
 columns (H + 2K + 1).
