@@ -88,6 +88,7 @@ def train_command(run_dir, cache):
         f"hydra.run.dir={run_dir}",
         f"train.save_every={KILL_SAVE_EVERY}",
         *run_overrides,
+        "data.valid_files=[]",  # the training losses are compared: no validation before or after
     ]
 
 
