@@ -37,8 +37,11 @@ def pytest_xdist_auto_num_workers(config):
 
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory):
-    """One tokenizer/MindRecord cache for the whole session, never the user's."""
-    return str(tmp_path_factory.mktemp("mindmoe_cache"))
+    """One tokenizer/MindRecord cache for the whole session, all its workers included, never the user's: each
+    entry is built once, under a file lock that the other workers wait on (``data/cache_entry.py``)."""
+    from tests.helpers.shared_runs import session_directory
+
+    return str(session_directory(tmp_path_factory, "mindmoe_cache"))
 
 
 @pytest.fixture

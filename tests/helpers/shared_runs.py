@@ -18,13 +18,18 @@ from pathlib import Path
 from tests.helpers.launches import LAUNCH_RUN, single_process_losses_side_by_side
 
 
-def shared_root(tmp_path_factory) -> Path:
-    """The session's base temporary directory: under pytest-xdist the parent of the workers' own ones, which
-    is the session's alone (pytest's numbered ``pytest-N``); without xdist this process's, never shared."""
+def session_directory(tmp_path_factory, name: str) -> Path:
+    """``name`` in the session's base temporary directory, which every worker of the session sees: under
+    pytest-xdist the parent of the workers' own ones, the session's alone (pytest's numbered ``pytest-N``);
+    without xdist this process's, never shared."""
     base = tmp_path_factory.getbasetemp()
-    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared_reference_runs"
-    root.mkdir(exist_ok=True)
-    return root
+    directory = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
+    directory.mkdir(exist_ok=True)
+    return directory
+
+
+def shared_root(tmp_path_factory) -> Path:
+    return session_directory(tmp_path_factory, "shared_reference_runs")
 
 
 def configuration_key(extra) -> str:
