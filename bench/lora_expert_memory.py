@@ -9,7 +9,7 @@ checkpoint), compiled and run twice, and reports the peak RSS growth over the RS
 
 - ``base``: the frozen experts alone (grouped matmuls without weight gradients);
 - ``adapters``: rank-8 adapters on gate, up and down (no dropout);
-- ``dropout``: adapter dropout 0.05 (``model/lora_dropout.py``'s hashed masks);
+- ``dropout``: adapter dropout 0.05 (``model/lora/dropout.py``'s hashed masks);
 - ``base_weight_grad``: as ``dropout``, but the frozen weights' grouped matmuls computing their unused
   weight gradient (what every LoRA step paid before ``grouped_matmul(weight_grad=False)``).
 
@@ -40,7 +40,7 @@ def measure_case(case: str, tokens: int) -> dict:
 
     from mindmoe.model.kernels import grouped_alignment
     from mindmoe.model.kernels.host_runtime import configure_host_runtime
-    from mindmoe.model.lora_layers import AdapterSpec
+    from mindmoe.model.lora.layers import AdapterSpec
     from mindmoe.model.moe.experts import RoutedExperts
     from mindmoe.model.moe.lora_experts import LoraRoutedExperts
 

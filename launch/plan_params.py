@@ -7,7 +7,7 @@ and ``lora.modules_to_save`` in fp32, and trains only the adapters (fp32) and th
 Routed experts and their adapters are split over the ``ep`` ranks of an expert group; everything else
 is held whole by every rank. The router's correction bias is an fp32 buffer, never trained.
 
-LoRA targets are matched as the trainer matches them (:func:`model.lora_plan.plan_adapters`, the module
+LoRA targets are matched as the trainer matches them (:func:`model.lora.plan.plan_adapters`, the module
 names of the model's own architecture). The DSA indexer is never adapted: it stays frozen with the base, its
 matrices in ``lora.base_dtype`` and its LayerNorm fp32, with no gradient.
 """
@@ -51,7 +51,7 @@ def lora_trained(model: ModelConfig, lora, device_target: str) -> Trained:
     names the module docstring says (a non-zero ``moe.bias_update_rate`` is refused by
     :func:`conf.policy.run_moe_config`)."""
     # Imported here: the adapter plan needs MindSpore's dtypes, full-training plans do not.
-    from mindmoe.model.lora_plan import plan_adapters
+    from mindmoe.model.lora.plan import plan_adapters
 
     adapters = plan_adapters(model, lora, device_target=device_target)
     return Trained(frozenset(adapters.adapted), frozenset(adapters.saved), lora.r, adapters.base_dtype)

@@ -14,7 +14,7 @@ from mindspore import nn, ops
 
 from mindmoe.model import kernels
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.lora_layers import NO_LORA, AdapterScope, projection
+from mindmoe.model.lora.layers import NO_LORA, AdapterScope, projection
 from mindmoe.model.norm import RMSNorm
 from mindmoe.model.rope import apply_rope
 

@@ -129,7 +129,7 @@ class ModelConfig:
         ValueError naming ``source`` for a key this version does not have."""
         if isinstance(values, dict):
             # state.json of a run from before the moe.* section recorded the MoE policy here
-            # (:func:`model.checkpoint_files.checkpoint_moe_config` reads it from there).
+            # (:func:`model.checkpoints.files.checkpoint_moe_config` reads it from there).
             values = {key: value for key, value in values.items() if key not in MOE_KEYS}
             if isinstance(values.get("dsa"), dict):  # and DSA's training keys (checkpoint_dsa_training reads them)
                 values["dsa"] = {key: value for key, value in values["dsa"].items() if key not in DSA_TRAINING_KEYS}

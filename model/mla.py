@@ -26,7 +26,7 @@ from mindmoe.model.attention import AttentionHeads
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.dsa import LightningIndexer, indexer_kl, select_top_k
 from mindmoe.model.dsa_config import DSA_STAGES
-from mindmoe.model.lora_layers import NO_LORA, AdapterScope, projection
+from mindmoe.model.lora.layers import NO_LORA, AdapterScope, projection
 from mindmoe.model.norm import RMSNorm
 from mindmoe.model.rope import apply_rope
 from mindmoe.model.rope_scaling import yarn_softmax_scale

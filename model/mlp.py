@@ -4,7 +4,7 @@ import numpy as np
 from mindspore import nn
 
 from mindmoe.model import kernels
-from mindmoe.model.lora_layers import NO_LORA, AdapterScope, projection
+from mindmoe.model.lora.layers import NO_LORA, AdapterScope, projection
 
 
 class SwiGLU(nn.Cell):

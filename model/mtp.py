@@ -29,7 +29,7 @@ from mindspore import ops
 
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.linear import Linear
-from mindmoe.model.lora_layers import NO_LORA
+from mindmoe.model.lora.layers import NO_LORA
 from mindmoe.model.norm import RMSNorm
 
 

@@ -37,7 +37,7 @@ from mindmoe.model.attention import Attention, document_causal_mask, training_at
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.dsa_config import DSATrainingConfig, dsa_training, validate_dsa_training
 from mindmoe.model.linear import normal_init
-from mindmoe.model.lora_layers import NO_LORA, AdapterScope
+from mindmoe.model.lora.layers import NO_LORA, AdapterScope
 from mindmoe.model.mla import MLAttention
 from mindmoe.model.mlp import SwiGLU
 from mindmoe.model.moe.layer import LAYER_STATS, ROUTING_STATS, MoELayer
@@ -205,7 +205,7 @@ class MoETransformer(nn.Cell):
     The serving graphs reuse the parts: :meth:`embed`, ``layers`` (see :class:`DecoderLayer`),
     ``rotary_emb`` and :meth:`final_logits`.
 
-    ``lora``: a :class:`model.lora_plan.AdapterPlan`; its projections are built as LoRA layers and only
+    ``lora``: a :class:`model.lora.plan.AdapterPlan`; its projections are built as LoRA layers and only
     the adapters (and ``lora.modules_to_save``) train. Kept as ``adapter_plan`` (None without LoRA).
 
     Multi-token prediction (``model.mtp_layers`` = U > 0, model/mtp.py): given ``future_ids [U, B, S]`` (depth k's

@@ -74,7 +74,7 @@ def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = Tru
     read with ``model.pretrained``, where every other model field comes from ``config.json``.
     ``expert_dispatcher``: see :class:`model.transformer.MoETransformer` (``Distributed.expert_dispatcher``).
     """
-    from mindmoe.model.lora_plan import plan_adapters
+    from mindmoe.model.lora.plan import plan_adapters
     from mindmoe.model.transformer import MoETransformer  # MindSpore graph code; imported only when needed
 
     model_cfg = OmegaConf.to_object(cfg.model)
@@ -103,7 +103,7 @@ def build_model(cfg, vocab_size: int, explicit_keys=(), load_weights: bool = Tru
 
 def _checkpoint_base(cfg, vocab_size: int, lora_cfg, expert_dispatcher):
     from mindmoe.model.deferred_init import checkpoint_weights, finish_deferred
-    from mindmoe.model.lora_plan import plan_adapters
+    from mindmoe.model.lora.plan import plan_adapters
     from mindmoe.model.transformer import MoETransformer
 
     path = lora_cfg.base_checkpoint
@@ -127,7 +127,7 @@ def _checkpoint_base(cfg, vocab_size: int, lora_cfg, expert_dispatcher):
 
 def _pretrained(cfg, vocab_size: int, overrides: dict, load_weights: bool, lora_cfg, expert_dispatcher):
     from mindmoe.model.hf import load_hf_pretrained, read_pretrained_config
-    from mindmoe.model.lora_plan import plan_adapters
+    from mindmoe.model.lora.plan import plan_adapters
     from mindmoe.model.transformer import MoETransformer
 
     path, seq_len, cell_reuse = cfg.model.pretrained, cfg.data.seq_len, cfg.train.cell_reuse

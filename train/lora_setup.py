@@ -3,7 +3,7 @@
 The base is ``model.pretrained`` (a HF directory), or ``lora.base_checkpoint`` (a mindmoe checkpoint,
 whose ``state.json`` gives the architecture), or else a fresh initialisation. It is resolved into one
 model config before anything is built, and :func:`mindmoe.train.init_model.build_model` builds the
-model once, with the adapters in place (:mod:`mindmoe.model.lora_plan`). The base is frozen; the
+model once, with the adapters in place (:mod:`mindmoe.model.lora.plan`). The base is frozen; the
 optimizer sees only the adapters (and ``lora.modules_to_save``), so its state exists only for them.
 Checkpoints hold those tensors (``model.safetensors``, for an exact resume) and the same adapters in
 PEFT format under ``adapter/``, never the base.
@@ -45,7 +45,7 @@ def run_lora_config(cfg) -> Optional[LoraConfig]:
 
 def checkpoint_base_config(path: str):
     """``(checkpoint directory, ModelConfig)`` of ``lora.base_checkpoint`` (its ``state.json``)."""
-    from mindmoe.model.checkpoint_files import checkpoint_model_config
+    from mindmoe.model.checkpoints.files import checkpoint_model_config
     from mindmoe.train.checkpoints.checkpoint import resolve_checkpoint
 
     directory = resolve_checkpoint(path)
@@ -130,7 +130,7 @@ class LoraRun:
     """The adapters of one run: what to checkpoint, and how to write them for PEFT."""
 
     def __init__(self, model, base_name):
-        from mindmoe.model.lora_plan import lora_report
+        from mindmoe.model.lora.plan import lora_report
 
         self.config = model.adapter_plan.config
         self.report = lora_report(model)
@@ -148,8 +148,8 @@ class LoraRun:
         :func:`save_checkpoint`): rank 0 reads every trained tensor at full size, expert adapters from the
         parts of the expert group (``parallel.ep``), so the adapter is that of one process whatever the
         layout, and writing it needs no collective of its own."""
-        from mindmoe.model.checkpoint_shards import read_tensors
-        from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
+        from mindmoe.model.checkpoints.shards import read_tensors
+        from mindmoe.model.lora.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, save_adapter
 
         arrays = dict(read_tensors(Path(directory), "model"))
         save_adapter(self.model, Path(directory) / ADAPTER_DIR, self.config, self.model_type, self.base_name, arrays)

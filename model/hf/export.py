@@ -16,13 +16,13 @@ from typing import Optional
 
 import numpy as np
 
-from mindmoe.model.checkpoint_files import (
+from mindmoe.model.checkpoints.files import (
     MODEL_FILE,
     checkpoint_dsa_training,
     checkpoint_model_config,
     checkpoint_moe_config,
 )
-from mindmoe.model.checkpoint_shards import read_tensors
+from mindmoe.model.checkpoints.shards import read_tensors
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.config_map import ARCHITECTURES, MLA_MODEL_TYPES, SUPPORTED_MODEL_TYPES, HFCheckpointError
 from mindmoe.model.hf.safetensors_io import ShardedWriter
@@ -370,7 +370,7 @@ def _source(source, model_config):
                 model_config = checkpoint_model_config(directory)
             except ValueError as err:
                 raise HFCheckpointError(f"{err}; pass model_config") from None
-        # Every tensor whole, from the pieces the ranks wrote (model/checkpoint_shards.py), one at a time.
+        # Every tensor whole, from the pieces the ranks wrote (model/checkpoints/shards.py), one at a time.
         return model_config, read_tensors(directory, "model")
     cfg = model_config or source.config
     return cfg, ((param.name, param.asnumpy()) for param in source.get_parameters())

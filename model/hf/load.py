@@ -79,7 +79,7 @@ def load_hf_pretrained(
     """
     # MindSpore code, imported only when needed: the config readers of this package must not pull it in.
     from mindmoe.model.deferred_init import checkpoint_weights
-    from mindmoe.model.lora_plan import plan_adapters
+    from mindmoe.model.lora.plan import plan_adapters
     from mindmoe.model.transformer import MoETransformer
 
     imported = read_pretrained_config(path, overrides, max_seq_len)

@@ -277,7 +277,7 @@ def all_gather(group: str, group_size: int, rank_in_group: int, device_target: s
 def dropout_keep(threshold: int, scale: float, device_target: str = None):
     """``(row [Z] int32, col [F] int32) -> [Z, F] fp32``: ``scale`` where ``h * h + h >= threshold`` for
     ``h = row_z * col_f`` in wrapping int32 arithmetic, else 0 (the scaled keep mask of one LoRA dropout draw,
-    :mod:`mindmoe.model.lora_dropout`). No gradient."""
+    :mod:`mindmoe.model.lora.dropout`). No gradient."""
     return implementation("dropout_keep", device_target)(threshold, scale)
 
 

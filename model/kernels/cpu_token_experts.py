@@ -15,7 +15,7 @@ products). A rank holding half of the experts keeps about half of the rows.
 ``y_t = sum_k w_tk * expert_{i_tk}(x_t)`` over the held experts (other experts contribute zero; a caller holding a
 share sums ``y`` over the expert group), ``expert(x) = down(silu(gate(x)) * up(x))`` and each projection
 ``p(x) = x W^T + scaling * (drop(x) A^T) B^T`` with the adapter when it has one. ``drop`` is the LoRA dropout draw of
-:mod:`model.lora_dropout`, keyed by each assignment's row in the expert-sorted buffer (``row_A``, an input: the rows
+:mod:`model.lora.dropout`, keyed by each assignment's row in the expert-sorted buffer (``row_A``, an input: the rows
 the graph computes for the grouped path, ``model.moe.dispatch.grouped_rows``): the masks the grouped path draws. The
 kernel takes its order from those rows too (:func:`expert_order`), so the expert-sorted order has one definition.
 The backward gives ``dx``, ``dw`` (the combine weights' gradient ``<dy_t, expert(x_t)>``), and the gradients of the

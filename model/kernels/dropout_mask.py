@@ -1,4 +1,4 @@
-"""The scaled keep mask of one LoRA dropout draw (:mod:`model.lora_dropout` defines the hash): from the odd row
+"""The scaled keep mask of one LoRA dropout draw (:mod:`model.lora.dropout` defines the hash): from the odd row
 factors ``row [Z]`` and column factors ``col [F]`` (int32 bit patterns), ``[Z, F]`` fp32 with
 ``1 / (1 - p)`` where ``h * h + h >= threshold`` for ``h = row_z * col_f`` (int32 products wrap), else 0.
 

@@ -9,7 +9,7 @@ import numpy as np
 from mindspore import nn, ops
 
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.lora_layers import NO_LORA, AdapterScope
+from mindmoe.model.lora.layers import NO_LORA, AdapterScope
 from mindmoe.model.mlp import SwiGLU
 from mindmoe.model.moe.locking import flip_rate
 from mindmoe.model.moe.lora_experts import routed_experts

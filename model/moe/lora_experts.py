@@ -13,7 +13,7 @@ import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor
 
 from mindmoe.model.lora import EXPERT_PROJECTIONS
-from mindmoe.model.lora_layers import AdapterScope, AdapterSpec, lora_a_init
+from mindmoe.model.lora.layers import AdapterScope, AdapterSpec, lora_a_init
 from mindmoe.model.moe.experts import RoutedExperts
 
 

@@ -133,7 +133,7 @@ def test_four_workers_with_ep2_dp2_reproduce_the_single_process_losses(
     accumulation 2), its ranks sum their experts' outputs (the CPU fallback of the allgather dispatcher),
     expert gradients are averaged over the 2 ranks holding the same experts, and the checkpoint still gathers
     full expert tensors (read through the index: each rank wrote its own experts)."""
-    from mindmoe.model.checkpoint_shards import read_tensors
+    from mindmoe.model.checkpoints.shards import read_tensors
 
     run_dir = tmp_path / "ep2dp2"
     launcher = start(
@@ -167,7 +167,7 @@ def test_token_routed_expert_parallel_workers_reproduce_the_single_process_losse
     micro-batch (dp 2, accumulation 1; one process accumulates both), counts capacity on it, sends each expert's rows
     to the rank holding the expert (the world group: the AllGather emulation) and gets the outputs back; the MTP
     depth's MoE block holds and exchanges its experts the same way, and the checkpoint gathers its full tensors."""
-    from mindmoe.model.checkpoint_shards import read_tensors
+    from mindmoe.model.checkpoints.shards import read_tensors
 
     run_dir = tmp_path / "alltoall"
     launcher = start(

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file
 
-from mindmoe.model.peft_adapter import read_adapter_config
+from mindmoe.model.lora.peft_adapter import read_adapter_config
 from mindmoe.train.checkpoints.checkpoint import list_checkpoints, verify_checkpoint
 from mindmoe.train.checkpoints.resume import DROPOUT_DRAWS
 from tests.helpers.base_checkpoint import save_tiny_base_checkpoint

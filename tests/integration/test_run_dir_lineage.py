@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mindmoe.model.checkpoint_files import STATE_FILE, read_state
+from mindmoe.model.checkpoints.files import STATE_FILE, read_state
 from mindmoe.train.checkpoints.lineage import ABANDONED_PREFIX
 from mindmoe.train.checkpoints.resume import pick_resume_checkpoint
 from tests.helpers.runs import compose_config

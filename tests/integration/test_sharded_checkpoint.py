@@ -4,7 +4,7 @@
 import pytest
 from safetensors import safe_open
 
-from mindmoe.model.checkpoint_shards import read_tensors
+from mindmoe.model.checkpoints.shards import read_tensors
 from tests.helpers.launches import LAUNCH_RUN, assert_same_losses, finish, launch_command, start, train_command
 from tests.helpers.processes import free_port
 from tests.helpers.runs import losses_by_step

@@ -22,7 +22,7 @@ MOMENT_LINE = re.compile(r"zero: rank (\d) holds (\d+) of (\d+) AdamW moment ele
 def test_zero1_on_two_workers_gives_the_losses_of_one_process_with_half_the_moments_and_resumes_without_it(
     tmp_path, tmp_path_factory, data_cache, processes
 ):
-    from mindmoe.model.checkpoint_shards import read_tensors
+    from mindmoe.model.checkpoints.shards import read_tensors
 
     run_dir = tmp_path / "zero1"
     launcher = start(

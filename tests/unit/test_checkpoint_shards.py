@@ -14,7 +14,7 @@ from mindspore import Parameter, Tensor
 from safetensors import safe_open
 
 import mindmoe.train.checkpoints.checkpoint as checkpoint
-from mindmoe.model.checkpoint_shards import INDEX_FILE, read_tensors
+from mindmoe.model.checkpoints.shards import INDEX_FILE, read_tensors
 from mindmoe.train.checkpoints.checkpoint import (
     CorruptCheckpointError,
     load_model_weights,

@@ -18,7 +18,7 @@ from mindmoe.conf.reference import markdown_table, section_class
 from mindmoe.conf.schema import Config, register_configs
 from mindmoe.data.config import DataConfig
 from mindmoe.launch.config import LaunchConfig, PlanConfig
-from mindmoe.model.checkpoint_files import STATE_FILE, checkpoint_model_config
+from mindmoe.model.checkpoints.files import STATE_FILE, checkpoint_model_config
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.moe_config import MoEConfig
@@ -141,7 +141,7 @@ def test_every_config_field_is_documented():
 
 def test_cross_section_checks_import_no_mindspore():
     code = (
-        "import sys, mindmoe.conf.checks, mindmoe.launch.config, mindmoe.model.checkpoint_files; "
+        "import sys, mindmoe.conf.checks, mindmoe.launch.config, mindmoe.model.checkpoints.files; "
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'mindspore' or m.startswith('mindmoe.train.')))"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -241,7 +241,7 @@ def test_the_training_schedule_refuses_what_it_cannot_do_naming_the_key(training
 
 
 def test_an_old_state_json_with_the_stage_in_model_dsa_reads_both_halves(tmp_path):
-    from mindmoe.model.checkpoint_files import STATE_FILE, checkpoint_dsa_training, checkpoint_model_config
+    from mindmoe.model.checkpoints.files import STATE_FILE, checkpoint_dsa_training, checkpoint_model_config
 
     old = dataclasses.asdict(dsa_config(index_n_heads=4))
     old["dsa"].update(stage="dense_warmup", warmup_steps=7, indexer_loss_coeff=0.5)

@@ -14,7 +14,7 @@ import numpy as np
 from mindmoe.data.config import DataConfig
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lora import LoraConfig
-from mindmoe.model.lora_plan import plan_adapters
+from mindmoe.model.lora.plan import plan_adapters
 from mindmoe.model.param_count import count_parameters
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.metrics import param_table, per_layer_metrics, train_flops_per_token

@@ -14,7 +14,7 @@ import pytest
 from mindspore import Tensor, nn
 
 from mindmoe.model.config import ModelConfig
-from mindmoe.model.lora_layers import AdapterSpec
+from mindmoe.model.lora.layers import AdapterSpec
 from mindmoe.model.moe import AllExpertsDispatcher, DroplessDispatcher, MoELayer, RoutedExperts, local_dispatcher
 from mindmoe.model.moe.dispatch import grouped_rows
 from mindmoe.model.moe.lora_experts import LoraRoutedExperts

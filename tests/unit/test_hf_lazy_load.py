@@ -16,7 +16,7 @@ from mindmoe.model.hf import load_hf_pretrained, read_pretrained_config
 from mindmoe.model.hf.param_stream import ParamStreamer
 from mindmoe.model.hf.safetensors_io import read_header
 from mindmoe.model.lora import LoraConfig, is_adapter
-from mindmoe.model.lora_plan import plan_adapters
+from mindmoe.model.lora.plan import plan_adapters
 from mindmoe.model.transformer import MoETransformer
 from tests.helpers.hf_models import glm4_config, randomize_hf, save_hf
 from tests.unit.test_hf_rank_local_load import SecondHalfOfTheExperts

@@ -17,7 +17,7 @@ from peft import inject_adapter_in_model
 from transformers import Glm4MoeConfig
 from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMLP
 
-from mindmoe.model.lora_layers import AdapterSpec, LoraLinear
+from mindmoe.model.lora.layers import AdapterSpec, LoraLinear
 from mindmoe.model.moe.experts import RoutedExperts
 from mindmoe.model.moe.lora_experts import LoraRoutedExperts
 

@@ -1,5 +1,5 @@
 """LoRA dropout masks keyed by (seed, parameter name, data-parallel rank, draws so far), against a NumPy
-transcription of the hash in :mod:`model.lora_dropout`: the forward and the adapter gradients of a
+transcription of the hash in :mod:`model.lora.dropout`: the forward and the adapter gradients of a
 compiled train step use the documented mask, a fresh layer set to a saved draw count continues the same
 masks (what a resumed run does), and masks stay off in evaluation."""
 
@@ -12,15 +12,15 @@ from mindspore import Tensor, nn
 from mindmoe.model import kernels
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lora import LoraConfig
-from mindmoe.model.lora_dropout import (
+from mindmoe.model.lora.dropout import (
     DropoutStream,
     drop_threshold,
     dropout_draws,
     dropout_streams,
     set_dropout_state,
 )
-from mindmoe.model.lora_layers import AdapterSpec, LoraLinear
-from mindmoe.model.lora_plan import plan_adapters
+from mindmoe.model.lora.layers import AdapterSpec, LoraLinear
+from mindmoe.model.lora.plan import plan_adapters
 from mindmoe.model.outputs import OUT_HEAD
 from mindmoe.model.transformer import MoETransformer
 

@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from mindmoe.model.lora_layers import AdapterSpec
+from mindmoe.model.lora.layers import AdapterSpec
 from mindmoe.model.moe.lora_experts import LoraRoutedExperts
 from mindmoe.model.moe.token_dispatcher import ExpertPlacement
 

@@ -12,8 +12,8 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
 from mindmoe.model.hf import load_hf_pretrained
 from mindmoe.model.lora import LoraConfig
+from mindmoe.model.lora.peft_adapter import save_adapter
 from mindmoe.model.moe_config import MoEConfig
-from mindmoe.model.peft_adapter import save_adapter
 from tests.helpers.runs import compose_config
 
 BASE = Path(__file__).resolve().parents[2] / "data" / "samples" / "tiny_base"
@@ -69,7 +69,7 @@ def test_mindir_export_with_adapter_equals_the_unmerged_model_with_adapters(adap
     """The exported prefill graph of base + adapter gives the last-position logits of mindmoe's own
     model with the adapters applied and not merged (LoRA branches computed in the graph)."""
     from mindmoe.model.export.runner import ExportedModel
-    from mindmoe.model.peft_adapter import load_adapter, read_adapter_config
+    from mindmoe.model.lora.peft_adapter import load_adapter, read_adapter_config
     from mindmoe.train.export.exporter import run_export
 
     out = tmp_path / "mindir"

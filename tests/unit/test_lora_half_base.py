@@ -13,11 +13,11 @@ from safetensors.numpy import load_file, save_file
 
 from mindmoe.model.linear import numpy_of
 from mindmoe.model.lora import LoraConfig, resolve_base_dtype, validate_lora_config
-from mindmoe.model.lora_layers import STORAGE_DTYPES, AdapterSpec, LoraLinear
-from mindmoe.model.lora_plan import lora_parameters, merge_and_unload, plan_adapters
+from mindmoe.model.lora.layers import STORAGE_DTYPES, AdapterSpec, LoraLinear
+from mindmoe.model.lora.peft_adapter import ADAPTER_WEIGHTS, save_adapter
+from mindmoe.model.lora.plan import lora_parameters, merge_and_unload, plan_adapters
 from mindmoe.model.moe.lora_experts import LoraRoutedExperts
 from mindmoe.model.outputs import OUT_HEAD
-from mindmoe.model.peft_adapter import ADAPTER_WEIGHTS, save_adapter
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.checkpoints.checkpoint import load_parameters, parameters_to_numpy
 

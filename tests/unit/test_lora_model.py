@@ -10,8 +10,8 @@ from mindspore import Tensor
 
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.lora import LoraConfig, target_matches
-from mindmoe.model.lora_layers import LoraLinear
-from mindmoe.model.lora_plan import (
+from mindmoe.model.lora.layers import LoraLinear
+from mindmoe.model.lora.plan import (
     adaptable_projections,
     lora_parameters,
     lora_report,

@@ -23,10 +23,10 @@ from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeForCausalLM
 
 from mindmoe.model.hf import load_hf_pretrained
 from mindmoe.model.lora import LoraConfig, is_adapter
-from mindmoe.model.lora_plan import lora_parameters, lora_report
+from mindmoe.model.lora.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, merge_adapters, save_adapter
+from mindmoe.model.lora.plan import lora_parameters, lora_report
 from mindmoe.model.moe_config import MoEConfig
 from mindmoe.model.outputs import OUT_HEAD
-from mindmoe.model.peft_adapter import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterError, merge_adapters, save_adapter
 from tests.helpers.hf_models import glm4_config, hf_logits, randomize_hf, save_hf, token_ids
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -128,7 +128,7 @@ def test_peft_loads_the_adapters_and_matches_the_merged_model(trained):
 def test_adapters_for_another_model_are_rejected(trained, tmp_path):
     hf_dir, _, _, _, adapter_dir, _ = trained
     _, model, _ = load_hf_pretrained(hf_dir, lora=LoraConfig(enabled=True, r=4, alpha=8.0, target_modules=["q_proj"]))
-    from mindmoe.model.peft_adapter import load_adapter
+    from mindmoe.model.lora.peft_adapter import load_adapter
 
     with pytest.raises(AdapterError, match=r"unexpected base_model\.model\.model\.layers\.0\.mlp"):
         load_adapter(model, adapter_dir)

@@ -18,9 +18,9 @@ from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3ForCa
 from mindmoe.model.config import validate_model_config
 from mindmoe.model.hf import NameMap, load_hf_pretrained
 from mindmoe.model.lora import LoraConfig
-from mindmoe.model.lora_plan import lora_parameters
+from mindmoe.model.lora.peft_adapter import ADAPTER_WEIGHTS, save_adapter
+from mindmoe.model.lora.plan import lora_parameters
 from mindmoe.model.param_count import parameter_shapes
-from mindmoe.model.peft_adapter import ADAPTER_WEIGHTS, save_adapter
 from mindmoe.model.rope_scaling import RopeScalingConfig
 from mindmoe.model.transformer import MoETransformer
 from tests.helpers.hf_models import deepseek_v3_config, hf_logits, randomize_hf, save_hf, token_ids

@@ -18,7 +18,7 @@ from omegaconf import OmegaConf
 from mindmoe.conf.moved_keys import MOVED_KEYS, moved_key_error
 from mindmoe.conf.policy import run_moe_config
 from mindmoe.conf.ranges import field_ranges
-from mindmoe.model.checkpoint_files import STATE_FILE, checkpoint_model_config, checkpoint_moe_config
+from mindmoe.model.checkpoints.files import STATE_FILE, checkpoint_model_config, checkpoint_moe_config
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.moe_config import MOE_CHOICES, MOE_KEYS, MoEConfig, moe_policy, validate_moe_config

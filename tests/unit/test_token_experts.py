@@ -11,7 +11,7 @@ from mindspore import Parameter, Tensor, nn, ops
 from mindmoe.model import kernels
 from mindmoe.model.kernels.cpu_token_experts import ProjectionSpec, expert_order
 from mindmoe.model.kernels.dropout_mask import host_scaled_keep
-from mindmoe.model.lora_dropout import drop_threshold
+from mindmoe.model.lora.dropout import drop_threshold
 from mindmoe.model.moe.dispatch import grouped_rows
 
 T, H, WIDTH, E, K, R, SCALING, P = 10, 16, 24, 6, 2, 4, 2.0, 0.3

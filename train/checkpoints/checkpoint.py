@@ -7,7 +7,7 @@
         optimizer.safetensors   AdamW moments (``adam_m.*``, ``adam_v.*``) and ``global_step``; other
           optimizer-rank*.safetensors     ranks' parts (expert moments, ZeRO-1 ranges) beside it
         tensors.json            the index: every tensor's shape, dtype and which file holds which
-                                element range (:mod:`model.checkpoint_shards`)
+                                element range (:mod:`model.checkpoints.shards`)
         tokenizer.model         the run's tokenizer: a sentencepiece file, or a HF tokenizer's
           or tokenizer/*          files (tokenizer.json, tokenizer_config.json, ..., config.json)
         config.yaml             the run's resolved config
@@ -45,7 +45,7 @@ from mindmoe.data.prepare import file_sha256
 from mindmoe.data.tokenizer_files import read_tokenizer
 
 # The file names and readers are shared with model/hf, whose HF export reads checkpoint directories.
-from mindmoe.model.checkpoint_files import (  # noqa: F401
+from mindmoe.model.checkpoints.files import (  # noqa: F401
     CONFIG_FILE,
     MODEL_FILE,
     STATE_FILE,
@@ -53,7 +53,7 @@ from mindmoe.model.checkpoint_files import (  # noqa: F401
     checkpoint_model_config,
     read_state,
 )
-from mindmoe.model.checkpoint_shards import INDEX_FILE, OPTIMIZER_FILE, merge_manifests, read_index  # noqa: F401
+from mindmoe.model.checkpoints.shards import INDEX_FILE, OPTIMIZER_FILE, merge_manifests, read_index  # noqa: F401
 from mindmoe.model.linear import numpy_of
 from mindmoe.train.checkpoints.lineage import move_aside, step_dirs, step_of, temporary_dir
 from mindmoe.train.checkpoints.shards import (
@@ -344,5 +344,5 @@ def verify_files_read(checkpoint_dir: Path, tensors, group: str, also=()) -> Non
 
 
 def checkpoint_groups(checkpoint_dir: Path) -> dict:
-    """``{group: {name: entry}}`` of the tensors a checkpoint holds (:func:`model.checkpoint_shards.read_index`)."""
+    """``{group: {name: entry}}`` of the tensors a checkpoint holds (:func:`model.checkpoints.shards.read_index`)."""
     return read_index(checkpoint_dir)

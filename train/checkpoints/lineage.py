@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import List, Optional
 
 from mindmoe.data.scratch import process_running
-from mindmoe.model.checkpoint_files import read_state
+from mindmoe.model.checkpoints.files import read_state
 
 log = logging.getLogger("mindmoe.train")
 

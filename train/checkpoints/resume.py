@@ -6,7 +6,7 @@ import signal
 from pathlib import Path
 
 from mindmoe.conf.exit_codes import STOPPED_ON_SIGNAL, CommandExit
-from mindmoe.model.lora_dropout import dropout_draws, dropout_streams, set_dropout_state
+from mindmoe.model.lora.dropout import dropout_draws, dropout_streams, set_dropout_state
 from mindmoe.train.checkpoints.checkpoint import (
     CorruptCheckpointError,
     check_complete,
@@ -83,7 +83,7 @@ class TrainingStopped(CommandExit):
     label = "stopped"
 
 
-#: ``state.json`` key: the draws so far of the LoRA dropout streams (:mod:`model.lora_dropout`).
+#: ``state.json`` key: the draws so far of the LoRA dropout streams (:mod:`model.lora.dropout`).
 DROPOUT_DRAWS = "lora_dropout_draws"
 
 

@@ -1,4 +1,4 @@
-"""Writing and loading the tensors of a checkpoint by parts, whatever the layout (:mod:`model.checkpoint_shards`).
+"""Writing and loading the tensors of a checkpoint by parts, whatever the layout (:mod:`model.checkpoints.shards`).
 
 A tensor a checkpoint holds is a ``mindspore.Parameter`` (the whole tensor, held by every rank) or a view of
 a tensor split over ranks (expert shards, :class:`train.parallel.expert_parallel.ShardedState`; ZeRO-1 moments,
@@ -23,7 +23,7 @@ from mindspore import Tensor
 from safetensors.numpy import save_file
 
 from mindmoe.data.prepare import file_sha256
-from mindmoe.model.checkpoint_shards import GROUP_FILES, PieceReader, files_for, piece_array, piece_file, read_index
+from mindmoe.model.checkpoints.shards import GROUP_FILES, PieceReader, files_for, piece_array, piece_file, read_index
 from mindmoe.model.linear import numpy_of
 
 #: Each rank's manifest in the temporary directory; rank 0 merges and removes them.

@@ -18,7 +18,7 @@ from typing import Optional
 from mindmoe.data.config import DataConfig
 from mindmoe.data.prepare import file_sha256, with_pretrained_tokenizer
 from mindmoe.data.tokenizer_files import stored_tokenizer, tokenizer_files
-from mindmoe.model.checkpoint_files import (
+from mindmoe.model.checkpoints.files import (
     STATE_FILE,
     TOKENIZER_KEY,
     RecordedTokenizerPath,

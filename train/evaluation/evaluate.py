@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 
 from mindmoe.data.mindrecord import EvalLoader
 from mindmoe.data.prepare import prepare_data
-from mindmoe.model.checkpoint_files import checkpoint_dsa_training, checkpoint_moe_config
+from mindmoe.model.checkpoints.files import checkpoint_dsa_training, checkpoint_moe_config
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.kernels.host_runtime import configure_host_runtime

@@ -27,8 +27,8 @@ from mindmoe.conf.explicit_keys import explicit_keys
 from mindmoe.conf.policy import run_dsa_training, run_moe_config
 from mindmoe.data.prepare import file_sha256
 from mindmoe.data.tokenizer_files import copy_tokenizer, open_tokenizer, special_token_ids
-from mindmoe.model.checkpoint_files import checkpoint_dsa_training, checkpoint_moe_config
-from mindmoe.model.checkpoint_shards import model_files
+from mindmoe.model.checkpoints.files import checkpoint_dsa_training, checkpoint_moe_config
+from mindmoe.model.checkpoints.shards import model_files
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.dsa_config import DSATrainingConfig
 from mindmoe.model.export.runner import MANIFEST_FILE
@@ -163,13 +163,13 @@ def merge_adapters(model, adapter_dir: Optional[str] = None, model_type: str = "
     """The one place where LoRA adapters are merged into the base weights before export.
 
     ``adapter_dir`` None: the model is exported as it is. Otherwise the PEFT adapter is merged
-    (``W + scaling * B A`` per target, experts included; :func:`model.peft_adapter.merge_adapters`) and
+    (``W + scaling * B A`` per target, experts included; :func:`model.lora.peft_adapter.merge_adapters`) and
     the plain model with the base parameter names is returned. ``model_type``: the HF architecture
     whose module names the adapter uses (the imported checkpoint's).
     """
     if adapter_dir is None:
         return model
-    from mindmoe.model.peft_adapter import merge_adapters as merge_peft_adapter
+    from mindmoe.model.lora.peft_adapter import merge_adapters as merge_peft_adapter
 
     return merge_peft_adapter(model, Path(adapter_dir).expanduser(), model_type)
 
@@ -188,7 +188,7 @@ def source_model_type(source: "ExportSource") -> str:
 def adapter_names_type(model_config: ModelConfig, model_type: str) -> str:
     """The architecture whose module names a LoRA adapter is read with: ``model_type``, or for a model no HF
     architecture reproduces, the one that names its attention's weights (a mismatch fails the merge loudly)."""
-    from mindmoe.model.lora_plan import names_type
+    from mindmoe.model.lora.plan import names_type
 
     return model_type or names_type(model_config)
 
@@ -200,7 +200,7 @@ def _adapter_of(cfg, source: "ExportSource"):
     model_type = source_model_type(source)
     if not export_cfg.adapter:
         return None, model_type
-    from mindmoe.model.peft_adapter import ADAPTER_WEIGHTS
+    from mindmoe.model.lora.peft_adapter import ADAPTER_WEIGHTS
 
     adapter = Path(export_cfg.adapter).expanduser()
     if not (adapter / ADAPTER_WEIGHTS).is_file():

@@ -24,7 +24,7 @@ from typing import Dict, Iterable, Iterator, Tuple
 import numpy as np
 from safetensors import safe_open
 
-from mindmoe.model.checkpoint_files import MODEL_FILE
+from mindmoe.model.checkpoints.files import MODEL_FILE
 
 #: The index of the pieces (written by rank 0 after every rank wrote its files, before ``state.json``).
 INDEX_FILE = "tensors.json"

@@ -24,7 +24,7 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.hf.weights import NameMap, is_stacked_expert
 from mindmoe.model.linear import numpy_of
 from mindmoe.model.lora import LoraConfig, is_adapter, resolve_base_dtype, target_matches, validate_lora_config
-from mindmoe.model.lora_layers import STORAGE_DTYPES, AdapterScope, AdapterSpec
+from mindmoe.model.lora.layers import STORAGE_DTYPES, AdapterScope, AdapterSpec
 from mindmoe.model.param_count import parameter_shapes
 
 # The router's correction bias is state moved by the trainer, never a trained tensor.

@@ -22,7 +22,7 @@ from safetensors.numpy import load_file, save_file
 
 from mindmoe.model.hf.weights import NameMap, is_stacked_expert
 from mindmoe.model.lora import ADAPTER_SUFFIXES, LoraConfig
-from mindmoe.model.lora_plan import merged_weights, plan_adapters
+from mindmoe.model.lora.plan import merged_weights, plan_adapters
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

@@ -2,7 +2,7 @@
 
 A LoRA model is built once with its adapters in place (the base is never built first and patched):
 
-    plan = plan_adapters(model_cfg, LoraConfig(enabled=True, r=8, alpha=16), seed=0)  # model/lora_plan.py
+    plan = plan_adapters(model_cfg, LoraConfig(enabled=True, r=8, alpha=16), seed=0)  # model/lora/plan.py
     model = MoETransformer(model_cfg, lora=plan)        # LoraLinear / LoraRoutedExperts, base frozen
     plain = merge_and_unload(model)                     # W + scaling * B A in a plain model (export)
 

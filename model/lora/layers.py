@@ -11,7 +11,7 @@ build. Parameter names come from the cell tree as for every other parameter: ``l
 ``layers.0.self_attn.q_proj`` is ``layers.0.self_attn.q_proj.lora_A``.
 
 Dropout (training only, on the adapter input) draws its masks from a :class:`DropoutStream` per adapted
-projection (:mod:`model.lora_dropout`), so a resumed run draws the masks of the uninterrupted one.
+projection (:mod:`model.lora.dropout`), so a resumed run draws the masks of the uninterrupted one.
 
 The routed experts' adapters are in :mod:`model.moe.lora_experts`. Shape legend (docs/architecture.md):
 Z rows of a flattened input, R rank, F input features, O output features.
@@ -27,7 +27,7 @@ from mindspore import Parameter, Tensor
 
 from mindmoe.model.linear import Linear
 from mindmoe.model.lora import EXPERT_PROJECTIONS
-from mindmoe.model.lora_dropout import DropoutStream
+from mindmoe.model.lora.dropout import DropoutStream
 
 
 @dataclass

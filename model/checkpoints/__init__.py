@@ -1,0 +1,1 @@
+"""The files of a checkpoint: what each holds (files) and tensors read by parts (shards)."""
