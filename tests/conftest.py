@@ -11,6 +11,7 @@ import pytest
 
 from mindmoe.model.kernels.host_runtime import configure_host_runtime
 from tests.helpers.processes import kill_tree
+from tests.helpers.shared_runs import session_directory
 from tests.helpers.tiny_run import TINY_RUN
 
 ms.set_context(mode=ms.GRAPH_MODE)
@@ -39,8 +40,6 @@ def pytest_xdist_auto_num_workers(config):
 def data_cache(tmp_path_factory):
     """One tokenizer/MindRecord cache for the whole session, all its workers included, never the user's: each
     entry is built once, under a file lock that the other workers wait on (``data/cache_entry.py``)."""
-    from tests.helpers.shared_runs import session_directory
-
     return str(session_directory(tmp_path_factory, "mindmoe_cache"))
 
 

@@ -33,7 +33,6 @@ LAUNCH_RUN = [
     "train.log_every=1",
     "train.save_every=4",
     "train.eval_every=0",
-    "train.eval_batches=2",
     "train.progress_bar=false",
     "train.peak_gflops=100",
     "data.valid_files=[]",

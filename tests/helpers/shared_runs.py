@@ -28,10 +28,6 @@ def session_directory(tmp_path_factory, name: str) -> Path:
     return directory
 
 
-def shared_root(tmp_path_factory) -> Path:
-    return session_directory(tmp_path_factory, "shared_reference_runs")
-
-
 def configuration_key(extra) -> str:
     return hashlib.sha256(json.dumps([*LAUNCH_RUN, *extra]).encode()).hexdigest()[:16]
 
@@ -41,7 +37,7 @@ def reference_runs(tmp_path_factory, data_cache, runs: dict) -> dict:
     ``{name: extra}`` (``tests/helpers/launches.py``), each trained once per session; the missing ones are trained
     side by side so that their graph compiles overlap. A run directory is read-only for its users: resume from
     its checkpoints into a run directory of your own."""
-    root = shared_root(tmp_path_factory)
+    root = session_directory(tmp_path_factory, "shared_reference_runs")
     directories = {name: root / configuration_key(extra) for name, extra in runs.items()}
     with ExitStack() as locks:
         for directory in sorted(set(directories.values())):
