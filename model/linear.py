@@ -10,6 +10,7 @@ import numpy as np
 from mindspore import Parameter, Tensor, nn, ops
 
 from mindmoe.model.deferred_init import constant, deferring, provided
+from mindmoe.model.weights import add_seams
 
 
 def normal_init(shape, std: float, rng: np.random.Generator, dtype=ms.float32) -> Tensor:
@@ -41,14 +42,16 @@ class Linear(nn.Cell):
         self.bias = Parameter(constant((out_features,), 0.0), name="bias") if bias else None
         self.matmul = ops.MatMul(transpose_b=True)
         self.half_weight = is_half(dtype)
+        add_seams(self, "weight", "bias")
 
     def base_weight(self, compute_dtype):
         """The weight in ``compute_dtype`` (a per-call cast when it is stored in half precision)."""
-        return self.weight.astype(compute_dtype) if self.half_weight else self.weight
+        weight = self.weight_full(self.weight)
+        return weight.astype(compute_dtype) if self.half_weight else weight
 
     def construct(self, x):
         shape = x.shape
         y = self.matmul(x.reshape(-1, shape[-1]), self.base_weight(x.dtype))
         if self.bias is not None:
-            y = y + self.bias
+            y = y + self.bias_full(self.bias)
         return y.reshape(shape[:-1] + (y.shape[-1],))

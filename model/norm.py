@@ -8,6 +8,7 @@ from mindspore import Parameter, nn
 
 from mindmoe.model import kernels
 from mindmoe.model.deferred_init import constant
+from mindmoe.model.weights import add_seams
 
 
 class RMSNorm(nn.Cell):
@@ -17,8 +18,9 @@ class RMSNorm(nn.Cell):
         super().__init__()
         self.weight = Parameter(constant((dim,), 1.0), name="weight")
         self.normalize = kernels.rms_norm(dim, eps)
+        add_seams(self, "weight")
 
     def construct(self, x):
         shape = x.shape
         x_ZH = x.astype(ms.float32).reshape(-1, shape[-1])
-        return self.normalize(x_ZH, self.weight).reshape(shape).astype(x.dtype)
+        return self.normalize(x_ZH, self.weight_full(self.weight)).reshape(shape).astype(x.dtype)

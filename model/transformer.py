@@ -30,13 +30,13 @@ import functools
 
 import mindspore as ms
 import numpy as np
-from mindspore import Parameter, lazy_inline, nn, ops
+from mindspore import lazy_inline, nn, ops
 
 from mindmoe.model import outputs
 from mindmoe.model.attention import Attention, document_causal_mask, training_attention_masks
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.dsa_config import DSATrainingConfig, dsa_training, validate_dsa_training
-from mindmoe.model.linear import normal_init
+from mindmoe.model.embedding import Embedding
 from mindmoe.model.lora.layers import NO_LORA, AdapterScope
 from mindmoe.model.mla import MLAttention
 from mindmoe.model.mlp import SwiGLU
@@ -45,23 +45,6 @@ from mindmoe.model.moe_config import MoEConfig, moe_policy, validate_moe_config
 from mindmoe.model.mtp import mtp_layer_class
 from mindmoe.model.norm import RMSNorm
 from mindmoe.model.rope import RotaryEmbedding
-
-
-class Embedding(nn.Cell):
-    """``[V, H]`` rows; stored in ``dtype`` (a half frozen base, ``lora.base_dtype``), gathered rows are fp32."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, std: float, rng: np.random.Generator, dtype=ms.float32):
-        super().__init__()
-        self.weight = Parameter(normal_init((vocab_size, hidden_size), std, rng, dtype), name="weight")
-        self.half_weight = dtype != ms.float32
-        # CPU has no bf16 Gather kernel: there the table is up-cast first (a transient fp32 copy).
-        self.cast_first = dtype == ms.bfloat16 and ms.get_context("device_target") == "CPU"
-
-    def construct(self, input_ids_BS):
-        if self.cast_first:
-            return ops.gather(self.weight.astype(ms.float32), input_ids_BS, 0)
-        rows_BSH = ops.gather(self.weight, input_ids_BS, 0)
-        return rows_BSH.astype(ms.float32) if self.half_weight else rows_BSH
 
 
 class DecoderLayer(nn.Cell):
@@ -301,9 +284,16 @@ class MoETransformer(nn.Cell):
     def embed(self, input_ids_BS):
         return self.embed_tokens(input_ids_BS)
 
+    def head_parameter(self):
+        """The parameter of the LM head ``[V, H]``: the embedding's when ``tie_word_embeddings``."""
+        return self.head_cell().weight
+
+    def head_cell(self):
+        return self.embed_tokens if self.tie_word_embeddings else self.lm_head
+
     def head_weight(self):
-        """The LM head ``[V, H]``: the embedding when ``tie_word_embeddings``."""
-        return self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
+        """The LM head ``[V, H]`` as the forward reads it (the embedding when ``tie_word_embeddings``)."""
+        return self.head_cell().table()
 
     def final_hidden(self, x_ZH):
         """Final norm: the LM head's input rows ``[rows of x, H]``, every leading axis of ``x`` flattened."""

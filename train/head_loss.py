@@ -19,7 +19,7 @@ def head_loss(model, trainable_params=None) -> TokenNLL:
     gradient is taken (evaluation: the cell then computes only the losses). The MatMuls run in the compute dtype
     mixed precision gave the model (``train.precision``), as the model's own head does.
     """
-    head_name = model.head_weight().name
+    head_name = model.head_parameter().name
     trainable = trainable_params is not None and any(p.name == head_name for p in trainable_params)
     strategy = getattr(model, "amp_strategy", None)
     compute_dtype = ms.float32 if strategy is None else strategy.get_amp_dtype()
@@ -64,3 +64,16 @@ def masked_sum(nll_T, mask_BS):
     """``(sum of nll where the mask is 1, count)`` (fp32)."""
     mask_T = mask_BS.reshape(-1).astype(ms.float32)
     return (nll_T * mask_T).sum(), mask_T.sum()
+
+
+def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
+    """Mean negative log-likelihood over positions where ``loss_mask`` is 1 (fp32), from whole logits.
+
+    The step and evaluation use :func:`head_nll` instead (the head applied in chunks); this is the plain
+    formula, for logits a caller already has."""
+    log_probs_BSV = ops.log_softmax(logits_BSV.astype(ms.float32), -1)
+    nll_BS = -ops.gather_elements(log_probs_BSV, 2, labels_BS.expand_dims(-1)).squeeze(-1)
+    mask_BS = loss_mask_BS.astype(ms.float32)
+    nll_sum = (nll_BS * mask_BS).sum()
+    count = mask_BS.sum()
+    return nll_sum / ops.maximum(count, 1.0), nll_sum, count

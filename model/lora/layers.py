@@ -135,7 +135,7 @@ class LoraLinear(Linear):
         x_ZF = x.reshape(-1, shape[-1])
         y_ZO = self.matmul(x_ZF, self.base_weight(x_ZF.dtype))
         if self.bias is not None:
-            y_ZO = y_ZO + self.bias
+            y_ZO = y_ZO + self.bias_full(self.bias)
         if self.dropout > 0 and self.training:
             x_ZF = self.dropout_stream.drop(x_ZF)
         low_ZR = self.matmul(x_ZF, self.lora_A.astype(x_ZF.dtype))

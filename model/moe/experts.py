@@ -18,6 +18,7 @@ from mindmoe.model.deferred_init import is_deferred, rows_of
 from mindmoe.model.kernels.cpu_token_experts import ProjectionSpec
 from mindmoe.model.linear import is_half, normal_init
 from mindmoe.model.lora import EXPERT_PROJECTIONS
+from mindmoe.model.weights import add_seams
 
 
 class RowScaledWeightGradMatmul(nn.Cell):
@@ -115,6 +116,7 @@ class RoutedExperts(nn.Cell):
             _held_rows(normal_init((num_experts, hidden_size, intermediate_size), std, rng, down_dtype), held_experts),
             name="down_proj",
         )
+        add_seams(self, "gate_proj", "up_proj", "down_proj")
         self.half_weights = any(is_half(d) for d in (gate_dtype, up_dtype, down_dtype))
         self.bmm = RowScaledWeightGradMatmul() if row_scaled else BatchedMatmul()
         # Projections whose weights never train (a LoRA base): their grouped matmul computes no weight gradient.
@@ -159,7 +161,7 @@ class RoutedExperts(nn.Cell):
     def token_slots(self, proj: str, num_rows: int):
         """``(weight, lora_A, lora_B, row_Z, col_F)`` of ``proj`` for the token kernel: a frozen weight is read in
         place (a placeholder here), and this class has no adapters."""
-        weight = ops.zeros((1,), ms.float32) if getattr(self, proj + "_frozen") else getattr(self, proj)
+        weight = ops.zeros((1,), ms.float32) if getattr(self, proj + "_frozen") else self.held_weight(proj)
         if weight.dtype != ms.float32:
             weight = weight.astype(ms.float32)
         none_f32, none_i32 = ops.zeros((1,), ms.float32), ops.zeros((1,), ms.int32)
@@ -219,10 +221,16 @@ class RoutedExperts(nn.Cell):
         after = (group_sizes_E * (expert_E >= last).astype(ms.int32)).sum(keepdims=True)
         return ops.concat((before, group_sizes_E[self.first_expert : last], after), 0)
 
+    def held_weight(self, proj: str):
+        """The held experts' weights ``[E_held, O, F]`` of projection ``proj`` as the forward reads them
+        (model/weights.py)."""
+        return getattr(self, proj + "_full")(getattr(self, proj))
+
     def _forward(self, x, scale, group_sizes):
-        gate = self.expert_matmul(x, self.gate_proj, scale, group_sizes, "gate_proj")
-        up = self.expert_matmul(x, self.up_proj, scale, group_sizes, "up_proj")
-        return self.expert_matmul(self.activation(gate, up), self.down_proj, scale, group_sizes, "down_proj")
+        gate = self.expert_matmul(x, self.held_weight("gate_proj"), scale, group_sizes, "gate_proj")
+        up = self.expert_matmul(x, self.held_weight("up_proj"), scale, group_sizes, "up_proj")
+        down = self.held_weight("down_proj")
+        return self.expert_matmul(self.activation(gate, up), down, scale, group_sizes, "down_proj")
 
     def construct(self, x, group_sizes=None, row_scale=None):
         if group_sizes is None:

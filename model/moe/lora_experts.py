@@ -77,7 +77,7 @@ class LoraRoutedExperts(RoutedExperts):
 
     def _project(self, proj, x_ECF, scale_EC, group_sizes=None):
         # group_sizes: None on an [E, C, F] buffer, else grouped rows (RoutedExperts.expert_matmul).
-        y_ECO = self.expert_matmul(x_ECF, getattr(self, proj), scale_EC, group_sizes, proj)
+        y_ECO = self.expert_matmul(x_ECF, self.held_weight(proj), scale_EC, group_sizes, proj)
         factors = getattr(self, proj + "_lora")
         if factors is None:
             return y_ECO

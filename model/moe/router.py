@@ -19,6 +19,7 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.linear import normal_init
 from mindmoe.model.moe.locking import lock_routing
 from mindmoe.model.moe_config import MoEConfig, moe_policy
+from mindmoe.model.weights import add_seams
 
 # Keeps the renormalisation finite when every chosen sigmoid score underflows (HF uses the same).
 NORM_EPS = 1e-20
@@ -203,6 +204,7 @@ class Router(nn.Cell):
         self.weight = Parameter(
             normal_init((cfg.num_experts, cfg.hidden_size), cfg.initializer_range, rng), name="weight"
         )
+        add_seams(self, "weight")
         self.has_bias = cfg.expert_bias
         if cfg.expert_bias:
             self.e_score_correction_bias = Parameter(
@@ -228,7 +230,7 @@ class Router(nn.Cell):
 
     def construct(self, x_TH):
         """Router logits ``[T, E]`` fp32."""
-        return self.matmul(x_TH.astype(ms.float32), self.weight.astype(ms.float32))
+        return self.matmul(x_TH.astype(ms.float32), self.weight_full(self.weight).astype(ms.float32))
 
     def natural_routing(self, x_TH):
         """``(logits [T, E], scores [T, E], natural top-K [T, K])``: the router's own choice, before locking."""
