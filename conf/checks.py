@@ -74,6 +74,13 @@ class Layout:
     accumulation: int
     # parallel.ep_dispatcher: with alltoall every rank is a data-parallel replica (dp == world_size).
     ep_dispatcher: str = "allgather"
+    # parallel.shard_size resolved: the consecutive ranks a ZeRO range is split over (world_size without hybrid
+    # sharding); the ranges are replicated world_size / shard_size times.
+    shard_size: int = 0
+
+    @property
+    def shard_replicas(self) -> int:
+        return self.world_size // (self.shard_size or self.world_size)
 
     @property
     def replicas_per_group(self) -> int:
@@ -94,6 +101,8 @@ def resolve_layout(
     micro_batch_size: int,
     has_moe_layers: bool = True,
     ep_dispatcher: str = "allgather",
+    shard_size: int = 0,
+    zero: int = 0,
 ) -> Layout:
     """Check that ``world_size`` processes divide as configured; errors name the keys to change.
 
@@ -136,12 +145,24 @@ def resolve_layout(
             f"data.micro_batch_size={micro_batch_size} x data-parallel size {resolved_dp} "
             f"(= {micro_batch_size * resolved_dp})"
         )
+    if shard_size:
+        if not zero:
+            raise ValueError(
+                f"parallel.shard_size={shard_size} shards ZeRO ranges: set parallel.zero to 1, 2 or 3, "
+                "or parallel.shard_size=0"
+            )
+        if world_size % shard_size or shard_size % ep:
+            raise ValueError(
+                f"parallel.shard_size={shard_size} must divide the number of processes {world_size} "
+                f"(launch.nodes x launch.procs_per_node) and be a multiple of parallel.ep={ep}"
+            )
     return Layout(
         world_size=world_size,
         dp=resolved_dp,
         ep=ep,
         accumulation=global_batch_size // (micro_batch_size * resolved_dp),
         ep_dispatcher=ep_dispatcher if ep > 1 else "allgather",
+        shard_size=shard_size or world_size,
     )
 
 
@@ -181,6 +202,8 @@ def check_launch_config(
         cfg.data.micro_batch_size,
         model.num_layers > model.first_k_dense,
         cfg.parallel.ep_dispatcher,
+        cfg.parallel.shard_size,
+        cfg.parallel.zero,
     )
     warn_keys_without_effect(keys, cfg, model)
     return layout

@@ -28,11 +28,24 @@ class ParallelConfig:
     ep_dispatcher: str = "allgather"
     #: ZeRO stage. 0: every rank holds the AdamW moments of all its parameters. 1 (ZeRO-1): each parameter's
     #: moments are split over the ranks holding the same copy of it (all ranks; an expert shard's data-parallel
-    #: ranks), gradients are reduce-scattered and the updated ranges all-gathered; same losses, checkpoints
-    #: hold full moments.
+    #: ranks), gradients are reduce-scattered and the updated ranges all-gathered. 2: the gradients are
+    #: reduce-scattered inside the backward, accumulated as ranges. 3 (FSDP): the parameters are held as ranges
+    #: too, all-gathered where the forward and backward read them. Same losses at every stage; checkpoints are
+    #: written per rank and load into any other stage or layout.
     zero: int = bounded(
-        0, Range(0, 1, note="0 = every rank holds all its AdamW moments, 1 = ZeRO-1: moments split over ranks")
+        0,
+        Range(
+            0,
+            3,
+            note="0 = every rank holds all its AdamW moments, 1 = moments split over ranks, "
+            "2 = also gradients, 3 = also parameters",
+        ),
     )
+    #: Hybrid sharding (``parallel.zero`` >= 1): split each tensor's ranges over ``shard_size`` consecutive ranks
+    #: only (a node of 8 or 16 devices) and replicate them across those groups, whose gradients are all-reduced
+    #: after the reduce-scatter; 0 = over every rank holding the same copy. Divides the number of processes and
+    #: is a multiple of ``ep``.
+    shard_size: int = bounded(0, Range(0, None, note="0 = shard over every rank holding the same copy"))
 
 
 @dataclass

@@ -39,11 +39,15 @@ def build_lr_schedule(cfg: TrainConfig):
     )
 
 
-def build_optimizer(params, cfg: TrainConfig, dist=None, zero: int = 0, collectives=None):
+def build_optimizer(
+    params, cfg: TrainConfig, dist=None, zero: int = 0, collectives=None, seamed=frozenset(), held=None
+):
     """mindformers AdamW (fused update, train/fused_adamw.py) over ``params`` with two weight-decay groups.
 
-    ``zero=1`` (``parallel.zero``): the ZeRO-1 variant (train/parallel/zero.py), moments split over the ranks of
+    ``zero`` (``parallel.zero``) 1-3: the sharded variant (train/parallel/zero.py), moments split over the ranks of
     ``dist`` (None: one process) holding the same parameter, which then checkpoints them through their views;
+    ``seamed``: the names of the parameters whose gradients stages 2 and 3 reduce in the backward
+    (train/parallel/fsdp.py), ``held`` the specs of those already held as ranges (a rebuilt optimizer);
     ``collectives``: stand-ins for its reduce-scatter and all-gather (tests)."""
     raise_range_errors(section_range_errors("train", cfg, OPTIMIZER_KEYS))
     _, AdamW = _import_mindformers()
@@ -64,7 +68,7 @@ def build_optimizer(params, cfg: TrainConfig, dist=None, zero: int = 0, collecti
         return AdamW(groups, **kwargs)
     from mindmoe.train.parallel.zero import log_moment_share, shard_specs, zero_adamw_class
 
-    optimizer = zero_adamw_class(AdamW)(groups, shard_specs(params, dist), collectives, **kwargs)
+    optimizer = zero_adamw_class(AdamW)(groups, shard_specs(params, dist, held), collectives, zero, seamed, **kwargs)
     log_moment_share(optimizer, 0 if dist is None else dist.rank)
     if dist is not None:
         dist.track_zero(optimizer)

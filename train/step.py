@@ -40,19 +40,6 @@ from mindmoe.train.loss_scaling import loss_scaling
 from mindmoe.train.objective import TERM_LOSS, TERM_ROUTING_STATS, Objective, StepTerms, step_objective
 
 
-def masked_cross_entropy(logits_BSV, labels_BS, loss_mask_BS):
-    """Mean negative log-likelihood over positions where ``loss_mask`` is 1 (fp32), from whole logits.
-
-    The step and evaluation use :func:`train.head_loss.head_nll` instead (the head applied in chunks); this is the plain
-    formula, for logits a caller already has."""
-    log_probs_BSV = ops.log_softmax(logits_BSV.astype(ms.float32), -1)
-    nll_BS = -ops.gather_elements(log_probs_BSV, 2, labels_BS.expand_dims(-1)).squeeze(-1)
-    mask_BS = loss_mask_BS.astype(ms.float32)
-    nll_sum = (nll_BS * mask_BS).sum()
-    count = mask_BS.sum()
-    return nll_sum / ops.maximum(count, 1.0), nll_sum, count
-
-
 def split_window(batch: dict):
     """Packed ``seq_len + 1`` windows -> model inputs, labels and the loss mask (numpy, int32).
 
@@ -108,12 +95,14 @@ class StepStats:
     indexer_loss: float | None = None  # DSA: mean over layers of the indexer's KL (unweighted); None without it
 
 
-def _grad_buffers(params, accum_steps: int):
-    """fp32 gradient sums of a step's micro-batches, one per parameter; None without accumulation."""
+def _grad_buffers(params, shapes, accum_steps: int):
+    """fp32 gradient sums of a step's micro-batches, one per parameter, of the gradients' ``shapes`` (ZeRO-2/3: a
+    range); None without accumulation."""
     if accum_steps == 1:
         return None
     return ParameterTuple(
-        Parameter(ops.zeros(p.shape, ms.float32), name="grad_accum." + p.name, requires_grad=False) for p in params
+        Parameter(ops.zeros(shape, ms.float32), name="grad_accum." + p.name, requires_grad=False)
+        for p, shape in zip(params, shapes)
     )
 
 
@@ -154,9 +143,9 @@ def _clip_and_apply(optimizer, clip: float, synchronise, squared_norm, adjust_sc
         lr = optimizer.get_lr()
         finite = ops.logical_and(ops.isfinite(norm), ops.isfinite(loss))
         if ranges and update_scales is None:
-            optimizer.apply(grads, finite)
+            finite = optimizer.apply(grads, finite)
         elif ranges:
-            optimizer.apply(grads, finite, update_scales(routing_L3E))
+            finite = optimizer.apply(grads, finite, update_scales(routing_L3E))
         elif finite:
             optimizer(grads) if update_scales is None else optimizer(grads, update_scales(routing_L3E))
         adjust_scale(finite)
@@ -238,8 +227,11 @@ class CompiledStep:
             loss, terms = self._loss(input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights)
             return scale_loss(loss), terms
 
-        grad_fn = ms.value_and_grad(scaled_loss, None, params, has_aux=True)
-        self.grad_buffers = _grad_buffers(params, accum_steps)
+        # ZeRO-2/3 differentiate ranges (train/parallel/fsdp.py): the optimizer says what, and of which shapes.
+        targets = optimizer.targets if hasattr(optimizer, "targets") else params
+        shapes = optimizer.target_shapes() if hasattr(optimizer, "targets") else [p.shape for p in params]
+        grad_fn = ms.value_and_grad(scaled_loss, None, targets, has_aux=True)
+        self.grad_buffers = _grad_buffers(params, shapes, accum_steps)
         reductions = _reductions(dist, optimizer, expert_parameter_names(model))
         self._step_parts = (grad_fn, unscale, float(grad_clip), reductions, adjust_scale)
         self.router_updates = router_updates

@@ -41,10 +41,14 @@ from mindmoe.train.checkpoints.tokenizer import run_data_config
 from mindmoe.train.dsa_stage import continue_schedule, enter_stage, stage_at, switches_after
 from mindmoe.train.graph_memory import release_compiled_graphs, validates_before_last_step
 from mindmoe.train.heatmap import render_expert_load, save_png
+from mindmoe.train.held_memory import describe as describe_held
+from mindmoe.train.held_memory import held_bytes
 from mindmoe.train.init_model import build_model, planned_model_config
 from mindmoe.train.lora_setup import lora_run_for
 from mindmoe.train.metrics import MetricsWriter, measure_peak_gflops, param_table, train_flops_per_token, window_row
 from mindmoe.train.optim import build_optimizer
+from mindmoe.train.outcome import report_outcome
+from mindmoe.train.parallel import fsdp
 from mindmoe.train.parallel.distributed import init_distributed
 from mindmoe.train.precision import apply_precision
 from mindmoe.train.routing import RouterStepUpdates
@@ -78,10 +82,11 @@ class Trainer:
         self.batches = iter(self._train_loader())
         self.tokens_per_step = cfg.data.global_batch_size * cfg.data.seq_len
         # Frozen weights (LoRA) spend no weight-gradient FLOPs.
-        self.flops_per_token = train_flops_per_token(self.model_cfg, cfg.data.seq_len, param_table(self.model))
+        self.flops_per_token = train_flops_per_token(self.model_cfg, cfg.data.seq_len, self._param_table())
         self.peak_gflops = cfg.train.peak_gflops or measure_peak_gflops()
         self._log_model()
         self.metrics = MetricsWriter(self.run_dir, self.start_step) if self.dist.is_main else None
+        self._write_held_bytes()
         if self.dist.is_main:
             OmegaConf.save(cfg, self.run_dir / "resolved_config.yaml", resolve=True)
         # The steps since the last metrics row, and the counts of skipped (non-finite or fp16 overflow) steps.
@@ -145,7 +150,11 @@ class Trainer:
         """Precision, optimizer and the compiled step; sets the tensors a checkpoint holds."""
         model, train_cfg = self.model, OmegaConf.to_object(self.cfg.train)
         loss_scale = apply_precision(model, self.cfg.train)
-        optimizer = build_optimizer(model.trainable_params(), train_cfg, self.dist, self.cfg.parallel.zero)
+        zero = self.cfg.parallel.zero
+        seamed = fsdp.seamed_names(model) if zero >= 2 else frozenset()
+        optimizer = build_optimizer(
+            model.trainable_params(), train_cfg, self.dist, zero, seamed=seamed, held=fsdp.held_ranges(model)
+        )
         # The dense warm-up of DSA trains only the indexers: the routers stay as they are.
         router_updates = None if self.dsa_stage == "dense_warmup" else RouterStepUpdates(model, self.model_cfg)
         accum_steps = self.dist.layout.accumulation
@@ -159,6 +168,11 @@ class Trainer:
             loss_scale,
             mtp_loss_coeff=self.cfg.train.mtp_loss_coeff,
         )
+        # The shapes as built (ZeRO-3 holds ranges next), for the FLOPs and the parameter count.
+        if not hasattr(self, "full_shapes"):
+            self.full_shapes = {name: shape for name, (shape, _) in param_table(model).items()}
+        if zero >= 2:  # after everything that reads whole parameter shapes was built
+            fsdp.install(model, optimizer)
         optimizer_state = [*optimizer.exp_avg, *optimizer.exp_avg_sq, optimizer.global_step, *step.loss_scale_state]
         # Checkpoints hold every parameter, including state the optimizer never sees (router biases),
         # expert tensors at full size whatever parallel.ep is; a LoRA run's hold its adapters only.
@@ -200,11 +214,23 @@ class Trainer:
             world_size=self.dist.dp,
         )
 
+    def _param_table(self) -> dict:
+        """:func:`train.metrics.param_table` with the shapes as built (ZeRO-3 holds ranges)."""
+        return {p.name: (self.full_shapes[p.name], bool(p.requires_grad)) for p in self.model.get_parameters()}
+
+    def _write_held_bytes(self) -> None:
+        """The ``held_bytes`` row (train/held_memory.py): rank 0's Parameters by kind, before the first step."""
+        step = self.compiled_step
+        held = held_bytes(self.model, step.optimizer, step.grad_buffers, step.loss_scale_state)
+        if self.metrics is not None:
+            self.metrics.write({"step": self.start_step, "held_bytes": held})
+            log.info(describe_held(held))
+
     def _log_model(self) -> None:
         log.info(
             "model: %d parameters, %.2f MFLOP/token (train), peak %.1f GFLOP/s; %d train windows, "
             "accumulation %d, data parallel %d",
-            sum(int(np.prod(p.shape)) for p in self.model.trainable_params()),
+            sum(int(np.prod(shape)) for shape, trained in self._param_table().values() if trained),
             self.flops_per_token / 1e6,
             self.peak_gflops,
             self.data.num_train_windows,
@@ -359,32 +385,7 @@ class Trainer:
         if self.metrics is None:
             return {"steps": max_steps, "final_val_loss": val_loss, "run_dir": str(self.run_dir)}
         self.metrics.close()
-        unigram_val_loss = self.data.unigram_val_loss
-        summary = {
-            "steps": max_steps,
-            "first_lm_loss": self.first_loss,
-            "final_val_loss": val_loss,
-            "unigram_val_loss": unigram_val_loss,
-            "run_dir": str(self.run_dir),
-        }
-        if self.lora_run is not None:
-            summary.update(
-                base_val_loss=base_val_loss,
-                trainable_params=self.lora_run.report.trainable,
-                trainable_share=self.lora_run.report.share,
-            )
-            if base_val_loss is not None and val_loss is not None:
-                print(
-                    f"LoRA: validation loss {base_val_loss:.4f} before fine-tuning, {val_loss:.4f} after; adapters "
-                    f"in {self.checkpoint_root}/step_{max_steps:06d}/adapter"
-                )
-        if val_loss is not None and unigram_val_loss is not None:
-            print(
-                f"validation loss {val_loss:.4f} nats/token vs unigram baseline "
-                f"{unigram_val_loss:.4f} (better by {unigram_val_loss - val_loss:.4f})"
-            )
-        print(f"run dir: {self.run_dir}")
-        return summary
+        return report_outcome(self, val_loss, base_val_loss)
 
 
 def _positions_source(cfg) -> str:

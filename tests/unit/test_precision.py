@@ -14,9 +14,10 @@ from mindmoe.model.config import ModelConfig
 from mindmoe.model.outputs import OUT_AUX_LOSS, OUT_HEAD, OUT_Z_LOSS
 from mindmoe.model.transformer import MoETransformer
 from mindmoe.train.config import TrainConfig
+from mindmoe.train.head_loss import masked_cross_entropy
 from mindmoe.train.optim import build_optimizer
 from mindmoe.train.precision import LossScale, apply_precision
-from mindmoe.train.step import CompiledStep, masked_cross_entropy, split_window
+from mindmoe.train.step import CompiledStep, split_window
 
 MODEL = ModelConfig(
     vocab_size=96,

@@ -16,7 +16,8 @@ from mindmoe.data.mindrecord import EvalLoader, WindowLoader, write_shards
 from mindmoe.data.packing import label_mask
 from mindmoe.data.reader import DataInputError
 from mindmoe.data.sft import conversation_messages, encode_conversation, pack_conversations, read_conversations
-from mindmoe.train.step import masked_cross_entropy, split_window
+from mindmoe.train.head_loss import masked_cross_entropy
+from mindmoe.train.step import split_window
 
 # A chat template in the style of HF ones (Jinja), closing each assistant reply with an end marker.
 TEMPLATE = (

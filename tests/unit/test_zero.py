@@ -22,7 +22,8 @@ from mindmoe.model.kernels import ascend_collectives
 from mindmoe.model.kernels.cpu_collectives import EmulatedReduceScatter
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
-from mindmoe.train.parallel.zero import MomentView, ShardSpec
+from mindmoe.train.parallel.range_views import MomentView
+from mindmoe.train.parallel.zero import ShardSpec
 
 SHAPES = {"experts.w": (3, 3, 5), "proj.weight": (4, 6), "norm.weight": (7,)}  # 45 elements: odd, padded
 ROW_SCALES = np.array([1.0, 0.5, 0.25], np.float32).reshape(3, 1, 1)  # expert_update isolation of experts.w
@@ -222,8 +223,8 @@ def test_parallel_zero_out_of_range_names_the_key_and_the_values_it_takes():
     from mindmoe.data.config import DataConfig
     from mindmoe.launch.config import ParallelConfig
 
-    (error,) = section_range_errors("parallel", ParallelConfig(zero=2))
-    assert error.startswith("parallel.zero=2 must be in [0, 1] (0 = every rank holds all its AdamW moments")
+    (error,) = section_range_errors("parallel", ParallelConfig(zero=4))
+    assert error.startswith("parallel.zero=4 must be in [0, 3] (0 = every rank holds all its AdamW moments")
     cfg = SimpleNamespace(train=CFG, data=DataConfig(), parallel=ParallelConfig(zero=-1))
-    assert range_errors(cfg) == ["parallel.zero=-1 must be in [0, 1] " + error.split("[0, 1] ", 1)[1]]
-    assert section_range_errors("parallel", ParallelConfig(zero=1)) == []
+    assert range_errors(cfg) == ["parallel.zero=-1 must be in [0, 3] " + error.split("[0, 3] ", 1)[1]]
+    assert all(section_range_errors("parallel", ParallelConfig(zero=stage)) == [] for stage in (1, 2, 3))

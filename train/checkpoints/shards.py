@@ -1,11 +1,11 @@
 """Writing and loading the tensors of a checkpoint by parts, whatever the layout (:mod:`model.checkpoints.shards`).
 
 A tensor a checkpoint holds is a ``mindspore.Parameter`` (the whole tensor, held by every rank) or a view of
-a tensor split over ranks (expert shards, :class:`train.parallel.expert_parallel.ShardedState`; ZeRO-1 moments,
-:class:`train.parallel.zero.MomentView`) with ``name``, ``shape`` (the full one), ``part = ("flat", start, stop)`` (the
-elements of the row-major flattened full tensor this rank holds), ``writer`` (this rank writes that part:
-exactly one rank of the job writes each distinct part), ``local_part()`` and ``set_part(values)``. Only these
-are used, so a new kind of split needs no code here.
+a tensor split over ranks (expert shards, :class:`train.parallel.expert_parallel.ShardedState`; ZeRO moments
+and ZeRO-3 parameters, :class:`train.parallel.range_views.MomentView`) with ``name``, ``shape`` (the full one),
+``part = ("flat", start, stop)`` (the elements of the row-major flattened full tensor this rank holds),
+``writer`` (this rank writes that part: exactly one rank of the job writes each distinct part), ``local_part()``
+and ``set_part(values)``. Only these are used, so a new kind of split needs no code here.
 
 Writing: every rank stores the parts it writes in its own file per group, and a manifest of them (shape,
 dtype, element range, the file's size and sha256) that rank 0 merges into the index. Loading: every rank

@@ -41,7 +41,7 @@ class Distributed:
     global batch. ``is_main`` (rank 0) alone writes metrics and checkpoints.
     """
 
-    def __init__(self, rank: int, layout: Layout, ep_group: str = "", expert_dp_group: str = ""):
+    def __init__(self, rank: int, layout: Layout, ep_group: str = "", expert_dp_group: str = "", shard_groups=None):
         self.rank = rank
         self.layout = layout
         self.world_size = layout.world_size
@@ -53,6 +53,9 @@ class Distributed:
         self.rank_in_group = rank % layout.ep
         self.ep_group = ep_group
         self.expert_dp_group = expert_dp_group
+        # Hybrid sharding (parallel.shard_size, train/parallel/zero.py): the shard_size consecutive ranks of this one,
+        # those of them holding its experts, and the ranks at its place in every other shard group ("": none).
+        self.shard_group, self.expert_shard_group, self.replica_group = shard_groups or ("", "", "")
         # {expert shard's name: first row held}; the moment views of ZeRO-1 (train/parallel/zero.py) by moment name.
         self.expert_rows = {}
         self.zero_views = {}
@@ -91,7 +94,7 @@ class Distributed:
 
     def track_zero(self, optimizer) -> None:
         """Record the moment views of a ZeRO-1 optimizer (train/parallel/zero.py) for :meth:`checkpoint_views`."""
-        from mindmoe.train.parallel.zero import moment_views
+        from mindmoe.train.parallel.range_views import moment_views
 
         self.zero_views = moment_views(optimizer, self)
 
@@ -230,6 +233,8 @@ def init_distributed(
             micro_batch_size,
             has_moe_layers,
             parallel.ep_dispatcher,
+            parallel.shard_size,
+            parallel.zero,
         )
 
     if not launched_by_msrun():
@@ -240,6 +245,7 @@ def init_distributed(
     world_size, rank = get_group_size(), get_rank()
     layout = layout_of(world_size)
     ep_group, expert_dp_group = _expert_groups(rank, layout)
+    shard_groups = _shard_groups(rank, layout)
     ms.reset_auto_parallel_context()
     # Fused all-reduce buckets instead of one all-reduce per parameter (on these CPU machines this
     # roughly halves the step time of two ranks).
@@ -257,7 +263,7 @@ def init_distributed(
         layout.dp,
         layout.accumulation,
     )
-    return Distributed(rank, layout, ep_group, expert_dp_group)
+    return Distributed(rank, layout, ep_group, expert_dp_group, shard_groups)
 
 
 def _expert_groups(rank: int, layout: Layout):
@@ -279,3 +285,24 @@ def _expert_groups(rank: int, layout: Layout):
         expert_dp_group = f"expert_dp_group_{position}"
         create_group(expert_dp_group, list(range(position, layout.world_size, layout.ep)))
     return ep_group, expert_dp_group
+
+
+def _shard_groups(rank: int, layout: Layout):
+    """Communication groups of hybrid sharding (``parallel.shard_size`` below the world): ``(shard group, expert
+    shard group, replica group)``; "" for each one that has no other rank or is not needed."""
+    if layout.shard_replicas == 1:
+        return "", "", ""
+    from mindspore.communication import create_group
+
+    size = layout.shard_size
+    first = rank // size * size
+    shard_group = f"shard_group_{first // size}"
+    create_group(shard_group, list(range(first, first + size)))
+    expert_shard_group = ""
+    if layout.ep > 1 and size > layout.ep:
+        position = rank % layout.ep
+        expert_shard_group = f"expert_shard_group_{first // size}_{position}"
+        create_group(expert_shard_group, list(range(first + position, first + size, layout.ep)))
+    replica_group = f"replica_group_{rank % size}"
+    create_group(replica_group, list(range(rank % size, layout.world_size, size)))
+    return shard_group, expert_shard_group, replica_group

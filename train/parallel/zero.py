@@ -17,7 +17,8 @@ A step (train/step.py), after backward and accumulation (whose buffers stay full
 
 The update is element-wise, so every range gets exactly the values :class:`FusedAdamW` gives it. The working
 copy is read from the parameter every step, so a resumed (``set_data``) parameter needs nothing else.
-Checkpoints keep full moments: :class:`MomentView` gathers on ``asnumpy`` and slices on ``set_data``.
+Checkpoints see full moments: :class:`train.parallel.range_views.MomentView` gathers on ``asnumpy`` and slices
+on ``set_data``.
 """
 
 import logging
@@ -51,6 +52,10 @@ class ShardSpec:
     mean_scale: float = 1.0
     first_row: int = 0
     ep: int = 1
+    #: Hybrid sharding (``parallel.shard_size``): the group of the ranks holding this range in the other shard
+    #: groups ("" without), over which its gradient is all-reduced, and this rank's shard group (0 writes it).
+    replica_group: str = ""
+    replica: int = 0
 
     @property
     def numel(self) -> int:
@@ -80,8 +85,9 @@ class ShardSpec:
         return self.first_row * (self.numel // self.shape[0]) if self.shape else 0
 
 
-def shard_specs(params, dist=None) -> list:
-    """The :class:`ShardSpec` of every parameter on this rank of ``dist`` (None: one process)."""
+def shard_specs(params, dist=None, held=None) -> list:
+    """The :class:`ShardSpec` of every parameter on this rank of ``dist`` (None: one process); ``held``: the specs
+    of parameters already held as ranges (ZeRO-3, train/parallel/fsdp.py), whose own shape is their range's."""
     world = dist.world_size if dist is not None else 1
     rank = dist.rank if dist is not None else 0
     experts = dist.expert_rows if dist is not None else {}
@@ -90,8 +96,15 @@ def shard_specs(params, dist=None) -> list:
         from mindspore.communication import GlobalComm
 
         world_group = GlobalComm.WORLD_COMM_GROUP
+    hybrid = dist is not None and bool(getattr(dist, "replica_group", ""))
     specs = []
     for param in params:
+        if hybrid:
+            specs.append(_hybrid_spec(param, dist, held))
+            continue
+        if held and param.name in held:
+            specs.append(held[param.name])
+            continue
         shape = tuple(param.shape)
         if param.name in experts:
             # Averaged like train/parallel/distributed.py's reducer: summed over the expert_dp_group, divided by dp.
@@ -113,6 +126,30 @@ def shard_specs(params, dist=None) -> list:
     return specs
 
 
+def _hybrid_spec(param, dist, held=None) -> ShardSpec:
+    """:func:`shard_specs` under hybrid sharding: ranges over the ``shard_size`` consecutive ranks of this one (an
+    expert shard's: over those of them holding the same experts), replicated in every shard group."""
+    if held and param.name in held:
+        return held[param.name]
+    size = dist.layout.shard_size
+    common = dict(replica_group=dist.replica_group, replica=dist.rank // size)
+    position = dist.rank % size
+    if param.name in dist.expert_rows:
+        k = size // dist.ep
+        return ShardSpec(
+            param.name,
+            tuple(param.shape),
+            k=k,
+            rank=position // dist.ep if k > 1 else 0,
+            group=dist.expert_shard_group if k > 1 else "",
+            mean_scale=1.0 / dist.dp,
+            first_row=dist.expert_rows[param.name],
+            ep=dist.ep,
+            **common,
+        )
+    return ShardSpec(param.name, tuple(param.shape), size, position, dist.shard_group, 1.0 / dist.world_size, **common)
+
+
 class ParamRange(nn.Cell):
     """One parameter's range and its collectives (``collectives``: ``(reduce_scatter, all_gather)`` factories
     called with ``(group, k, rank)``, default the kernel functions; tests pass stand-ins)."""
@@ -131,6 +168,8 @@ class ParamRange(nn.Cell):
         distributed = spec.k > 1
         self.reduce_scatter = scatter(spec.group, spec.k, spec.rank) if distributed else nn.Identity()
         self.all_gather = gather(spec.group, spec.k, spec.rank) if distributed else nn.Identity()
+        # Hybrid sharding: the range's gradient summed over its replicas in the other shard groups.
+        self.over_replicas = ops.AllReduce(group=spec.replica_group) if spec.replica_group else nn.Identity()
 
     def flat(self, x):
         """``x`` flattened and zero-padded to ``n'`` elements."""
@@ -141,7 +180,7 @@ class ParamRange(nn.Cell):
 
     def scatter(self, grad):
         """This rank's range of the mean gradient over the ``k`` ranks."""
-        shard = self.reduce_scatter(self.flat(grad.astype(ms.float32)))
+        shard = self.over_replicas(self.reduce_scatter(self.flat(grad.astype(ms.float32))))
         if self.mean_scale != 1.0:
             shard = shard * self.mean_scale
         return shard
@@ -165,56 +204,106 @@ def zero_adamw_class(fused):
     updates of this rank's ranges only. The step calls :meth:`scatter` on the gradients, then :meth:`apply`."""
 
     class ZeroAdamW(fused):
-        def __init__(self, params, specs, collectives=None, **kwargs):
+        """``stage`` (``parallel.zero``) 1-3; ``seamed``: the names of the parameters read through a seam
+        (model/weights.py), whose gradients stages 2 and 3 reduce-scatter in the backward
+        (train/parallel/fsdp.py); the others are reduced as at stage 1."""
+
+        def __init__(self, params, specs, collectives=None, stage=1, seamed=frozenset(), **kwargs):
+            self_ranged = {spec.name for spec in specs if stage == 3 and spec.name in seamed}
             # Read by clone_state while the base class builds the moments: only ranges are allocated.
             object.__setattr__(self, "_zero_specs", {spec.name: spec for spec in specs})
+            object.__setattr__(self, "_self_ranged", self_ranged)
             super().__init__(params, **kwargs)
+            self.stage = stage
             self.specs = [self._zero_specs[p.name] for p in self.parameters]
-            self.ranges = self.clone_state("zero_range", "zeros")
+            #: Gradient reduced in the backward (stage >= 2, seamed); ``local``: the parameter is its own range (3).
+            self.in_backward = tuple(stage >= 2 and p.name in seamed for p in self.parameters)
+            self.local = tuple(p.name in self_ranged for p in self.parameters)
+            # The working copy of each range (stage 2: also what the backward's range gradient is taken for);
+            # a parameter that is its own range needs none (one placeholder element).
+            self.ranges = self.clone_state("zero_range", "zeros", skip=self_ranged)
             self.shards = nn.CellList([ParamRange(spec, collectives) for spec in self.specs])
             self.count = len(self.specs)
 
-        def clone_state(self, prefix, init):
+        def clone_state(self, prefix, init, skip=frozenset()):
             return ParameterTuple(
                 Parameter(
-                    Tensor(np.zeros(self._zero_specs[p.name].size, np.float32)),
+                    Tensor(np.zeros(1 if p.name in skip else self._zero_specs[p.name].size, np.float32)),
                     name=f"{prefix}.{p.name}",
                     requires_grad=False,
                 )
                 for p in self.parameters
             )
 
+        @property
+        def targets(self) -> list:
+            """What the step differentiates, one per parameter: the parameter, or (stage 2, seamed) its range."""
+            return [
+                self.ranges[i] if self.in_backward[i] and not self.local[i] else self._parameters[i]
+                for i in range(self.count)
+            ]
+
+        def target_shapes(self) -> list:
+            """The shapes of the gradients the step gets for :attr:`targets` (a range: ``[size]``)."""
+            return [
+                (spec.size,) if reduced else tuple(spec.shape) for spec, reduced in zip(self.specs, self.in_backward)
+            ]
+
+        def shrink(self, i: int) -> None:
+            """Parameter ``i`` (stage 3) <- its own range ``[size]`` (train/parallel/fsdp.py installs the seam that
+            all-gathers it)."""
+            param = self._parameters[i]
+            if tuple(param.shape) == (self.specs[i].size,):
+                return
+            spec = self.specs[i]
+            values = np.zeros(spec.size * spec.k, np.float32)
+            values[: spec.numel] = param.asnumpy().reshape(-1)
+            param.set_data(Tensor(values[spec.start : spec.start + spec.size], dtype=param.dtype), True)
+
         def scatter(self, grads):
-            """Every parameter's range of the mean gradient (reduce-scattered)."""
+            """Every parameter's range of the mean gradient (reduce-scattered; already a range when the backward
+            reduced it)."""
             shards = ()
             for i in range(self.count):
-                shards = shards + (self.shards[i].scatter(grads[i]),)
+                if self.in_backward[i]:
+                    shards = shards + (grads[i],)
+                else:
+                    shards = shards + (self.shards[i].scatter(grads[i]),)
             return shards
 
         def load_ranges(self):
-            """The working copies <- the parameters' ranges; the copies (values after the assignment)."""
+            """The working copies <- the parameters' ranges; the copies (values after the assignment). A parameter
+            that is its own range is passed as it is."""
             loaded = ()
             for i in range(self.count):
-                loaded = loaded + (ops.assign(self.ranges[i], self.shards[i].owned(self._parameters[i])),)
+                if self.local[i]:
+                    loaded = loaded + (self._parameters[i],)
+                else:
+                    loaded = loaded + (ops.assign(self.ranges[i], self.shards[i].owned(self._parameters[i])),)
             return loaded
 
         def store_ranges(self, values):
-            """The parameters <- every rank's ``values`` (the updated ranges) all-gathered."""
+            """The parameters <- every rank's ``values`` (the updated ranges) all-gathered (a parameter that is its
+            own range was updated in place)."""
             for i in range(self.count):
-                param = self._parameters[i]
-                ops.assign(param, self.shards[i].gather(values[i]).astype(param.dtype))
+                if not self.local[i]:
+                    param = self._parameters[i]
+                    ops.assign(param, self.shards[i].gather(values[i]).astype(param.dtype))
             return self.count
 
         def apply(self, gradients, finite, update_scales=None):
             """The whole update of a step from this rank's gradient ranges: skipped (no state changes) unless
-            ``finite``, the collectives run either way. Ranges are passed on as values: MindSpore 2.9 may schedule
-            a read of a working copy before an earlier write of it in the same graph (assignment, Adam kernel)."""
+            ``finite``, the collectives run either way; returns ``finite``. Ranges are passed on as values:
+            MindSpore 2.9 may schedule a read of a working copy before an earlier write of it in the same graph
+            (assignment, Adam kernel)."""
             if finite:
                 values = self.construct(gradients, update_scales)
             else:
                 values = self.load_ranges()
             self.store_ranges(values)
-            return finite
+            # The caller goes on from this value: a parameter updated in place (ZeRO-3) has no other reader of the
+            # branch's result, which MindSpore 2.9 would otherwise drop with its side effects.
+            return F.depend(finite, values)
 
         def range_scales(self, update_scales):
             scales = ()
@@ -236,7 +325,10 @@ def zero_adamw_class(fused):
             loaded = self.load_ranges()
             ranges = ()
             for i in range(self.count):
-                ranges = ranges + (F.depend(self.ranges[i], loaded[i]),)
+                if self.local[i]:  # updated in place: passed as the Parameter itself
+                    ranges = ranges + (self._parameters[i],)
+                else:
+                    ranges = ranges + (F.depend(self.ranges[i], loaded[i]),)
             return self.hyper_map(update, weight_decay, update_scales, ranges, gradients, self.exp_avg, self.exp_avg_sq)
 
     return ZeroAdamW
@@ -253,6 +345,9 @@ def zero_reductions(optimizer, dist=None):
 
         return synchronise, global_squared_norm_kernel()
     all_reduce = ops.AllReduce()
+    # Every element is owned by one rank of each shard group (hybrid sharding), of the world otherwise.
+    shard_group = getattr(dist, "shard_group", "")
+    over_owners = ops.AllReduce(group=shard_group) if shard_group else all_reduce
     inv_world = 1.0 / world
 
     def synchronise(grads, loss):
@@ -261,7 +356,7 @@ def zero_reductions(optimizer, dist=None):
     global_squared_norm = global_squared_norm_kernel()
 
     def squared_norm(shards):
-        return all_reduce(global_squared_norm(shards))
+        return over_owners(global_squared_norm(shards))
 
     return synchronise, squared_norm
 
@@ -272,77 +367,3 @@ def log_moment_share(optimizer, rank: int) -> int:
     full = sum(2 * spec.numel for spec in optimizer.specs)
     log.info("zero: rank %d holds %d of %d AdamW moment elements", rank, held, full)
     return held
-
-
-class MomentView:
-    """A moment range seen as the full moment by checkpoint code (``name``, ``shape``, ``dtype``, ``asnumpy``,
-    ``set_data``), like :class:`train.parallel.expert_parallel.ShardedState`; ``asnumpy`` is a collective (every rank of
-    the job calls it, in the same order). For checkpoints written per rank: ``part = ("flat", start, stop)``,
-    the elements of the row-major flattened full tensor this rank owns, ``local_part()`` their values (no
-    collective), ``set_part(values)`` sets them, ``writer``: this rank owns a non-empty range (the ranges of
-    all ranks' writers are disjoint and cover the tensor)."""
-
-    def __init__(self, local, spec: ShardSpec, gather_range, gather_rows=None):
-        self.local = local
-        self.name = local.name
-        self.dtype = local.dtype
-        self.spec = spec
-        self.shape = spec.full_shape
-        self.part = ("flat", spec.offset + spec.start, spec.offset + spec.stop)
-        self.writer = spec.stop > spec.start
-        self._gather_range = gather_range
-        self._gather_rows = gather_rows
-
-    def local_part(self) -> np.ndarray:
-        return self.local.asnumpy()[: self.spec.stop - self.spec.start]
-
-    def set_part(self, values) -> None:
-        values = np.asarray(values, np.float32).reshape(-1)
-        expected = self.spec.stop - self.spec.start
-        if values.size != expected:
-            raise ValueError(f"{self.name}: {values.size} values for its range {self.part[1:]} of {expected}")
-        buffer = np.zeros(self.spec.size, np.float32)
-        buffer[:expected] = values
-        self.local.set_data(Tensor(buffer))
-
-    def asnumpy(self) -> np.ndarray:
-        flat = self.local.asnumpy() if self._gather_range is None else self._gather_range(self.local.value()).asnumpy()
-        held = flat[: self.spec.numel].reshape(self.spec.shape)
-        return held if self._gather_rows is None else self._gather_rows(Tensor(held)).asnumpy()
-
-    def set_data(self, tensor) -> None:
-        full = tensor.asnumpy() if isinstance(tensor, Tensor) else np.asarray(tensor)
-        held = full[self.spec.first_row : self.spec.first_row + self.spec.shape[0]] if self.spec.ep > 1 else full
-        start = self.spec.start
-        self.set_part(np.asarray(held, np.float32).reshape(-1)[start : self.spec.stop])
-
-
-def moment_views(optimizer, dist=None) -> dict:
-    """``{moment name: MomentView}`` of both moments of every parameter of a ZeRO optimizer."""
-    from mindmoe.train.parallel.expert_parallel import GatherFromGroup
-
-    jitted = {}
-
-    def compiled(key, cell):
-        """One compiled collective per distinct cell (kept alive with it)."""
-        if key not in jitted:
-
-            @ms.jit
-            def run(x):
-                return cell(x)
-
-            jitted[key] = (cell, run)
-        return jitted[key][1]
-
-    views = {}
-    for shard, spec, m, v in zip(optimizer.shards, optimizer.specs, optimizer.exp_avg, optimizer.exp_avg_sq):
-        gather_range = compiled(id(shard.all_gather), shard.all_gather) if spec.k > 1 else None
-        gather_rows = None
-        if spec.ep > 1:
-            rows = ("rows", spec.shape[0])
-            if rows not in jitted:
-                compiled(rows, GatherFromGroup(dist.ep_group, dist.rank_in_group, spec.shape[0], spec.ep))
-            gather_rows = jitted[rows][1]
-        for moment in (m, v):
-            views[moment.name] = MomentView(moment, spec, gather_range, gather_rows)
-    return views
