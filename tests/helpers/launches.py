@@ -38,6 +38,8 @@ LAUNCH_RUN = [
     "data.valid_files=[]",
 ]
 RELATIVE_TOLERANCE = 1e-5
+#: Micro-batches of 2 with grouped dropless dispatch: the 4-worker layouts (each rank or group reads 2 or 4 of them).
+DROPLESS_MB2 = ("data.micro_batch_size=2", "moe.dispatch=dropless")
 
 
 def launch_command(run_dir, data_cache, *extra):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.launches import LAUNCH_RUN, assert_same_losses, finish, launch_command, start
+from tests.helpers.launches import DROPLESS_MB2, LAUNCH_RUN, assert_same_losses, finish, launch_command, start
 from tests.helpers.processes import free_port
 from tests.helpers.runs import losses_by_step, metrics_rows
 from tests.helpers.shared_runs import reference_runs
@@ -19,8 +19,6 @@ ALL_STEPS = list(range(1, STEPS + 1))
 SAVED = int(next(o for o in LAUNCH_RUN if o.startswith("train.save_every=")).split("=")[1])  # the first checkpoint
 
 
-#: Micro-batches of 2 with grouped dropless dispatch: the 4-worker layouts (each rank or group reads 2 or 4 of them).
-DROPLESS_MB2 = ("data.micro_batch_size=2", "moe.dispatch=dropless")
 #: One multi-token-prediction depth: its MoE block's experts are sharded and exchanged like the main layers'.
 MTP = ("model.mtp_layers=1", "train.mtp_loss_coeff=0.3")
 
