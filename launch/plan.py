@@ -9,23 +9,16 @@ are split over the ``ep`` ranks of an expert group; attention, dense FFN, shared
 embedding and LM head are held whole by every rank. ``allgather``: the ``ep`` ranks of a group read the
 same micro-batch (one data-parallel replica, ``devices = dp * ep``) and repeat the non-expert work;
 ``alltoall``: every rank reads its own micro-batch (``devices = dp``) and sends each routed row to the
-rank of its expert. There is no tensor or pipeline parallelism. ``parallel.zero=1`` (ZeRO-1) splits the
-optimizer state of a tensor over the ranks holding the same copy of it: every rank (``devices``) for the
-replicated tensors, the expert replicas for the routed experts.
+rank of its expert. There is no tensor or pipeline parallelism. ``parallel.zero`` 1-3 splits the optimizer state,
+then the gradients, then the weights of a tensor over the ranks holding the same copy of it: every rank
+(``devices``) for the replicated tensors, the expert replicas for the routed experts.
 
 Stored state per rank (:mod:`launch.plan_params` for the dtypes and what is trained), of every tensor
 :func:`model.param_count.parameter_shapes` lists, the ``model.mtp_layers`` depths (``mtp_layers.{k}.*``) and
-the DSA indexers included:
-
-- weights: fp32; with LoRA the frozen matrices in ``lora.base_dtype``, adapters fp32
-- gradients ``4 * trained``, AdamW ``m`` and ``v`` ``8 * trained`` (fp32, no master copy: the weights
-  are fp32), where ``trained`` = every parameter, or the adapters and ``lora.modules_to_save``; with
-  ZeRO-1 ``12 * trained / k`` (``m``, ``v`` and the fp32 working copy of the owned range, train/parallel/zero.py),
-  ``k`` the ranks holding the tensor
-- accumulation: ``4 * trained`` more when a step has several micro-batches (fp32 gradient sums)
-- update: the gradients the optimizer step reads are new tensors (train/step.py): ``4 * trained`` for the
-  clipped copy (``train.grad_clip > 0``; ZeRO-1: of the owned ranges, ``/ k``), and ``4 * trained`` for
-  the copy of the sums with accumulation
+the DSA indexers included: weights fp32 (with LoRA the frozen matrices in ``lora.base_dtype``, adapters fp32);
+gradients, AdamW state, accumulation sums and the update's gradient copies by ``parallel.zero`` stage, and the
+whole weights ZeRO-3 all-gathers, in :mod:`launch.plan_state` (``trained`` = every parameter, or the adapters and
+``lora.modules_to_save``). ``parallel.shard_size`` splits ranges over a shard group instead of every rank.
 
 Activations, per token of one micro-batch (``T = seq_len * micro_batch_size`` tokens on every rank),
 ``c`` bytes per element of ``train.dtype``; ``h`` hidden, ``q = heads * head_dim``, ``kv = kv_heads *
@@ -75,10 +68,9 @@ rank of its group, :mod:`train.parallel.grouped_exchange`); capacity dispatch: `
 ``train.recompute`` keeps each main layer's input ``c h`` and rebuilds one layer at a time. The backward
 pass adds the gradients of one layer's activations (``max layer``, MTP blocks included) on top.
 
-Communication buffers (estimates): a reduced copy of the gradients when they are reduced over several
-ranks; ``2 r T h c`` for the expert exchange when ``ep > 1`` (sent and received rows, or the summed
-expert outputs of ``allgather``). A layout fits when the sum is at most ``device_memory_gb -
-reserved_gb`` (runtime workspace, HCCL, fragmentation).
+Communication buffers (estimates): reduced gradients (:mod:`launch.plan_state`); ``2 r T h c`` for the expert
+exchange when ``ep > 1`` (sent and received rows, or the summed expert outputs of ``allgather``). A layout
+fits when the sum is at most ``device_memory_gb - reserved_gb`` (runtime workspace, HCCL, fragmentation).
 
 ``plan.device=CPU``: the host's memory is the device's, and MindSpore's CPU runtime holds three more
 terms, each printed on its own line. None follows from a tensor of mindmoe's code, so each is a named
@@ -119,7 +111,8 @@ from mindmoe.launch.plan_activations import (  # noqa: F401 (the planner's names
     loss_bytes,
     routed_rows_per_token,
 )
-from mindmoe.launch.plan_params import RankParameters, Trained, rank_parameters
+from mindmoe.launch.plan_params import Trained, rank_parameters
+from mindmoe.launch.plan_state import CommVolume, comm_volume, state_memory
 from mindmoe.model.config import ModelConfig
 from mindmoe.model.moe_config import MoEConfig
 
@@ -148,6 +141,24 @@ class Layout:
     ep: int = 1
     dispatcher: str = "allgather"
     recompute: bool = False
+    #: ``parallel.zero`` (0-3) and ``parallel.shard_size`` (0: shard over every rank holding a copy).
+    zero: int = 0
+    shard_size: int = 0
+
+    @property
+    def shard_ranks(self) -> int:
+        """Ranks a replicated tensor's ranges are split over (ZeRO): the shard group, or every device."""
+        return self.shard_size or self.devices
+
+    @property
+    def expert_shard_ranks(self) -> int:
+        """Ranks a routed expert tensor's ranges are split over (ZeRO): those of its replicas in a shard group."""
+        return self.shard_size // self.ep if self.shard_size else self.expert_replicas
+
+    @property
+    def shard_replicas(self) -> int:
+        """Copies of each range (hybrid sharding): the shard groups."""
+        return self.devices // self.shard_ranks
 
     @property
     def routed(self) -> bool:
@@ -165,7 +176,11 @@ class Layout:
     def keys(self) -> str:
         """The trainer's keys of this layout (``mindmoe-launch`` also needs the process count)."""
         dispatcher = f" parallel.ep_dispatcher={self.dispatcher}" if self.ep > 1 else ""
-        return f"parallel.dp={self.dp} parallel.ep={self.ep}{dispatcher} train.recompute={str(self.recompute).lower()}"
+        shard = f" parallel.shard_size={self.shard_size}" if self.shard_size else ""
+        return (
+            f"parallel.dp={self.dp} parallel.ep={self.ep}{dispatcher} parallel.zero={self.zero}{shard} "
+            f"train.recompute={str(self.recompute).lower()}"
+        )
 
 
 @dataclass(frozen=True)
@@ -186,8 +201,6 @@ class Setup:
     device: str = "Ascend"
     compute_dtype: str = "fp32"
     trained: Trained = Trained()
-    #: ``parallel.zero``: 1 splits the optimizer state over the ranks holding the same tensor (ZeRO-1).
-    zero: int = 0
     #: ``train.grad_clip > 0``: the update reads a clipped copy of the gradients.
     clip: bool = True
     #: ``moe.*``, ``dispatch`` resolved (capacity dispatch buffers ``capacity_factor`` rows per assignment).
@@ -212,6 +225,8 @@ class RankMemory:
     update: float = 0.0
     activations: float = 0.0
     loss: float = 0.0
+    #: ZeRO-3: whole weights all-gathered from their ranges while layers compute (and their compute-dtype casts).
+    gathered: float = 0.0
     comm: float = 0.0
     #: CPU only (module docstring): MindSpore's runtime buffers, compiled graphs, the optimizer's library.
     runtime_buffers: float = 0.0
@@ -231,6 +246,7 @@ class Plan:
     tokens_per_step: int
     #: Bytes a device may use: ``device_memory_gb - reserved_gb``.
     budget: float = 0.0
+    comm: CommVolume = field(default_factory=CommVolume)
 
     @property
     def fits(self) -> bool:
@@ -249,34 +265,29 @@ def layout_errors(cfg: ModelConfig, layout: Layout, batch: Batch) -> List[str]:
             batch.micro_batch,
             cfg.num_moe_layers > 0,
             layout.dispatcher,
+            layout.shard_size,
+            layout.zero,
         )
     except ValueError as error:
         return [str(error)]
     return []
 
 
-def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig, setup: Setup = Setup()) -> Plan:
-    """Per-rank memory of ``layout`` (formulas in the module docstring); ValueError if the trainer refuses it."""
+def plan_layout(
+    cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig, setup: Setup = Setup(), params=None
+) -> Plan:
+    """Per-rank memory of ``layout`` (formulas in the module docstring); ValueError if the trainer refuses it.
+    ``params``: :func:`launch.plan_params.rank_parameters` of ``layout.ep`` when the caller has it."""
     errors = layout_errors(cfg, layout, batch)
     if errors:
         raise ValueError("; ".join(errors))
-    params: RankParameters = rank_parameters(cfg, setup.trained, layout.ep)
-    replicas = layout.dp
+    if params is None:
+        params = rank_parameters(cfg, setup.trained, layout.ep)
     micro_batches = batch.global_batch // (layout.dp * batch.micro_batch)
-    memory = RankMemory(weights=params.weight_bytes, grads=4 * params.trained)
-    dense_trained = params.trained - params.trained_experts
-    # ZeRO-1: each rank's share of what the ranks holding a tensor (all devices; the expert replicas) keep once.
-    owned = dense_trained / layout.devices + params.trained_experts / layout.expert_replicas
-    memory.optimizer = 12 * owned if setup.zero else 8 * params.trained
-    if micro_batches > 1:
-        memory.accumulation = 4 * params.trained
-    memory.update = 4 * (owned if setup.zero else params.trained) * int(setup.clip)
-    memory.update += 4 * params.trained * int(micro_batches > 1)
+    memory = RankMemory(**state_memory(params, layout, micro_batches, setup))
     memory.activations = activation_memory(cfg, layout, batch, setup)
     head = "embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     memory.loss = loss_bytes(cfg, batch.tokens, setup.trained.trains_in_full(head))
-    if replicas > 1 or layout.expert_replicas > 1:
-        memory.comm += 4 * params.trained
     if layout.ep > 1:
         rows = routed_rows_per_token(cfg, layout, setup.moe)
         memory.comm += 2 * rows * batch.tokens * cfg.hidden_size * setup.compute_bytes
@@ -288,6 +299,7 @@ def plan_layout(cfg: ModelConfig, layout: Layout, batch: Batch, plan: PlanConfig
         micro_batches,
         batch.global_batch * batch.seq_len,
         budget=(plan.device_memory_gb - plan.reserved_gb) * GIB,
+        comm=comm_volume(cfg, params, layout, batch, micro_batches, setup),
     )
 
 
@@ -308,15 +320,27 @@ def divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(cfg: ModelConfig, devices: int, recompute_options=(False, True)) -> List[Layout]:
-    """Every layout of exactly ``devices`` ranks the trainer has: each ``ep`` dividing ``gcd(E, devices)``
-    with both dispatchers, recompute off and on."""
+def shard_sizes(devices: int, ep: int) -> List[int]:
+    """``parallel.shard_size`` values of a search: 0 (every rank) and each proper divisor of ``devices`` that is a
+    multiple of ``ep`` and at least 8 (a node of Ascend devices or more)."""
+    return [0] + [d for d in divisors(devices) if d < devices and d % ep == 0 and d >= 8]
+
+
+def candidate_layouts(
+    cfg: ModelConfig, devices: int, recompute_options=(False, True), zero_options=(0, 1, 2, 3), shard_options=None
+) -> List[Layout]:
+    """Every layout of exactly ``devices`` ranks the trainer has: each ``ep`` dividing ``gcd(E, devices)`` with
+    both dispatchers, recompute off and on, each ``parallel.zero`` of ``zero_options`` with each shard size of
+    ``shard_options`` (None: :func:`shard_sizes`; only stages 1-3 shard)."""
     eps = divisors(gcd(cfg.num_experts, devices)) if cfg.num_moe_layers else [1]
     layouts = []
     for ep in eps:
+        shards = shard_sizes(devices, ep) if shard_options is None else shard_options
         for dispatcher in ("allgather", "alltoall") if ep > 1 else ("allgather",):
             dp = devices if dispatcher == "alltoall" else devices // ep
-            layouts += [Layout(dp, ep, dispatcher, recompute) for recompute in recompute_options]
+            for zero in zero_options:
+                for shard in shards if zero else (0,):
+                    layouts += [Layout(dp, ep, dispatcher, recompute, zero, shard) for recompute in recompute_options]
     return layouts
 
 
@@ -327,20 +351,34 @@ def planned_candidates(
     plan: PlanConfig,
     setup: Setup = Setup(),
     recompute_options=(False, True),
+    zero_options=(0, 1, 2, 3),
+    shard_options=None,
 ) -> List[Plan]:
     """The plan of every layout of ``devices`` ranks that the trainer takes (fitting or not), best first.
 
     Best: fits, then no recompute before recompute (a third less compute), then the smallest ``ep`` (the
     least repeated attention or exchanged rows), then ``alltoall`` before ``allgather`` (more data-parallel
-    replicas for the same devices), then the lowest memory.
+    replicas for the same devices), then the lowest ZeRO stage (the least communication), then the smallest
+    shard group (hybrid sharding: gradients cross nodes once, reduced), then the lowest memory.
     """
-    plans = [
-        plan_layout(cfg, layout, batch, plan, setup)
-        for layout in candidate_layouts(cfg, devices, recompute_options)
-        if not layout_errors(cfg, layout, batch)
-    ]
+    by_ep = {}
+    plans = []
+    for layout in candidate_layouts(cfg, devices, recompute_options, zero_options, shard_options):
+        if layout_errors(cfg, layout, batch):
+            continue
+        if layout.ep not in by_ep:
+            by_ep[layout.ep] = rank_parameters(cfg, setup.trained, layout.ep)
+        plans.append(plan_layout(cfg, layout, batch, plan, setup, by_ep[layout.ep]))
     plans.sort(
-        key=lambda p: (not p.fits, p.layout.recompute, p.layout.ep, p.layout.dispatcher != "alltoall", p.memory.total)
+        key=lambda p: (
+            not p.fits,
+            p.layout.recompute,
+            p.layout.ep,
+            p.layout.dispatcher != "alltoall",
+            p.layout.zero,
+            p.layout.shard_ranks,
+            p.memory.total,
+        )
     )
     return plans
 
@@ -352,6 +390,9 @@ def search_layouts(
     plan: PlanConfig,
     setup: Setup = Setup(),
     recompute_options=(False, True),
+    zero_options=(0, 1, 2, 3),
+    shard_options=None,
 ) -> List[Plan]:
     """Every layout of ``devices`` ranks that the trainer takes and that fits, best first."""
-    return [p for p in planned_candidates(cfg, devices, batch, plan, setup, recompute_options) if p.fits]
+    candidates = planned_candidates(cfg, devices, batch, plan, setup, recompute_options, zero_options, shard_options)
+    return [p for p in candidates if p.fits]

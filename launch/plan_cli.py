@@ -33,7 +33,7 @@ from mindmoe.launch.plan import (
     validate_plan_config,
 )
 from mindmoe.launch.plan_params import Trained, lora_trained
-from mindmoe.launch.plan_report import memory_lines, search_lines
+from mindmoe.launch.plan_report import bound_lines, comm_lines, memory_lines, search_lines
 from mindmoe.model.config import ModelConfig, validate_model_config
 from mindmoe.model.moe_config import validate_moe_config
 from mindmoe.model.param_count import CATEGORIES, count_parameters, mtp_layer_parameters
@@ -117,7 +117,7 @@ REMOVED_PLAN_KEYS = {
     "tp": "tensor parallelism is not implemented in the trainer",
     "max_tp": "tensor parallelism is not implemented in the trainer",
     "pp": "pipeline parallelism is not implemented in the trainer",
-    "zero": "use parallel.zero (1: ZeRO-1, the AdamW state split over the ranks holding the same tensor)",
+    "zero": "use parallel.zero (1-3: ZeRO, the optimizer state, gradients and weights split over ranks)",
     "recompute": "use train.recompute",
     "flash_attention": "attention is the trainer's: blockwise on Ascend past 512 positions; set plan.device",
     "grad_dtype": "gradients are fp32 like the parameters; train.dtype sets the compute dtype",
@@ -149,7 +149,7 @@ def resolve_vocab(model: ModelConfig, data) -> List[str]:
 
 
 def run_setup(cfg, model: ModelConfig, plan_cfg: PlanConfig) -> Setup:
-    """The trainer's keys besides the layout: ``train.dtype``, ``lora.*``, ``parallel.zero``."""
+    """The trainer's keys besides the layout: ``train.dtype``, ``lora.*``, ``moe.*``, ``dsa.*``."""
     dtype = cfg.train.dtype
     if dtype not in COMPUTE_BYTES:
         raise ValueError(f"train.dtype={dtype!r} must be one of {', '.join(COMPUTE_BYTES)}")
@@ -158,16 +158,11 @@ def run_setup(cfg, model: ModelConfig, plan_cfg: PlanConfig) -> Setup:
     trained = Trained()
     if cfg.lora.enabled:
         trained = lora_trained(model, OmegaConf.to_object(cfg.lora), plan_cfg.device)
-    zero = cfg.parallel.zero
-    if zero not in (0, 1):
-        raise ValueError(f"parallel.zero={zero} must be 0 or 1 (ZeRO-1; ZeRO-2 and 3 are not implemented)")
     clip = cfg.train.grad_clip > 0
     moe = run_moe_config(cfg)
     validate_moe_config(moe, model.expert_bias)
     stage = run_dsa_training(cfg).stage
-    return Setup(
-        device=plan_cfg.device, compute_dtype=dtype, trained=trained, zero=zero, clip=clip, moe=moe, dsa_stage=stage
-    )
+    return Setup(device=plan_cfg.device, compute_dtype=dtype, trained=trained, clip=clip, moe=moe, dsa_stage=stage)
 
 
 def given_layout(cfg, devices: int) -> Layout:
@@ -177,7 +172,14 @@ def given_layout(cfg, devices: int) -> Layout:
     if not devices:
         devices = (parallel.dp or parallel.ep) if routed else (parallel.dp or 1) * parallel.ep
     dp = parallel.dp or (devices if routed else devices // max(parallel.ep, 1))
-    return Layout(dp=dp, ep=parallel.ep, dispatcher=parallel.ep_dispatcher, recompute=cfg.train.recompute)
+    return Layout(
+        dp=dp,
+        ep=parallel.ep,
+        dispatcher=parallel.ep_dispatcher,
+        recompute=cfg.train.recompute,
+        zero=parallel.zero,
+        shard_size=parallel.shard_size,
+    )
 
 
 def layout_errors_of(model: ModelConfig, devices: int, batch: Batch) -> str:
@@ -210,9 +212,15 @@ def report(cfg) -> List[str]:
     model, plan_cfg, setup, batch, notes = planned_run(cfg)
     layout_given = cfg.parallel.dp != 0 or cfg.parallel.ep != 1
     recompute_options = (True,) if cfg.train.recompute else (False, True)
+    # parallel.zero / parallel.shard_size at their defaults: the search tries every stage and shard size.
+    zero_options = (cfg.parallel.zero,) if cfg.parallel.zero else (0, 1, 2, 3)
+    shard_options = (cfg.parallel.shard_size,) if cfg.parallel.shard_size else None
     devices = plan_cfg.devices
     lines = count_lines(model) + notes + [""]
-    candidates = planned_candidates(model, devices, batch, plan_cfg, setup, recompute_options) if devices else []
+    candidates = []
+    if devices:
+        options = (recompute_options, zero_options, shard_options)
+        candidates = planned_candidates(model, devices, batch, plan_cfg, setup, *options)
     fitting = [p for p in candidates if p.fits]
     if devices and not layout_given:
         if not candidates:
@@ -226,6 +234,7 @@ def report(cfg) -> List[str]:
     else:
         planned = plan_layout(model, given_layout(cfg, devices), batch, plan_cfg, setup)
     lines += memory_lines(model, planned, batch, setup, plan_cfg)
+    lines += comm_lines(planned) + bound_lines(model, planned)
     if devices:
         lines += [""] + search_lines(fitting, devices, plan_cfg)
     return lines

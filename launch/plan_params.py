@@ -12,7 +12,7 @@ names of the model's own architecture). The DSA indexer is never adapted: it sta
 matrices in ``lora.base_dtype`` and its LayerNorm fp32, with no gradient.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import prod
 from typing import Optional
 
@@ -21,6 +21,8 @@ from mindmoe.model.param_count import parameter_category, parameter_shapes
 
 #: Bytes per element of a storage dtype name.
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2}
+#: The end of a :attr:`RankParameters.trained_by_layer` key of a decoder layer or MTP depth.
+LAYER_SUFFIX = "/layer"
 #: Categories whose weight matrices a LoRA run stores in ``lora.base_dtype`` (norms and the router stay fp32).
 HALF_CATEGORIES = ("attention", "dense_ffn", "experts", "shared_experts", "embeddings")
 
@@ -75,6 +77,19 @@ class RankParameters:
     trained: float = 0.0
     #: Elements of the trained tensors of the routed experts (split over ep), included in ``trained``.
     trained_experts: float = 0.0
+    #: Trained elements of each decoder layer and MTP depth (``layers.3``, ``mtp_layers.0``) and of each tensor
+    #: outside them (embedding, LM head, final norm, by name): what ZeRO-3 all-gathers around one computation.
+    trained_by_layer: dict = field(default_factory=dict)
+
+    @property
+    def largest_layer(self) -> float:
+        """Trained elements of the largest decoder layer or MTP depth held per rank."""
+        return max((v for k, v in self.trained_by_layer.items() if k.endswith(LAYER_SUFFIX)), default=0.0)
+
+    @property
+    def largest_outside(self) -> float:
+        """Trained elements of the largest tensor outside the layers (the embedding or the LM head)."""
+        return max((v for k, v in self.trained_by_layer.items() if not k.endswith(LAYER_SUFFIX)), default=0.0)
 
 
 def rank_parameters(model: ModelConfig, trained: Trained, ep: int) -> RankParameters:
@@ -87,15 +102,23 @@ def rank_parameters(model: ModelConfig, trained: Trained, ep: int) -> RankParame
         held.weight_bytes += numel * (base_bytes if is_half_base(name, shape, trained) else 4)
         if name.endswith("e_score_correction_bias"):
             continue
+        elements = 0.0
         if trained.trains_in_full(name):
-            held.trained += numel
-            held.trained_experts += numel if share < 1 else 0
+            elements = numel
         elif name in trained.adapted:
-            adapter = adapter_elements(shape, trained.rank) * share
-            held.weight_bytes += 4 * adapter
-            held.trained += adapter
-            held.trained_experts += adapter if share < 1 else 0
+            elements = adapter_elements(shape, trained.rank) * share
+            held.weight_bytes += 4 * elements
+        held.trained += elements
+        held.trained_experts += elements if share < 1 else 0
+        layer = layer_of(name)
+        held.trained_by_layer[layer] = held.trained_by_layer.get(layer, 0.0) + elements
     return held
+
+
+def layer_of(name: str) -> str:
+    """``layers.3/layer`` / ``mtp_layers.0/layer`` of a parameter in a decoder layer or MTP depth, else its name."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) + LAYER_SUFFIX if parts[0] in ("layers", "mtp_layers") else name
 
 
 def adapter_elements(shape, rank: int) -> int:

@@ -16,7 +16,9 @@ from mindmoe.launch.plan import (
     full_mask,
     routed_rows_per_token,
 )
+from mindmoe.launch.plan_state import LOWER_BOUND_BYTES_PER_PARAMETER, lower_bound_devices
 from mindmoe.model.config import ModelConfig
+from mindmoe.model.param_count import count_parameters, mtp_layer_parameters
 
 #: What the trainer does not have, so no layout uses it.
 NOT_IMPLEMENTED = "tensor parallelism, pipeline parallelism"
@@ -26,6 +28,12 @@ def gib(num_bytes: float) -> str:
     return f"{num_bytes / GIB:8.2f}"
 
 
+def gradient_note(layout) -> str:
+    if layout.zero >= 2:
+        return "fp32: the owned ranges, and one layer's whole gradients until their reduce-scatter in the backward"
+    return "fp32, trained tensors only"
+
+
 def weight_note(setup: Setup) -> str:
     trained = setup.trained
     if not trained.lora:
@@ -33,10 +41,25 @@ def weight_note(setup: Setup) -> str:
     return f"LoRA: frozen base {trained.base_dtype}, norms/router/biases and adapters (r={trained.rank}) fp32"
 
 
-def optimizer_note(setup: Setup) -> str:
-    if setup.zero:
-        return "AdamW m, v and a working copy, fp32, of the owned ranges only (ZeRO-1, parallel.zero=1)"
+def optimizer_note(layout) -> str:
+    if layout.zero == 3:
+        return "AdamW m, v fp32 of the owned ranges (ZeRO-3: the weight range is its own master)"
+    if layout.zero:
+        return f"AdamW m, v and a working copy, fp32, of the owned ranges only (ZeRO-{layout.zero})"
     return "AdamW m, v fp32, trained tensors only; not split (parallel.zero=0)"
+
+
+def weights_note(setup: Setup, layout) -> str:
+    note = weight_note(setup)
+    return f"{note}; ZeRO-3: the owned ranges" if layout.zero == 3 else note
+
+
+def gathered_note(layout) -> str:
+    if layout.zero != 3:
+        return "none (weights held whole)"
+    if layout.recompute:
+        return "ZeRO-3: one layer's whole weights (two on Ascend: the next all-gather overlaps), embedding or head"
+    return "ZeRO-3 without train.recompute: every layer's whole weights, kept for the backward"
 
 
 def activation_note(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup) -> str:
@@ -85,14 +108,17 @@ def memory_lines(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup, pla
         f"{plan_cfg.reserved_gb:g} reserved): {verdict}"
     )
     accumulation = f"fp32 gradient sums of {plan.micro_batches} micro-batches" if plan.micro_batches > 1 else "none"
+    if plan.micro_batches > 1 and layout.zero >= 2:
+        accumulation += ", owned ranges only"
     rows = [
-        ("weights", memory.weights, weight_note(setup)),
-        ("gradients", memory.grads, "fp32, trained tensors only"),
-        ("optimizer", memory.optimizer, optimizer_note(setup)),
+        ("weights", memory.weights, weights_note(setup, layout)),
+        ("gradients", memory.grads, gradient_note(layout)),
+        ("optimizer", memory.optimizer, optimizer_note(layout)),
         ("accumulation", memory.accumulation, accumulation),
         ("update", memory.update, "fp32 gradient copies the step reads (clipped, summed)"),
         ("activations", memory.activations, activation_note(model, plan, batch, setup)),
         ("loss", memory.loss, loss_note(model)),
+        ("gathered weights", memory.gathered, gathered_note(layout)),
         ("communication buffers", memory.comm, "estimate"),
         *cpu_runtime_rows(model, plan, setup),
         ("total", memory.total, usable),
@@ -121,3 +147,28 @@ def search_lines(fitting: List[Plan], devices: int, plan_cfg: PlanConfig) -> Lis
     for plan in fitting[: plan_cfg.show_layouts]:
         lines.append(f"  {plan.memory.total / GIB:>10.2f}  {plan.layout.keys()}")
     return lines
+
+
+def comm_lines(plan: Plan) -> List[str]:
+    """The bytes one rank's collectives carry per step (:func:`launch.plan_state.comm_volume`)."""
+    volume = plan.comm
+    parts = ", ".join(
+        f"{name.replace('_', '-')} {getattr(volume, name) / GIB:.2f}"
+        for name in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+    )
+    return [f"  communication per step per rank, GiB (tensor sizes): {parts}"]
+
+
+def bound_lines(model: ModelConfig, plan: Plan) -> List[str]:
+    """The 16-bytes-per-parameter lower bound in devices, and this layout's devices against it."""
+    total = count_parameters(model).total + model.mtp_layers * mtp_layer_parameters(model)
+    bound = lower_bound_devices(total, plan.budget)
+    return [
+        f"  lower bound: {bound} devices of {plan.budget / GIB:.1f} usable GiB hold {LOWER_BOUND_BYTES_PER_PARAMETER} "
+        f"bytes per parameter ({billions_of(total)} parameters, MTP included) once; this layout uses "
+        f"{plan.layout.devices} = {plan.layout.devices / bound:.2f}x that"
+    ]
+
+
+def billions_of(count: float) -> str:
+    return f"{count / 1e9:.1f} B" if count >= 1e8 else f"{count / 1e6:.2f} M"

@@ -246,7 +246,7 @@ def test_plan_config_errors_name_the_key(key, value, message):
 @pytest.mark.parametrize(
     "arg, replacement",
     [
-        ("plan.zero=1", "use parallel.zero (1: ZeRO-1"),
+        ("plan.zero=1", "use parallel.zero (1-3: ZeRO"),
         ("plan.recompute=true", "use train.recompute"),
         ("+plan.tp=2", "tensor parallelism is not implemented"),
         ("plan.pp=4", "pipeline parallelism is not implemented"),

@@ -96,12 +96,72 @@ def test_recompute_alltoall_blockwise_and_zero():
     full = hand_plan(Layout(dp=1), hand_setup(device="CPU"), long).memory
     assert full.activations > blockwise.activations + tokens * 4 * 4 * 1024  # the mask alone
     # parallel.zero=1: m, v and the working copy of the owned ranges, over the ranks holding the same tensors
-    sharded = hand_plan(Layout(dp=2, ep=2, dispatcher="alltoall"), hand_setup(device="CPU", zero=1)).memory
+    sharded = hand_plan(Layout(dp=2, ep=2, dispatcher="alltoall", zero=1)).memory
     owned = (MATRICES + SMALL) / 2 + EXPERTS / 2 / 1
     assert sharded.optimizer == 12 * owned and sharded.update == 4 * owned + 4 * (MATRICES + SMALL + EXPERTS / 2)
     # allgather: the replicated tensors are split over all 4 devices, the experts over their 2 replicas
-    grouped = hand_plan(Layout(dp=2, ep=2, dispatcher="allgather"), hand_setup(device="CPU", zero=1)).memory
+    grouped = hand_plan(Layout(dp=2, ep=2, dispatcher="allgather", zero=1)).memory
     assert grouped.optimizer == 12 * ((MATRICES + SMALL) / 4 + EXPERTS / 2 / 2)
+
+
+# Trained elements of the hand model by layer: layer 0 = attention 192 (q 64, k 32, v 32, o 64), q/k/v biases 16,
+# QK-norms 4, its two norms 16, dense FFN 384; layer 1 = the same 228 without the FFN, router 32, shared expert 96,
+# routed experts 384 (over ep); outside: embedding 800, head 800, final norm 8.
+LAYER_1 = 228 + 32 + 96
+EMBEDDING = 800
+TRAINED = MATRICES + SMALL + EXPERTS
+
+
+def test_zero2_and_zero3_state_and_gathered_weights_match_hand_arithmetic():
+    assert 612 + LAYER_1 + EXPERTS + 2 * EMBEDDING + 8 == TRAINED == 2960
+    # ZeRO-3 on 4 ranks, one micro-batch each: the weights, moments and update copy are the owned quarters; whole
+    # gradients exist for the largest tensor group (the embedding or the head, 800 > layer 1's 740) besides them.
+    three = hand_plan(Layout(dp=4, zero=3)).memory
+    owned = TRAINED / 4
+    assert three.weights == 4 * BUFFER + 4 * owned
+    assert three.grads == 4 * EMBEDDING + 4 * owned and three.comm == 4 * EMBEDDING
+    assert three.optimizer == 8 * owned and three.accumulation == 0 and three.update == 4 * owned
+    assert three.gathered == 4 * TRAINED  # without recompute every all-gathered weight is kept for the backward
+    # With recompute: one layer (two on Ascend) and the embedding or head; bf16 adds each weight's cast.
+    kept_one = hand_plan(Layout(dp=4, zero=3, recompute=True)).memory
+    assert kept_one.gathered == 4 * (LAYER_1 + EXPERTS + EMBEDDING)
+    ascend = hand_plan(Layout(dp=4, zero=3, recompute=True), hand_setup("Ascend", compute_dtype="bf16")).memory
+    assert ascend.gathered == (4 + 2) * (2 * (LAYER_1 + EXPERTS) + EMBEDDING)
+    # ZeRO-2 on 2 ranks, 2 micro-batches each: whole weights; ranges for the moments, working copies, sums, copies.
+    two = hand_plan(Layout(dp=2, zero=2)).memory
+    owned = TRAINED / 2
+    assert two.weights == 4 * (TRAINED + BUFFER) and two.grads == 4 * EMBEDDING + 4 * owned
+    assert two.optimizer == 12 * owned and two.accumulation == 4 * owned and two.update == 2 * 4 * owned
+    assert two.gathered == 0
+
+
+def test_hybrid_sharding_and_communication_volume_match_hand_arithmetic():
+    # 4 ranks, ep=2 alltoall, ranges over shard groups of 2: the replicated tensors split in 2; a shard group is one
+    # expert group, whose 2 ranks hold different experts, so the expert tensors are not split (replicated 2 times).
+    layout = Layout(dp=4, ep=2, dispatcher="alltoall", zero=3, shard_size=2)
+    plan = hand_plan(layout)
+    held = TRAINED - EXPERTS / 2
+    owned = (TRAINED - EXPERTS) / 2 + EXPERTS / 2
+    assert plan.memory.optimizer == 8 * owned and plan.micro_batches == 1
+    volume = plan.comm
+    assert volume.reduce_scatter == 4 * held and volume.all_gather == 4 * held  # once each: one micro-batch
+    assert volume.all_reduce == 4 * owned  # the ranges, across the 2 shard groups
+    # dispatch and combine, forward and backward, of ep * min(K, E/ep) = 4 rows a token, in the one MoE layer
+    assert volume.all_to_all == 2 * 2 * 4 * T * 8 * 4
+    # ZeRO-3 with recompute gathers again in the backward; ZeRO-2 all-gathers once a step, reduces every micro-batch
+    again = hand_plan(Layout(dp=2, zero=3, recompute=True)).comm
+    assert again.all_gather == 2 * 2 * 4 * TRAINED and again.reduce_scatter == 2 * 4 * TRAINED
+    two = hand_plan(Layout(dp=2, zero=2)).comm
+    assert two.all_gather == 4 * TRAINED and two.reduce_scatter == 2 * 4 * TRAINED and two.all_reduce == 0
+    assert hand_plan(Layout(dp=2)).comm.all_reduce == 4 * TRAINED
+
+
+def test_lower_bound_is_sixteen_bytes_per_parameter_over_the_usable_bytes():
+    from mindmoe.launch.plan_state import lower_bound_devices
+
+    assert lower_bound_devices(743_911_199_232, 60 * 2**30) == 185  # GLM-5 on 64 GiB devices, 4 reserved
+    assert lower_bound_devices(106_852_245_504, 60 * 2**30) == 27  # GLM-4.5-Air
+    assert lower_bound_devices(10, 1000) == 1
 
 
 def test_chunked_loss_keeps_no_full_logits():
