@@ -1,7 +1,8 @@
 """``mindmoe-plan`` against measurement on CPU: ``python bench/plan_vs_measured.py [--tolerance 0.25] [--layouts ...]``.
 
-Runs the default tiny model for a few steps in three layouts, as a user would: one ``mindmoe-train`` process,
-and ``mindmoe-launch`` on 2 workers with ``parallel.dp=2`` and with ``parallel.ep=2`` (``allgather``). Each
+Runs the default tiny model for a few steps in several layouts, as a user would: one ``mindmoe-train`` process,
+and ``mindmoe-launch`` on 2 workers with ``parallel.dp=2`` and with ``parallel.ep=2`` (``allgather``), and with
+``parallel.zero=2`` and ``3`` on 2 and 4 workers. Each
 run's peak RSS comes from ``wait4`` (:func:`bench.scaling.run_one`: for a launch, the largest worker's), and is
 taken above the framework baseline (RSS of a fresh process after ``import mindspore, mindmoe.train.trainer``,
 :func:`bench.lora_ep_memory.framework_baseline_rss`). The planned figure is the per-rank total that
@@ -12,7 +13,7 @@ the other dispatcher too (not in the default set).
 
 Validation is off (``data.valid_files=[]``): the planner plans the train step, and the end-of-run evaluation
 compiles a graph of its own. The three runs share one data cache (the first builds the tokenizer and shards,
-which peak far below training). 5 to 10 minutes on 2 cores (ep=2 is the slowest): not part of the test suite.
+which peak far below training). 10 to 20 minutes on 2 cores: not part of the test suite.
 """
 
 import argparse
@@ -47,9 +48,22 @@ LAYOUTS = {
     "ep 2": ("launch.procs_per_node=2", "parallel.ep=2"),
     # Not in the acceptance set: the other dispatcher, for --layouts.
     "ep 2 alltoall": ("launch.procs_per_node=2", "parallel.ep=2", "parallel.ep_dispatcher=alltoall"),
+    "zero 2, 2 workers": ("launch.procs_per_node=2", "parallel.zero=2"),
+    "zero 3, 2 workers": ("launch.procs_per_node=2", "parallel.zero=3"),
+    # 4 workers read 4 sequences each.
+    "zero 2, 4 workers": ("launch.procs_per_node=4", "parallel.zero=2", "data.micro_batch_size=4"),
+    "zero 3, 4 workers": ("launch.procs_per_node=4", "parallel.zero=3", "data.micro_batch_size=4"),
 }
-#: The layouts of the acceptance line: one process, dp=2, ep=2 (allgather).
-DEFAULT_LAYOUTS = ("one process", "dp 2", "ep 2")
+#: The layouts of the acceptance lines: one process, dp=2, ep=2 (allgather); ZeRO-2 and ZeRO-3 on 2 and 4 workers.
+DEFAULT_LAYOUTS = (
+    "one process",
+    "dp 2",
+    "ep 2",
+    "zero 2, 2 workers",
+    "zero 3, 2 workers",
+    "zero 2, 4 workers",
+    "zero 3, 4 workers",
+)
 
 
 def planned_bytes(overrides) -> float:

@@ -80,6 +80,8 @@ class RankParameters:
     #: Trained elements of each decoder layer and MTP depth (``layers.3``, ``mtp_layers.0``) and of each tensor
     #: outside them (embedding, LM head, final norm, by name): what ZeRO-3 all-gathers around one computation.
     trained_by_layer: dict = field(default_factory=dict)
+    #: Trained elements of the largest single tensor a rank holds (the update scales one gradient at a time).
+    largest_tensor: float = 0.0
 
     @property
     def largest_layer(self) -> float:
@@ -109,6 +111,7 @@ def rank_parameters(model: ModelConfig, trained: Trained, ep: int) -> RankParame
             elements = adapter_elements(shape, trained.rank) * share
             held.weight_bytes += 4 * elements
         held.trained += elements
+        held.largest_tensor = max(held.largest_tensor, elements)
         held.trained_experts += elements if share < 1 else 0
         layer = layer_of(name)
         held.trained_by_layer[layer] = held.trained_by_layer.get(layer, 0.0) + elements

@@ -7,9 +7,13 @@ or every device; each expert tensor over its replicas in the group), per rank, i
 | stage | weights | gradients | optimizer | accumulation (several micro-batches) | update copies |
 |---|---|---|---|---|---|
 | 0 | stored | ``4 trained`` | ``8 trained`` | ``4 trained`` | ``4 trained`` clipped + ``4 trained`` summed |
-| 1 | stored | ``4 trained`` | ``12 owned`` (moments, working copy) | ``4 trained`` | ``4 owned`` + ``4 trained`` |
-| 2 | stored | ``4 layer + 4 owned`` | ``12 owned`` | ``4 owned`` | ``4 owned`` + ``4 owned`` |
-| 3 | ``4 owned`` + frozen | ``4 layer + 4 owned`` | ``8 owned`` (no copy) | ``4 owned`` | ``4 owned`` + ``4 owned`` |
+| 1 | stored | ``4 trained`` | ``12 owned`` (moments, working copy) | ``4 trained`` | ``4 owned`` + ``4 tensor`` |
+| 2 | stored | ``4 layer + 4 owned`` | ``12 owned`` | ``4 owned`` | ``4 tensor`` |
+| 3 | ``4 owned`` + frozen | ``4 layer + 4 owned`` | ``8 owned`` (no copy) | ``4 owned`` | ``4 tensor`` |
+
+``tensor``: the largest trained tensor's range (an upper bound: over the fewer of its ranks). ZeRO clips range
+by range inside the update and reads the accumulated sums in place (train/step.py): one scaled gradient at a
+time.
 
 ``layer``: the trained elements of the largest decoder layer or MTP depth (or of the embedding or head, if
 larger), whose whole gradients exist until their reduce-scatter inside the backward. Stage 3 also holds
@@ -55,10 +59,14 @@ def state_memory(params: RankParameters, layout, micro_batches: int, setup) -> d
     memory = SimpleNamespace(weights=params.weight_bytes, grads=4 * trained, accumulation=0.0, gathered=0.0)
     # Moments, and (stages 1-2) an fp32 working copy of each owned range; a ZeRO-3 range is its own master.
     memory.optimizer = (8 if zero in (0, 3) else 12) * owned
-    memory.update = 4 * owned * int(setup.clip)
+    # ZeRO clips range by range inside the update and reads the accumulated sums in place (train/step.py): one
+    # scaled gradient at a time; stage 1 also holds the reduce-scattered ranges it updates from.
+    ranges = min(layout.shard_ranks, layout.expert_shard_ranks) if zero else 1
+    memory.update = 4 * params.largest_tensor / ranges * int(setup.clip) + 4 * owned * int(zero == 1)
+    if zero == 0:
+        memory.update = 4 * trained * int(setup.clip) + 4 * trained * int(accumulate)
     if zero < 2:
         memory.accumulation = 4 * trained * int(accumulate)
-        memory.update += 4 * trained * int(accumulate)
         # A reduced copy of the gradients (all-reduce, or ZeRO-1's reduce-scatter input).
         memory.comm = 4 * trained if layout.devices > 1 else 0.0
         return vars(memory)
@@ -67,7 +75,6 @@ def state_memory(params: RankParameters, layout, micro_batches: int, setup) -> d
     layer = max(params.largest_layer, params.largest_outside)
     memory.grads = 4 * layer + 4 * owned
     memory.accumulation = 4 * owned * int(accumulate)
-    memory.update += 4 * owned * int(accumulate)
     memory.comm = 4 * layer if layout.devices > 1 else 0.0
     if zero == 3:
         memory.weights = params.weight_bytes - 4 * trained + 4 * owned

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import mindspore as ms
 import numpy as np
 from mindspore import Parameter, ParameterTuple, Tensor, nn, ops
+from mindspore.ops import functional as F
 
 from mindmoe.data.packing import PackedWindows, label_mask
 from mindmoe.model.mtp import mtp_loss_mask, shifted_tokens
@@ -137,15 +138,16 @@ def _clip_and_apply(optimizer, clip: float, synchronise, squared_norm, adjust_sc
         """
         grads, loss = synchronise(grads, loss)
         norm = ops.sqrt(squared_norm(grads))
-        if clip > 0:
-            factor = ops.minimum(clip / (norm + 1e-6), 1.0)
+        factor = ops.minimum(clip / (norm + 1e-6), 1.0) if clip > 0 else None
+        if clip > 0 and not ranges:
             grads = tuple(g * factor for g in grads)
         lr = optimizer.get_lr()
         finite = ops.logical_and(ops.isfinite(norm), ops.isfinite(loss))
+        # ZeRO: the factor is applied range by range inside the update (no scaled copy of every gradient).
         if ranges and update_scales is None:
-            finite = optimizer.apply(grads, finite)
+            finite = optimizer.apply(grads, finite, None, factor)
         elif ranges:
-            finite = optimizer.apply(grads, finite, update_scales(routing_L3E))
+            finite = optimizer.apply(grads, finite, update_scales(routing_L3E), factor)
         elif finite:
             optimizer(grads) if update_scales is None else optimizer(grads, update_scales(routing_L3E))
         adjust_scale(finite)
@@ -166,9 +168,9 @@ def _compile_fused_step(grad_fn, unscale, clip_and_apply):
     return fused_step
 
 
-def _compile_accumulation(grad_fn, unscale, clip_and_apply, buffers, accum_steps: int):
+def _compile_accumulation(grad_fn, unscale, clip_and_apply, buffers, accum_steps: int, in_place: bool = False):
     """``(accumulate, apply_accumulated)``: add one micro-batch's gradient / ``accum_steps`` to the
-    buffers; then update from the buffers and clear them."""
+    buffers; then update from the buffers (``in_place``: read as they are) and clear them."""
     inv_accum = 1.0 / accum_steps
 
     @ms.jit
@@ -180,10 +182,12 @@ def _compile_accumulation(grad_fn, unscale, clip_and_apply, buffers, accum_steps
 
     @ms.jit
     def apply_accumulated(mean_loss, routing_L3E):
-        grads = tuple(buffer * 1.0 for buffer in buffers)
+        # ZeRO reads the sums in place and clears them once every update is done (its ``finite`` comes after them);
+        # otherwise the update reads a copy.
+        grads = tuple(buffers) if in_place else tuple(buffer * 1.0 for buffer in buffers)
         norm, lr, finite = clip_and_apply(grads, mean_loss, routing_L3E)
         for buffer in buffers:
-            ops.assign(buffer, ops.zeros_like(buffer))
+            ops.assign(buffer, F.depend(ops.zeros_like(buffer), finite))
         return norm, lr, finite
 
     return accumulate, apply_accumulated
@@ -250,7 +254,7 @@ class CompiledStep:
         self._router_updates = updates
         self._fused_step = _compile_fused_step(grad_fn, unscale, clip_and_apply)
         self._accumulate, self._apply_accumulated = _compile_accumulation(
-            grad_fn, unscale, clip_and_apply, self.grad_buffers, self.accum_steps
+            grad_fn, unscale, clip_and_apply, self.grad_buffers, self.accum_steps, hasattr(self.optimizer, "ranges")
         )
 
     def _loss(self, input_ids, doc_ids, labels, loss_mask, token_weight, future_ids, mtp_weights):

@@ -291,13 +291,13 @@ def zero_adamw_class(fused):
                     ops.assign(param, self.shards[i].gather(values[i]).astype(param.dtype))
             return self.count
 
-        def apply(self, gradients, finite, update_scales=None):
-            """The whole update of a step from this rank's gradient ranges: skipped (no state changes) unless
-            ``finite``, the collectives run either way; returns ``finite``. Ranges are passed on as values:
-            MindSpore 2.9 may schedule a read of a working copy before an earlier write of it in the same graph
-            (assignment, Adam kernel)."""
+        def apply(self, gradients, finite, update_scales=None, factor=None):
+            """The whole update of a step from this rank's gradient ranges times ``factor`` (the clipping factor,
+            applied range by range): skipped (no state changes) unless ``finite``, the collectives run either way;
+            returns ``finite``, after every update. Ranges are passed on as values: MindSpore 2.9 may schedule a
+            read of a working copy before an earlier write of it in the same graph (assignment, Adam kernel)."""
             if finite:
-                values = self.construct(gradients, update_scales)
+                values = self.construct(gradients, update_scales, factor)
             else:
                 values = self.load_ranges()
             self.store_ranges(values)
@@ -315,21 +315,42 @@ def zero_adamw_class(fused):
                     scales = scales + (self.shards[i].owned_scale(scale),)
             return scales
 
-        def construct(self, gradients, update_scales=None):
+        def construct(self, gradients, update_scales=None, factor=None):
+            """The update of every range from its gradient times ``factor`` (clipping; None: 1), one range after
+            the other: each scaled gradient is made after the previous range's update, so one exists at a time."""
             weight_decay, (beta1_power, beta2_power, beta1, beta2, eps, lr) = self.step_scalars()
-            update = F.partial(fused_update, beta1_power, beta2_power, beta1, beta2, eps, lr)
             if update_scales is None:
                 update_scales = (None,) * self.count
             else:
                 update_scales = self.range_scales(update_scales)
             loaded = self.load_ranges()
-            ranges = ()
+            values = ()
+            previous = loaded
             for i in range(self.count):
                 if self.local[i]:  # updated in place: passed as the Parameter itself
-                    ranges = ranges + (self._parameters[i],)
+                    working = self._parameters[i]
                 else:
-                    ranges = ranges + (F.depend(self.ranges[i], loaded[i]),)
-            return self.hyper_map(update, weight_decay, update_scales, ranges, gradients, self.exp_avg, self.exp_avg_sq)
+                    working = F.depend(self.ranges[i], loaded[i])
+                grad = gradients[i]
+                if factor is not None:
+                    grad = F.depend(grad, previous) * factor
+                value = fused_update(
+                    beta1_power,
+                    beta2_power,
+                    beta1,
+                    beta2,
+                    eps,
+                    lr,
+                    weight_decay[i],
+                    update_scales[i],
+                    working,
+                    grad,
+                    self.exp_avg[i],
+                    self.exp_avg_sq[i],
+                )
+                values = values + (value,)
+                previous = value
+            return values
 
     return ZeroAdamW
 
