@@ -234,7 +234,7 @@ def report(cfg) -> List[str]:
     else:
         planned = plan_layout(model, given_layout(cfg, devices), batch, plan_cfg, setup)
     lines += memory_lines(model, planned, batch, setup, plan_cfg)
-    lines += comm_lines(planned) + bound_lines(model, planned)
+    lines += comm_lines(planned) + ([] if setup.trained.lora else bound_lines(model, planned))
     if devices:
         lines += [""] + search_lines(fitting, devices, plan_cfg)
     return lines

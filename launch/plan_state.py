@@ -43,6 +43,11 @@ class CommVolume:
     all_to_all: float = 0.0
 
 
+def reduces(layout) -> bool:
+    """Whether gradients are reduced over ranks: several data-parallel replicas, or expert replicas."""
+    return layout.dp > 1 or layout.expert_replicas > 1
+
+
 def owned_elements(params: RankParameters, layout) -> float:
     """Trained elements whose ranges this rank owns under ZeRO: each rank's share of what the ranks holding a
     tensor (its shard group; the expert replicas in it for routed experts) keep once."""
@@ -68,14 +73,14 @@ def state_memory(params: RankParameters, layout, micro_batches: int, setup) -> d
     if zero < 2:
         memory.accumulation = 4 * trained * int(accumulate)
         # A reduced copy of the gradients (all-reduce, or ZeRO-1's reduce-scatter input).
-        memory.comm = 4 * trained if layout.devices > 1 else 0.0
+        memory.comm = 4 * trained if reduces(layout) else 0.0
         return vars(memory)
     # Stages 2-3: a parameter's whole gradient exists only until its reduce-scatter, inside the backward; count
     # one layer's (the largest) besides the ranges the step goes on with.
     layer = max(params.largest_layer, params.largest_outside)
     memory.grads = 4 * layer + 4 * owned
     memory.accumulation = 4 * owned * int(accumulate)
-    memory.comm = 4 * layer if layout.devices > 1 else 0.0
+    memory.comm = 4 * layer if reduces(layout) else 0.0
     if zero == 3:
         memory.weights = params.weight_bytes - 4 * trained + 4 * owned
         memory.gathered = gathered_bytes(params, layout, setup)
@@ -100,7 +105,7 @@ def comm_volume(cfg: ModelConfig, params: RankParameters, layout, batch, micro_b
     layers' expert exchange (forward and backward)."""
     volume = CommVolume()
     trained = 4 * params.trained
-    if layout.devices > 1:
+    if reduces(layout):
         if layout.zero == 0:
             volume.all_reduce = trained
         elif layout.zero == 1:
@@ -118,9 +123,10 @@ def comm_volume(cfg: ModelConfig, params: RankParameters, layout, batch, micro_b
         exchanged = 2 * 2 * rows * batch.tokens * cfg.hidden_size * setup.compute_bytes * moe_layers * micro_batches
         if layout.routed:
             volume.all_to_all = exchanged
-        else:
-            volume.all_gather += exchanged / 2
-            volume.reduce_scatter += exchanged / 2
+        else:  # allgather: the group's tokens gathered, the experts' outputs reduce-scattered, forward and backward
+            group = 2 * layout.ep * batch.tokens * cfg.hidden_size * setup.compute_bytes * moe_layers * micro_batches
+            volume.all_gather += group
+            volume.reduce_scatter += group
     return volume
 
 

@@ -156,6 +156,10 @@ def test_hybrid_sharding_and_communication_volume_match_hand_arithmetic():
     two = hand_plan(Layout(dp=2, zero=2)).comm
     assert two.all_gather == 4 * TRAINED and two.reduce_scatter == 2 * 4 * TRAINED and two.all_reduce == 0
     assert hand_plan(Layout(dp=2)).comm.all_reduce == 4 * TRAINED
+    # allgather, one replica of 2 ranks and 4 micro-batches: the group's 2 x 32 token rows gathered and the outputs
+    # reduce-scattered, forward and backward; no gradient is reduced (the group is one replica).
+    grouped = hand_plan(Layout(dp=1, ep=2, dispatcher="allgather")).comm
+    assert grouped.all_gather == grouped.reduce_scatter == 2 * 2 * T * 8 * 4 * 4 and grouped.all_reduce == 0
 
 
 def test_lower_bound_is_sixteen_bytes_per_parameter_over_the_usable_bytes():
