@@ -71,8 +71,8 @@ class GatherRange(nn.Cell):
 
 
 def seamed_names(model) -> set:
-    """The names of ``model``'s trained parameters read through a seam (model/weights.py)."""
-    return {name for name, (cell, _) in seams(model).items() if cell._params}
+    """The names of ``model``'s parameters read through a seam (model/weights.py)."""
+    return set(seams(model))
 
 
 def held_ranges(model) -> dict:
