@@ -29,11 +29,10 @@ def validate_precision(train, device_target: Optional[str]) -> None:
     device-independent part); the loss scale's domain is declared on its field (:mod:`conf.ranges`)."""
     if train.dtype not in COMPUTE_DTYPE_NAMES:
         raise ValueError(f"train.dtype={train.dtype!r} must be one of {', '.join(COMPUTE_DTYPE_NAMES)}")
-    if train.dtype != "fp32" and device_target == "CPU":
+    if train.dtype == "bf16" and device_target == "CPU":
         raise ValueError(
-            f"train.dtype={train.dtype}: the CPU backend has no {train.dtype} kernels for "
-            "MatMul/Softmax/TopK (or runs them slower than fp32); use train.dtype=fp32 on CPU "
-            "and bf16/fp16 on Ascend"
+            "train.dtype=bf16: the CPU backend has no bf16 kernels for MatMul/Softmax/TopK; use train.dtype=fp32 "
+            "(or fp16, which runs but slower than fp32) on CPU and bf16 on Ascend"
         )
     if train.cell_reuse and device_target == "CPU":
         raise ValueError(

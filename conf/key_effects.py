@@ -54,6 +54,11 @@ RULES = (
         lambda cfg, model: f"train.dtype={cfg.train.dtype}: the dynamic loss scale is used with fp16 only",
     ),
     NoEffectRule(
+        ("train.grad_reduce_dtype",),
+        lambda cfg, model: cfg.train.dtype == "fp32",
+        lambda cfg, model: "train.dtype=fp32: gradients are fp32, and reduced in fp32",
+    ),
+    NoEffectRule(
         ("train.mtp_loss_coeff",),
         lambda cfg, model: model.mtp_layers == 0,
         lambda cfg, model: "model.mtp_layers=0: there is no multi-token-prediction loss to weight",

@@ -253,8 +253,10 @@ class Plan:
         return self.memory.total <= self.budget
 
 
-def layout_errors(cfg: ModelConfig, layout: Layout, batch: Batch) -> List[str]:
+def layout_errors(cfg: ModelConfig, layout: Layout, batch: Batch, setup: Setup = None) -> List[str]:
     """Why the trainer would refuse ``layout`` (empty when it takes it), in its own words."""
+    if setup is not None and setup.compute_dtype != "fp32" and not layout.zero and layout.devices > 1:
+        return [f"train.dtype={setup.compute_dtype} keeps fp32 masters in ZeRO ranges: set parallel.zero to 1, 2 or 3"]
     try:
         resolve_layout(
             layout.devices,
@@ -278,7 +280,7 @@ def plan_layout(
 ) -> Plan:
     """Per-rank memory of ``layout`` (formulas in the module docstring); ValueError if the trainer refuses it.
     ``params``: :func:`launch.plan_params.rank_parameters` of ``layout.ep`` when the caller has it."""
-    errors = layout_errors(cfg, layout, batch)
+    errors = layout_errors(cfg, layout, batch, setup)
     if errors:
         raise ValueError("; ".join(errors))
     if params is None:
@@ -364,7 +366,7 @@ def planned_candidates(
     by_ep = {}
     plans = []
     for layout in candidate_layouts(cfg, devices, recompute_options, zero_options, shard_options):
-        if layout_errors(cfg, layout, batch):
+        if layout_errors(cfg, layout, batch, setup):
             continue
         if layout.ep not in by_ep:
             by_ep[layout.ep] = rank_parameters(cfg, setup.trained, layout.ep)

@@ -35,17 +35,21 @@ def gradient_note(layout) -> str:
 
 
 def weight_note(setup: Setup) -> str:
-    trained = setup.trained
+    trained, dtype = setup.trained, setup.compute_dtype
+    stored = "fp32" if dtype == "fp32" else f"{dtype} (fp32 masters: optimizer)"
     if not trained.lora:
-        return "fp32, every parameter trained"
-    return f"LoRA: frozen base {trained.base_dtype}, norms/router/biases and adapters (r={trained.rank}) fp32"
+        return f"{stored}, every parameter trained"
+    return f"LoRA: frozen base {trained.base_dtype}, norms/router/biases and adapters (r={trained.rank}) {stored}"
 
 
-def optimizer_note(layout) -> str:
-    if layout.zero == 3:
+def optimizer_note(layout, setup: Setup) -> str:
+    copy = "fp32 master" if setup.compute_dtype != "fp32" else "working copy"
+    if layout.zero == 3 and setup.compute_dtype == "fp32":
         return "AdamW m, v fp32 of the owned ranges (ZeRO-3: the weight range is its own master)"
     if layout.zero:
-        return f"AdamW m, v and a working copy, fp32, of the owned ranges only (ZeRO-{layout.zero})"
+        return f"AdamW m, v and the {copy}, fp32, of the owned ranges only (ZeRO-{layout.zero})"
+    if setup.compute_dtype != "fp32":
+        return "AdamW m, v and the fp32 masters of the trained tensors (one process)"
     return "AdamW m, v fp32, trained tensors only; not split (parallel.zero=0)"
 
 
@@ -113,7 +117,7 @@ def memory_lines(model: ModelConfig, plan: Plan, batch: Batch, setup: Setup, pla
     rows = [
         ("weights", memory.weights, weights_note(setup, layout)),
         ("gradients", memory.grads, gradient_note(layout)),
-        ("optimizer", memory.optimizer, optimizer_note(layout)),
+        ("optimizer", memory.optimizer, optimizer_note(layout, setup)),
         ("accumulation", memory.accumulation, accumulation),
         ("update", memory.update, "fp32 gradient copies the step reads (clipped, summed)"),
         ("activations", memory.activations, activation_note(model, plan, batch, setup)),

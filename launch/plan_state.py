@@ -20,9 +20,10 @@ larger), whose whole gradients exist until their reduce-scatter inside the backw
 whole weights gathered from their ranges (:func:`gathered_bytes`). Communication buffers: a reduced copy of the
 gradients (stages 0-1: ``4 trained``; 2-3: ``4 layer``), plus the expert exchange (launch/plan.py).
 
-Weights stay fp32 (``train.dtype`` casts them where the MatMuls read them), so every stage holds at least 12
-(stage 3: 16 with accumulation) bytes per owned element; the 16 bytes per parameter of REFERENCES.md §7 bound
-every layout from below (:func:`lower_bound_devices`).
+With ``train.dtype`` bf16/fp16 the trained weights are stored in it (``c`` bytes; stage 3: ``c owned``) and their
+fp32 masters are the ranges (``12 owned`` at every stage; one process without ZeRO: ``12 trained``); several
+processes without ZeRO are refused, as the trainer refuses them. The 16 bytes per parameter of ZeRO (arXiv 1910.02054)
+bound every layout from below (:func:`lower_bound_devices`).
 """
 
 from dataclasses import dataclass
@@ -59,11 +60,15 @@ def state_memory(params: RankParameters, layout, micro_batches: int, setup) -> d
     """Weights, gradients, optimizer state, accumulation, update copies, gathered weights and gradient buffers of
     a rank (bytes by :class:`launch.plan.RankMemory` field), by ``parallel.zero`` stage (module docstring)."""
     trained, zero = params.trained, layout.zero
+    # Half precision (train.dtype): trained weights stored in it, fp32 masters in the ranges (one process: whole).
+    half = setup.compute_dtype != "fp32"
     owned = owned_elements(params, layout) if zero else trained
     accumulate = micro_batches > 1
-    memory = SimpleNamespace(weights=params.weight_bytes, grads=4 * trained, accumulation=0.0, gathered=0.0)
-    # Moments, and (stages 1-2) an fp32 working copy of each owned range; a ZeRO-3 range is its own master.
-    memory.optimizer = (8 if zero in (0, 3) else 12) * owned
+    weights = params.weight_bytes - (4 - setup.compute_bytes) * trained * int(half)
+    memory = SimpleNamespace(weights=weights, grads=4 * trained, accumulation=0.0, gathered=0.0)
+    # Moments, and (stages 1-2) an fp32 working copy of each owned range; a ZeRO-3 range is its own master unless
+    # the weights are half precision.
+    memory.optimizer = (8 if zero in (0, 3) and not half else 12) * owned
     # ZeRO clips range by range inside the update and reads the accumulated sums in place (train/step.py): one
     # scaled gradient at a time; stage 1 also holds the reduce-scattered ranges it updates from.
     ranges = min(layout.shard_ranks, layout.expert_shard_ranks) if zero else 1
@@ -82,17 +87,18 @@ def state_memory(params: RankParameters, layout, micro_batches: int, setup) -> d
     memory.accumulation = 4 * owned * int(accumulate)
     memory.comm = 4 * layer if reduces(layout) else 0.0
     if zero == 3:
-        memory.weights = params.weight_bytes - 4 * trained + 4 * owned
+        stored = setup.compute_bytes if half else 4
+        memory.weights = params.weight_bytes - 4 * trained + stored * owned
         memory.gathered = gathered_bytes(params, layout, setup)
     return vars(memory)
 
 
 def gathered_bytes(params: RankParameters, layout, setup) -> float:
-    """ZeRO-3: the whole weights held at once, fp32 plus their cast to ``train.dtype``. Without ``train.recompute``
+    """ZeRO-3: the whole weights held at once, in the dtype they are stored in. Without ``train.recompute``
     MindSpore keeps each all-gathered weight for the backward of the products that read it: every layer's at the
     end of the forward. With it, one layer at a time (two on Ascend, whose next all-gather overlaps the current
     layer's compute) and the larger of the embedding and the LM head, each gathered outside the layers."""
-    per_element = 4 + (setup.compute_bytes if setup.compute_dtype != "fp32" else 0)
+    per_element = setup.compute_bytes  # gathered in the dtype the weights are stored in
     if not layout.recompute:
         return per_element * params.trained
     layers = 2 if setup.device == "Ascend" else 1
@@ -113,7 +119,8 @@ def comm_volume(cfg: ModelConfig, params: RankParameters, layout, batch, micro_b
         else:
             volume.reduce_scatter = trained * micro_batches
             gathers = 1 if layout.zero == 2 else micro_batches * (2 if layout.recompute else 1)
-            volume.all_gather = trained * gathers
+            # Weights travel in the dtype they are stored in.
+            volume.all_gather = params.trained * setup.compute_bytes * gathers
         if layout.zero and layout.shard_replicas > 1:
             reductions = micro_batches if layout.zero >= 2 else 1
             volume.all_reduce = 4 * owned_elements(params, layout) * reductions
@@ -130,7 +137,7 @@ def comm_volume(cfg: ModelConfig, params: RankParameters, layout, batch, micro_b
     return volume
 
 
-#: Bytes per trained parameter no layout goes below (REFERENCES.md §7): a half-precision weight and gradient, an
+#: Bytes per trained parameter no layout goes below (ZeRO, arXiv 1910.02054): a half-precision weight and gradient, an
 #: fp32 master and two fp32 moments, each held once over all devices.
 LOWER_BOUND_BYTES_PER_PARAMETER = 16
 

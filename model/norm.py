@@ -23,4 +23,5 @@ class RMSNorm(nn.Cell):
     def construct(self, x):
         shape = x.shape
         x_ZH = x.astype(ms.float32).reshape(-1, shape[-1])
-        return self.normalize(x_ZH, self.weight_full(self.weight)).reshape(shape).astype(x.dtype)
+        # fp32 statistics and gain (a half-precision stored weight, train.dtype, is cast up).
+        return self.normalize(x_ZH, self.weight_full(self.weight).astype(ms.float32)).reshape(shape).astype(x.dtype)

@@ -71,8 +71,14 @@ class TrainConfig:
     peak_gflops: float = bounded(0.0, at_least(0, "0 = measure at start-up"))
     #: Show a tqdm progress bar.
     progress_bar: bool = True
-    #: Compute precision: ``fp32``, or ``bf16`` / ``fp16`` on Ascend (parameters and optimizer stay fp32).
+    #: Precision of the weights the step computes with: ``fp32``, or ``bf16`` (Ascend) / ``fp16``. Half precision
+    #: stores the trained weights in that dtype, with fp32 masters in the optimizer's ZeRO ranges (so several
+    #: processes need ``parallel.zero`` >= 1); norms, softmax and the loss compute in fp32.
     dtype: str = "fp32"
+    #: The dtype gradients are reduce-scattered and all-reduced in under half precision: ``fp32`` (the default:
+    #: summing many ranks' bf16 gradients loses their low bits, as torchtitan's and Megatron's defaults avoid) or
+    #: ``compute`` (``train.dtype``: half the bytes on the wire).
+    grad_reduce_dtype: str = "fp32"
     #: Initial dynamic loss scale, used with ``dtype=fp16`` only (halved on overflow).
     loss_scale: float = bounded(65536.0, above(0))
     #: Finite fp16 steps in a row after which the loss scale doubles.
@@ -93,6 +99,8 @@ def validate_train_config(train: TrainConfig) -> None:
     """Raise ValueError naming the ``train.*`` key whose value cannot work, beyond the numeric domains
     (declared on the fields, checked first: :mod:`conf.ranges`); ``train.dtype`` is checked against the device by
     :func:`conf.checks.validate_precision`."""
+    if train.grad_reduce_dtype not in ("fp32", "compute"):
+        raise ValueError(f"train.grad_reduce_dtype={train.grad_reduce_dtype!r} must be 'fp32' or 'compute'")
     if train.on_corrupt_checkpoint not in ON_CORRUPT_CHECKPOINT:
         raise ValueError(f"train.on_corrupt_checkpoint={train.on_corrupt_checkpoint!r} must be 'error' or 'previous'")
     if train.resume not in ("auto", "none") and not Path(train.resume).expanduser().exists():

@@ -11,20 +11,23 @@ and the step (AdamW moments, ZeRO working copies or masters, the step counter, l
 import logging
 import math
 
-import numpy as np
-from mindspore import dtype_to_nptype
-
 log = logging.getLogger("mindmoe.train")
 
 GIB = 1024**3
 
 
 def parameter_bytes(param) -> int:
-    return math.prod(param.shape) * np.dtype(dtype_to_nptype(param.dtype)).itemsize
+    return math.prod(param.shape) * param.itemsize
 
 
-def held_bytes(model, optimizer, grad_buffers=None, step_state=()) -> dict:
-    """``{"weights", "gradients", "optimizer"}`` bytes of this rank's Parameters (module docstring)."""
+def held_bytes(model, compiled_step) -> dict:
+    """``{"weights", "gradients", "optimizer"}`` bytes of this rank's Parameters (module docstring), of ``model``
+    and its :class:`train.step.CompiledStep`."""
+    optimizer, grad_buffers, step_state = (
+        compiled_step.optimizer,
+        compiled_step.grad_buffers,
+        compiled_step.loss_scale_state,
+    )
     weights = list(model.get_parameters())
     seen = {id(p) for p in weights}
     buffers = list(grad_buffers or ())

@@ -8,6 +8,7 @@ import os
 
 from mindmoe.conf.ranges import raise_range_errors, section_range_errors
 from mindmoe.train.config import TrainConfig
+from mindmoe.train.precision import COMPUTE_DTYPES
 
 # Checked here too (mindmoe-train checks every key earlier, conf.checks.validate_run_config), so a direct
 # caller gets the train.* key named rather than mindformers' own argument names (beta1, weight_decay).
@@ -40,7 +41,7 @@ def build_lr_schedule(cfg: TrainConfig):
 
 
 def build_optimizer(
-    params, cfg: TrainConfig, dist=None, zero: int = 0, collectives=None, seamed=frozenset(), held=None
+    params, cfg: TrainConfig, dist=None, zero: int = 0, collectives=None, seamed=frozenset(), held=None, masters=None
 ):
     """mindformers AdamW (fused update, train/fused_adamw.py) over ``params`` with two weight-decay groups.
 
@@ -48,7 +49,9 @@ def build_optimizer(
     ``dist`` (None: one process) holding the same parameter, which then checkpoints them through their views;
     ``seamed``: the names of the parameters whose gradients stages 2 and 3 reduce in the backward
     (train/parallel/fsdp.py), ``held`` the specs of those already held as ranges (a rebuilt optimizer);
-    ``collectives``: stand-ins for its reduce-scatter and all-gather (tests)."""
+    ``collectives``: stand-ins for its reduce-scatter and all-gather (tests). ``masters``: the half-precision dtype
+    the parameters will be stored in (``train.dtype``): their fp32 masters are the optimizer's ranges, taken from
+    ``params`` now; this needs ZeRO on several ranks (one process: ranges of the whole tensors)."""
     raise_range_errors(section_range_errors("train", cfg, OPTIMIZER_KEYS))
     _, AdamW = _import_mindformers()
     params = list(params)
@@ -64,11 +67,23 @@ def build_optimizer(
     kwargs = dict(
         learning_rate=build_lr_schedule(cfg), betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
     )
+    world = dist.world_size if dist is not None else 1
+    if masters is not None and not zero:
+        if world > 1:
+            raise ValueError(
+                f"train.dtype={cfg.dtype} stores half-precision weights whose fp32 masters live in the optimizer's "
+                f"ZeRO ranges: set parallel.zero to 1, 2 or 3 on {world} processes (or train.dtype=fp32)"
+            )
+        zero = 1  # one process: the ranges are the whole tensors
     if not zero:
         return AdamW(groups, **kwargs)
-    from mindmoe.train.parallel.zero import log_moment_share, shard_specs, zero_adamw_class
+    from mindmoe.train.parallel.ranges import shard_specs
+    from mindmoe.train.parallel.zero import log_moment_share, zero_adamw_class
 
-    optimizer = zero_adamw_class(AdamW)(groups, shard_specs(params, dist, held), collectives, zero, seamed, **kwargs)
+    reduce_dtype = COMPUTE_DTYPES[cfg.dtype] if cfg.grad_reduce_dtype == "compute" else None
+    optimizer = zero_adamw_class(AdamW)(
+        groups, shard_specs(params, dist, held), collectives, zero, seamed, masters, reduce_dtype, **kwargs
+    )
     log_moment_share(optimizer, 0 if dist is None else dist.rank)
     if dist is not None:
         dist.track_zero(optimizer)

@@ -50,7 +50,7 @@ from mindmoe.train.optim import build_optimizer
 from mindmoe.train.outcome import report_outcome
 from mindmoe.train.parallel import fsdp
 from mindmoe.train.parallel.distributed import init_distributed
-from mindmoe.train.precision import apply_precision
+from mindmoe.train.precision import apply_precision, masters
 from mindmoe.train.routing import RouterStepUpdates
 from mindmoe.train.step import CompiledStep, StepStats
 
@@ -150,10 +150,10 @@ class Trainer:
         """Precision, optimizer and the compiled step; sets the tensors a checkpoint holds."""
         model, train_cfg = self.model, OmegaConf.to_object(self.cfg.train)
         loss_scale = apply_precision(model, self.cfg.train)
-        zero = self.cfg.parallel.zero
-        seamed = fsdp.seamed_names(model) if zero >= 2 else frozenset()
+        zero, previous = self.cfg.parallel.zero, getattr(self, "compiled_step", None)
+        seamed, held = (fsdp.seamed_names(model) if zero >= 2 else frozenset()), fsdp.held_ranges(model)
         optimizer = build_optimizer(
-            model.trainable_params(), train_cfg, self.dist, zero, seamed=seamed, held=fsdp.held_ranges(model)
+            model.trainable_params(), train_cfg, self.dist, zero, None, seamed, held, masters(train_cfg)
         )
         # The dense warm-up of DSA trains only the indexers: the routers stay as they are.
         router_updates = None if self.dsa_stage == "dense_warmup" else RouterStepUpdates(model, self.model_cfg)
@@ -171,8 +171,7 @@ class Trainer:
         # The shapes as built (ZeRO-3 holds ranges next), for the FLOPs and the parameter count.
         if not hasattr(self, "full_shapes"):
             self.full_shapes = {name: shape for name, (shape, _) in param_table(model).items()}
-        if zero >= 2:  # after everything that reads whole parameter shapes was built
-            fsdp.install(model, optimizer)
+        fsdp.shard_state(model, optimizer, previous and previous.optimizer)  # after all that reads whole shapes
         optimizer_state = [*optimizer.exp_avg, *optimizer.exp_avg_sq, optimizer.global_step, *step.loss_scale_state]
         # Checkpoints hold every parameter, including state the optimizer never sees (router biases),
         # expert tensors at full size whatever parallel.ep is; a LoRA run's hold its adapters only.
@@ -198,6 +197,8 @@ class Trainer:
         # One process verified every file when it chose the checkpoint; ranks of a job hash what they read.
         load_model_weights(self.model_state, self.resume_from, self.dist)
         load_optimizer_state(self.optimizer_state, self.resume_from, self.dist)
+        if hasattr(self.compiled_step.optimizer, "refresh_weights"):  # half-precision weights from their masters
+            self.compiled_step.optimizer.refresh_weights()
         start_step = self.resume_state["step"]
         log.info("resumed from %s at step %d", self.resume_from, start_step)
         return start_step
@@ -220,8 +221,7 @@ class Trainer:
 
     def _write_held_bytes(self) -> None:
         """The ``held_bytes`` row (train/held_memory.py): rank 0's Parameters by kind, before the first step."""
-        step = self.compiled_step
-        held = held_bytes(self.model, step.optimizer, step.grad_buffers, step.loss_scale_state)
+        held = held_bytes(self.model, self.compiled_step)
         if self.metrics is not None:
             self.metrics.write({"step": self.start_step, "held_bytes": held})
             log.info(describe_held(held))

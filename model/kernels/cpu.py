@@ -86,7 +86,7 @@ class GroupedAttentionCore(nn.Cell):
 
     def bprop(self, q_BGQD, k_BGPD, v_BGPD, mask_BGQP, out, dout):
         out_BGQD, probs_BGQP = out
-        dout_BGQD = dout[0]
+        dout_BGQD = dout[0].astype(v_BGPD.dtype)
         value_dim = out_BGQD.shape[-1]  # MLA's values are narrower than its queries and keys
         rows_shape = out_BGQD.shape[:-1] + (1,)
         ones_D1 = ops.ones((value_dim, 1), ms.float32)

@@ -136,3 +136,35 @@ def test_zero2_on_two_workers_gives_the_losses_of_one_process_with_range_sized_g
     assert held["weights"] == whole["weights"]
     assert 0.5 * whole["gradients"] <= held["gradients"] <= 0.51 * whole["gradients"]
     assert held["optimizer"] <= 0.76 * whole["optimizer"]
+
+
+@pytest.mark.msrun
+def test_fp16_weights_under_zero3_on_two_workers_give_the_losses_of_one_fp16_process_and_resume_from_masters(
+    tmp_path, tmp_path_factory, data_cache, processes
+):
+    """train.dtype=fp16 (CPU's half precision): the weights are stored in fp16 with fp32 masters in the ranges."""
+    run_dir = tmp_path / "fp16_zero3"
+    extra = ("parallel.zero=3", "train.dtype=fp16")
+    launcher = launches.start(
+        processes,
+        launch_command(run_dir, data_cache, "launch.procs_per_node=2", f"launch.master_port={free_port()}", *extra),
+    )
+    single_dir = reference_runs(tmp_path_factory, data_cache, {"fp16": ("train.dtype=fp16",)})["fp16"]
+    succeeded(launcher)
+    single = losses_by_step(single_dir)
+    for step, loss in losses_by_step(run_dir).items():
+        assert abs(loss - single[step]) <= 1e-3 * abs(single[step]), (step, loss, single[step])
+    # Rank 0 holds fp16 halves of the weights, and fp32 masters and moments of its halves: 12 bytes an element.
+    held, whole = held_bytes(run_dir), held_bytes(single_dir)
+    assert held["weights"] <= 0.51 * whole["weights"] and whole["optimizer"] >= 5.9 * whole["weights"]
+    assert 0.49 * whole["optimizer"] <= held["optimizer"] <= 0.51 * whole["optimizer"]
+    # The checkpoint holds the fp32 masters, which one fp16 process resumes from on the same curve.
+    checkpoint = run_dir / "checkpoints" / f"step_{SAVED:06d}"
+    index = json.loads((checkpoint / "tensors.json").read_text())["groups"]["model"]
+    assert index["embed_tokens.weight"]["dtype"] == "float32"
+    resumed_dir = tmp_path / "fp16_resumed"
+    command = train_command(resumed_dir, data_cache, "train.dtype=fp16", f"train.resume={checkpoint}")
+    succeeded(launches.start(processes, command))
+    uninterrupted = losses_by_step(run_dir)
+    for step, loss in losses_by_step(resumed_dir).items():
+        assert abs(loss - uninterrupted[step]) <= 1e-5 * abs(uninterrupted[step]), (step, loss)

@@ -95,7 +95,7 @@ def train_command(run_dir, cache):
 def wait_for_logged_step(run_dir: Path, step: int, process, timeout=900):
     start = time.time()
     while not any(s >= step for s in (losses_by_step(run_dir) if (run_dir / "metrics.jsonl").exists() else {})):
-        assert process.poll() is None, f"training exited early:\n{process.stderr.read()}"
+        assert process.poll() is None, f"training exited early (its log is beside {run_dir})"
         assert time.time() - start < timeout, f"step {step} never logged in {run_dir}"
         time.sleep(0.05)
 
@@ -112,9 +112,11 @@ def test_sigkill_between_checkpoints_then_resume_reloads_the_base_and_reproduces
             train_command(uninterrupted_dir, data_cache), cwd=REPO, stdout=log, stderr=subprocess.STDOUT
         )
     processes.append(uninterrupted_run)
-    killed = subprocess.Popen(
-        train_command(interrupted_dir, data_cache), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    killed_log = tmp_path / "interrupted.log"
+    with killed_log.open("w") as log:  # a pipe nobody reads while the run is watched could fill and stall it
+        killed = subprocess.Popen(
+            train_command(interrupted_dir, data_cache), cwd=REPO, stdout=log, stderr=subprocess.STDOUT, text=True
+        )
     processes.append(killed)
     wait_for_logged_step(interrupted_dir, KILL_AFTER_LOGGED, killed)
     killed.send_signal(signal.SIGKILL)

@@ -123,11 +123,21 @@ def test_zero2_and_zero3_state_and_gathered_weights_match_hand_arithmetic():
     assert three.grads == 4 * EMBEDDING + 4 * owned and three.comm == 4 * EMBEDDING
     assert three.optimizer == 8 * owned and three.accumulation == 0 and three.update == 4 * EMBEDDING / 4
     assert three.gathered == 4 * TRAINED  # without recompute every all-gathered weight is kept for the backward
-    # With recompute: one layer (two on Ascend) and the embedding or head; bf16 adds each weight's cast.
+    # With recompute: one layer (two on Ascend) and the embedding or head, in the dtype the weights are stored in.
     kept_one = hand_plan(Layout(dp=4, zero=3, recompute=True)).memory
     assert kept_one.gathered == 4 * (LAYER_1 + EXPERTS + EMBEDDING)
     ascend = hand_plan(Layout(dp=4, zero=3, recompute=True), hand_setup("Ascend", compute_dtype="bf16")).memory
-    assert ascend.gathered == (4 + 2) * (2 * (LAYER_1 + EXPERTS) + EMBEDDING)
+    assert ascend.gathered == 2 * (2 * (LAYER_1 + EXPERTS) + EMBEDDING)
+    # Half-precision weights (fp16 on CPU): stored ranges of 2 bytes, fp32 masters beside the moments, gathered in
+    # fp16; several ranks without ZeRO are refused, as the trainer refuses them.
+    half = hand_setup(compute_dtype="fp16")
+    halves = hand_plan(Layout(dp=4, zero=3, recompute=True), half)
+    assert halves.memory.weights == 4 * BUFFER + 2 * owned and halves.memory.optimizer == 12 * owned
+    assert halves.memory.gathered == 2 * (LAYER_1 + EXPERTS + EMBEDDING)
+    assert halves.comm.all_gather == 2 * 2 * TRAINED  # fp16 weights, gathered again for the recomputed backward
+    with pytest.raises(ValueError, match="train.dtype=fp16 keeps fp32 masters in ZeRO ranges"):
+        hand_plan(Layout(dp=2), half)
+    assert hand_plan(Layout(dp=1), half).memory.optimizer == 12 * TRAINED  # one process: whole masters
     # ZeRO-2 on 2 ranks, 2 micro-batches each: whole weights; ranges for the moments, working copies, sums, copies.
     two = hand_plan(Layout(dp=2, zero=2)).memory
     owned = TRAINED / 2

@@ -23,7 +23,7 @@ from mindmoe.model.kernels.cpu_collectives import EmulatedReduceScatter
 from mindmoe.train.config import TrainConfig
 from mindmoe.train.optim import build_optimizer
 from mindmoe.train.parallel.range_views import MomentView
-from mindmoe.train.parallel.zero import ShardSpec
+from mindmoe.train.parallel.ranges import ShardSpec
 
 SHAPES = {"experts.w": (3, 3, 5), "proj.weight": (4, 6), "norm.weight": (7,)}  # 45 elements: odd, padded
 ROW_SCALES = np.array([1.0, 0.5, 0.25], np.float32).reshape(3, 1, 1)  # expert_update isolation of experts.w

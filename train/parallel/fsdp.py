@@ -70,6 +70,35 @@ class GatherRange(nn.Cell):
         return (self.param_range.scatter(dout).astype(owned_range.dtype),)
 
 
+class _GatheredToMaster(nn.Cell):
+    """``(range, master) -> the whole parameter``; the backward gives ``master`` (fp32) this rank's range of the
+    mean gradient and the half-precision range none."""
+
+    def __init__(self, shard):
+        super().__init__()
+        self.param_range = shard
+
+    def construct(self, owned_range, master):
+        return self.param_range.gather(owned_range)
+
+    def bprop(self, owned_range, master, out, dout):
+        return ops.zeros_like(owned_range), self.param_range.scatter(dout).astype(master.dtype)
+
+
+class GatherToMaster(nn.Cell):
+    """The zero=3 seam of a parameter stored in half precision: all-gathered from its ranges like
+    :class:`GatherRange`, its gradient reduce-scattered to its fp32 master in the optimizer (held as a plain
+    attribute, as :class:`GradientToRange` holds it)."""
+
+    def __init__(self, shard, master):
+        super().__init__()
+        object.__setattr__(self, "master", master)
+        self.route = _GatheredToMaster(shard)
+
+    def construct(self, owned_range):
+        return self.route(owned_range, self.master)
+
+
 def seamed_names(model) -> set:
     """The names of ``model``'s parameters read through a seam (model/weights.py)."""
     return set(seams(model))
@@ -99,9 +128,27 @@ def install(model, optimizer, collectives=None) -> int:
         if optimizer.stage == 2:
             setattr(cell, attribute, GradientToRange(shard, optimizer.ranges[i]))
         else:
-            setattr(cell, attribute, GatherRange(shard))
+            # fp32 weights are their own masters; half-precision ones have theirs in the optimizer.
+            seam = GatherRange(shard) if optimizer.local[i] else GatherToMaster(shard, optimizer.ranges[i])
+            setattr(cell, attribute, seam)
             optimizer.shrink(i)
             held[param.name] = optimizer.specs[i]
         replaced += 1
     model.held_range_specs = held
     return replaced
+
+
+def shard_state(model, optimizer, previous=None) -> None:
+    """What the trainer does once an optimizer is built and the step's functions traced nothing yet: ZeRO-2/3 seams
+    and ranges (:func:`install`), then half-precision weights: the masters of ``previous`` (the optimizer this one
+    replaces, at a DSA stage change) carried over by name, and the weights cast to their storage dtype."""
+    if getattr(optimizer, "stage", 0) >= 2:
+        install(model, optimizer)
+    if getattr(optimizer, "masters", None) is None:
+        return
+    if previous is not None and getattr(previous, "masters", None) is not None:
+        carried = {param.name: master for param, master in zip(previous.parameters, previous.ranges)}
+        for param, master in zip(optimizer.parameters, optimizer.ranges):
+            if param.name in carried and carried[param.name].shape == master.shape:
+                master.set_data(carried[param.name].value())
+    optimizer.store_half()

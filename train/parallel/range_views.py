@@ -5,7 +5,7 @@ import mindspore as ms
 import numpy as np
 from mindspore import Tensor
 
-from mindmoe.train.parallel.zero import ShardSpec
+from mindmoe.train.parallel.ranges import ShardSpec
 
 
 class MomentView:
@@ -17,9 +17,9 @@ class MomentView:
     collective), ``set_part(values)`` sets them, ``writer``: this rank owns a non-empty range (the ranges of
     all ranks' writers are disjoint and cover the tensor)."""
 
-    def __init__(self, local, spec: ShardSpec, gather_range, gather_rows=None):
+    def __init__(self, local, spec: ShardSpec, gather_range, gather_rows=None, name=None):
         self.local = local
-        self.name = local.name
+        self.name = name or local.name
         self.dtype = local.dtype
         self.spec = spec
         self.shape = spec.full_shape
@@ -53,8 +53,8 @@ class MomentView:
 
 
 def moment_views(optimizer, dist=None) -> dict:
-    """``{moment name: MomentView}`` of both moments of every parameter of a ZeRO optimizer, and under ZeRO-3
-    ``{parameter name: MomentView}`` of every parameter that is its own range."""
+    """``{moment name: MomentView}`` of both moments of every parameter of a ZeRO optimizer, and ``{parameter name:
+    MomentView}`` of every parameter that is its own range (ZeRO-3) or has an fp32 master (half-precision weights)."""
     from mindmoe.train.parallel.expert_parallel import GatherFromGroup
 
     jitted = {}
@@ -81,10 +81,13 @@ def moment_views(optimizer, dist=None) -> dict:
             gather_rows = jitted[rows][1]
         for moment in (m, v):
             views[moment.name] = MomentView(moment, spec, gather_range, gather_rows)
-    for param, spec, local in zip(optimizer.parameters, optimizer.specs, optimizer.local):
-        if local:  # ZeRO-3: the parameter is its own range (train/parallel/fsdp.py)
-            shard = optimizer.shards[optimizer.specs.index(spec)]
+    for i, (param, spec) in enumerate(zip(optimizer.parameters, optimizer.specs)):
+        # ZeRO-3: the parameter is its own range (train/parallel/fsdp.py); half-precision weights: the checkpoint
+        # holds their fp32 masters.
+        held = param if optimizer.local[i] else optimizer.ranges[i] if optimizer.masters is not None else None
+        if held is not None:
+            shard = optimizer.shards[i]
             gather_range = compiled(id(shard.all_gather), shard.all_gather) if spec.k > 1 else None
             gather_rows = jitted[("rows", spec.shape[0])][1] if spec.ep > 1 else None
-            views[param.name] = MomentView(param, spec, gather_range, gather_rows)
+            views[param.name] = MomentView(held, spec, gather_range, gather_rows, name=param.name)
     return views

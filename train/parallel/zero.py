@@ -22,8 +22,6 @@ on ``set_data``.
 """
 
 import logging
-import math
-from dataclasses import dataclass
 
 import mindspore as ms
 import numpy as np
@@ -33,130 +31,20 @@ from mindspore.ops import functional as F
 from mindmoe.model import kernels
 from mindmoe.train.fused_adamw import fused_update
 from mindmoe.train.grad_norm import global_squared_norm_kernel
+from mindmoe.train.parallel.ranges import ShardSpec, flat_range
 
 log = logging.getLogger("mindmoe.train")
-
-
-@dataclass(frozen=True)
-class ShardSpec:
-    """Where this rank's range of one parameter lies. ``shape``: the tensor this rank holds (an expert shard's
-    ``[E/ep, ...]`` under expert parallelism); ``group``: the communication group of the ``k`` ranks holding
-    it (``""`` when ``k == 1``); ``mean_scale``: the factor that turns the summed gradient into the mean the
-    step takes; ``first_row`` / ``ep``: the rows of the full tensor an expert shard holds (0 / 1 otherwise)."""
-
-    name: str
-    shape: tuple
-    k: int = 1
-    rank: int = 0
-    group: str = ""
-    mean_scale: float = 1.0
-    first_row: int = 0
-    ep: int = 1
-    #: Hybrid sharding (``parallel.shard_size``): the group of the ranks holding this range in the other shard
-    #: groups ("" without), over which its gradient is all-reduced, and this rank's shard group (0 writes it).
-    replica_group: str = ""
-    replica: int = 0
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-    @property
-    def size(self) -> int:
-        """Elements of every rank's range, padding included: ``n' / k``."""
-        return max(1, -(-self.numel // self.k))
-
-    @property
-    def start(self) -> int:
-        return self.rank * self.size
-
-    @property
-    def stop(self) -> int:
-        """The end of the owned elements that exist (the padding excluded), at least ``start``."""
-        return max(self.start, min(self.start + self.size, self.numel))
-
-    @property
-    def full_shape(self) -> tuple:
-        return (self.shape[0] * self.ep,) + tuple(self.shape[1:]) if self.ep > 1 else tuple(self.shape)
-
-    @property
-    def offset(self) -> int:
-        """Flat index, in the full tensor, of this rank's held tensor's first element."""
-        return self.first_row * (self.numel // self.shape[0]) if self.shape else 0
-
-
-def shard_specs(params, dist=None, held=None) -> list:
-    """The :class:`ShardSpec` of every parameter on this rank of ``dist`` (None: one process); ``held``: the specs
-    of parameters already held as ranges (ZeRO-3, train/parallel/fsdp.py), whose own shape is their range's."""
-    world = dist.world_size if dist is not None else 1
-    rank = dist.rank if dist is not None else 0
-    experts = dist.expert_rows if dist is not None else {}
-    world_group = ""
-    if world > 1:
-        from mindspore.communication import GlobalComm
-
-        world_group = GlobalComm.WORLD_COMM_GROUP
-    hybrid = dist is not None and bool(getattr(dist, "replica_group", ""))
-    specs = []
-    for param in params:
-        if hybrid:
-            specs.append(_hybrid_spec(param, dist, held))
-            continue
-        if held and param.name in held:
-            specs.append(held[param.name])
-            continue
-        shape = tuple(param.shape)
-        if param.name in experts:
-            # Averaged like train/parallel/distributed.py's reducer: summed over the expert_dp_group, divided by dp.
-            grouped = bool(dist.expert_dp_group)
-            specs.append(
-                ShardSpec(
-                    param.name,
-                    shape,
-                    k=world // dist.ep if grouped else 1,
-                    rank=rank // dist.ep if grouped else 0,
-                    group=dist.expert_dp_group if grouped else "",
-                    mean_scale=1.0 / dist.dp,
-                    first_row=experts[param.name],
-                    ep=dist.ep,
-                )
-            )
-        else:
-            specs.append(ShardSpec(param.name, shape, world, rank, world_group, 1.0 / world))
-    return specs
-
-
-def _hybrid_spec(param, dist, held=None) -> ShardSpec:
-    """:func:`shard_specs` under hybrid sharding: ranges over the ``shard_size`` consecutive ranks of this one (an
-    expert shard's: over those of them holding the same experts), replicated in every shard group."""
-    if held and param.name in held:
-        return held[param.name]
-    size = dist.layout.shard_size
-    common = dict(replica_group=dist.replica_group, replica=dist.rank // size)
-    position = dist.rank % size
-    if param.name in dist.expert_rows:
-        k = size // dist.ep
-        return ShardSpec(
-            param.name,
-            tuple(param.shape),
-            k=k,
-            rank=position // dist.ep if k > 1 else 0,
-            group=dist.expert_shard_group if k > 1 else "",
-            mean_scale=1.0 / dist.dp,
-            first_row=dist.expert_rows[param.name],
-            ep=dist.ep,
-            **common,
-        )
-    return ShardSpec(param.name, tuple(param.shape), size, position, dist.shard_group, 1.0 / dist.world_size, **common)
 
 
 class ParamRange(nn.Cell):
     """One parameter's range and its collectives (``collectives``: ``(reduce_scatter, all_gather)`` factories
     called with ``(group, k, rank)``, default the kernel functions; tests pass stand-ins)."""
 
-    def __init__(self, spec: ShardSpec, collectives=None):
+    def __init__(self, spec: ShardSpec, collectives=None, reduce_dtype=None):
         super().__init__()
         scatter, gather = collectives or (kernels.reduce_scatter, kernels.all_gather)
+        #: The dtype gradients are reduced in (``train.grad_reduce_dtype``; None: fp32).
+        self.reduce_dtype = ms.float32 if reduce_dtype is None else reduce_dtype
         self.shape = tuple(spec.shape)
         self.numel = spec.numel
         self.pad = spec.size * spec.k - spec.numel
@@ -180,7 +68,8 @@ class ParamRange(nn.Cell):
 
     def scatter(self, grad):
         """This rank's range of the mean gradient over the ``k`` ranks."""
-        shard = self.over_replicas(self.reduce_scatter(self.flat(grad.astype(ms.float32))))
+        shard = self.over_replicas(self.reduce_scatter(self.flat(grad.astype(self.reduce_dtype))))
+        shard = shard.astype(ms.float32)
         if self.mean_scale != 1.0:
             shard = shard * self.mean_scale
         return shard
@@ -208,22 +97,33 @@ def zero_adamw_class(fused):
         (model/weights.py), whose gradients stages 2 and 3 reduce-scatter in the backward
         (train/parallel/fsdp.py); the others are reduced as at stage 1."""
 
-        def __init__(self, params, specs, collectives=None, stage=1, seamed=frozenset(), **kwargs):
-            self_ranged = {spec.name for spec in specs if stage == 3 and spec.name in seamed}
+        def __init__(
+            self, params, specs, collectives=None, stage=1, seamed=frozenset(), masters=None, reduce_dtype=None, **kw
+        ):
+            ranged = {spec.name for spec in specs if stage == 3 and spec.name in seamed}
+            self_ranged = set() if masters is not None else ranged
             # Read by clone_state while the base class builds the moments: only ranges are allocated.
             object.__setattr__(self, "_zero_specs", {spec.name: spec for spec in specs})
-            object.__setattr__(self, "_self_ranged", self_ranged)
-            super().__init__(params, **kwargs)
+            super().__init__(params, **kw)
             self.stage = stage
             self.specs = [self._zero_specs[p.name] for p in self.parameters]
-            #: Gradient reduced in the backward (stage >= 2, seamed); ``local``: the parameter is its own range (3).
+            #: Gradient reduced in the backward (stage >= 2, seamed); ``ranged``: the parameter is held as its range
+            #: (3); ``local``: it is also its own master (fp32 weights).
             self.in_backward = tuple(stage >= 2 and p.name in seamed for p in self.parameters)
+            self.ranged = tuple(p.name in ranged for p in self.parameters)
             self.local = tuple(p.name in self_ranged for p in self.parameters)
-            # The working copy of each range (stage 2: also what the backward's range gradient is taken for);
-            # a parameter that is its own range needs none (one placeholder element).
+            #: ``masters``: the dtype the parameters are stored in (half precision), whose fp32 masters are the
+            #: ranges (persistent); None: the ranges are working copies read from the fp32 parameters every step.
+            self.masters = masters
+            # A parameter that is its own range needs none (one placeholder element).
             self.ranges = self.clone_state("zero_range", "zeros", skip=self_ranged)
-            self.shards = nn.CellList([ParamRange(spec, collectives) for spec in self.specs])
+            self.shards = nn.CellList([ParamRange(spec, collectives, reduce_dtype) for spec in self.specs])
             self.count = len(self.specs)
+            if masters is not None:
+                for i, param in enumerate(self.parameters):
+                    if not param.has_init:  # a deferred weight (model.deferred_init): a checkpoint sets the master
+                        values = param.astype(ms.float32).asnumpy()  # numpy has no bf16
+                        self.ranges[i].set_data(Tensor(flat_range(values, self.specs[i])))
 
         def clone_state(self, prefix, init, skip=frozenset()):
             return ParameterTuple(
@@ -255,10 +155,28 @@ def zero_adamw_class(fused):
             param = self._parameters[i]
             if tuple(param.shape) == (self.specs[i].size,):
                 return
-            spec = self.specs[i]
-            values = np.zeros(spec.size * spec.k, np.float32)
-            values[: spec.numel] = param.asnumpy().reshape(-1)
-            param.set_data(Tensor(values[spec.start : spec.start + spec.size], dtype=param.dtype), True)
+            values = param.astype(ms.float32).asnumpy() if param.dtype == ms.bfloat16 else param.asnumpy()
+            param.set_data(Tensor(flat_range(values, self.specs[i]), dtype=param.dtype), True)
+
+        def store_half(self) -> None:
+            """Every parameter <- its fp32 value in the storage dtype ``masters`` (called once, after the masters
+            were taken from them)."""
+            for param in self.parameters:
+                if param.has_init:  # deferred: storage now, values from the masters once a checkpoint set them
+                    param.set_data(Tensor(np.zeros(param.shape, np.float32)))
+                param.set_dtype(self.masters)
+
+        def refresh_weights(self) -> None:
+            """The parameters <- their masters (after a checkpoint set the masters); a collective, every rank
+            calls it."""
+            if self.masters is None:
+                return
+
+            @ms.jit
+            def refresh():
+                return self.store_ranges(self.ranges)
+
+            refresh()
 
         def scatter(self, grads):
             """Every parameter's range of the mean gradient (reduce-scattered; already a range when the backward
@@ -278,6 +196,8 @@ def zero_adamw_class(fused):
             for i in range(self.count):
                 if self.local[i]:
                     loaded = loaded + (self._parameters[i],)
+                elif self.masters is not None:  # persistent fp32 masters
+                    loaded = loaded + (self.ranges[i],)
                 else:
                     loaded = loaded + (ops.assign(self.ranges[i], self.shards[i].owned(self._parameters[i])),)
             return loaded
@@ -286,8 +206,10 @@ def zero_adamw_class(fused):
             """The parameters <- every rank's ``values`` (the updated ranges) all-gathered (a parameter that is its
             own range was updated in place)."""
             for i in range(self.count):
-                if not self.local[i]:
-                    param = self._parameters[i]
+                param = self._parameters[i]
+                if self.ranged[i] and not self.local[i]:  # ZeRO-3 over masters: this rank's range, cast
+                    ops.assign(param, values[i].astype(param.dtype))
+                elif not self.local[i]:
                     ops.assign(param, self.shards[i].gather(values[i]).astype(param.dtype))
             return self.count
 
