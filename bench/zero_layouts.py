@@ -2,7 +2,8 @@
 
 For the default tiny model and ``recipe=glm5_tiny`` (8 steps, global batch 8 in micro-batches of 2, no validation),
 one ``mindmoe-train`` process (no ZeRO) and then ``mindmoe-launch`` with ``parallel.zero=2`` and ``3`` on 2 workers,
-and ``zero=3`` with ``ep=2``, with ``shard_size=2`` and with ``ep=2 ep_dispatcher=alltoall`` on 4 workers. Prints a
+and ``zero=3`` with ``ep=2``, with ``shard_size=2`` and with ``ep=2 ep_dispatcher=alltoall`` on 4 workers; then
+``train.dtype=fp16`` with ``zero=3`` on 2 workers against one fp16 process (within 1e-3). Prints a
 JSON line per run (the largest relative loss difference to the one process over the 8 steps, and rank 0's
 ``held_bytes`` total against the one process's), then one JSON object with ``all_within`` (every difference within
 ``--tolerance``, default 1e-5). The tests run a subset (tests/integration/test_fsdp.py); this is the whole matrix,
@@ -35,6 +36,8 @@ COMMON = (
     "train.peak_gflops=100",
 )
 MODELS = {"tiny": (), "glm5_tiny": ("recipe=glm5_tiny",)}
+#: fp16 (CPU's half precision: stored weights, fp32 masters) against one fp16 process, within this tolerance.
+FP16_TOLERANCE = 1e-3
 LAYOUTS = {
     "zero 2, 2 workers": (2, "parallel.zero=2"),
     "zero 3, 2 workers": (2, "parallel.zero=3"),
@@ -42,6 +45,7 @@ LAYOUTS = {
     "zero 3 shard_size 2, 4 workers": (4, "parallel.zero=3", "parallel.shard_size=2"),
     "zero 3 ep 2 alltoall, 4 workers": (4, "parallel.zero=3", "parallel.ep=2", "parallel.ep_dispatcher=alltoall"),
 }
+FP16_LAYOUTS = {"fp16 zero 3, 2 workers": (2, "parallel.zero=3", "train.dtype=fp16")}
 
 
 def rows_of(run_dir: Path) -> list:
@@ -72,17 +76,22 @@ def measure(models, tolerance: float) -> dict:
             common = (*COMMON, f"data.cache_dir={work / 'cache'}", *MODELS[model])
             single = run("mindmoe.train.cli", work / f"{model}_single", common)
             reference, reference_held = losses(single), held_total(single)
-            for label, (workers, *keys) in LAYOUTS.items():
+            half = run("mindmoe.train.cli", work / f"{model}_single_fp16", (*common, "train.dtype=fp16"))
+            references = {False: (reference, reference_held, tolerance), True: (losses(half), held_total(half), None)}
+            for label, (workers, *keys) in {**LAYOUTS, **FP16_LAYOUTS}.items():
+                expected, expected_held, bound = references["train.dtype=fp16" in keys]
+                bound = bound or FP16_TOLERANCE
                 launch = (f"launch.procs_per_node={workers}", f"launch.master_port={free_port()}", *keys)
                 rows = run("mindmoe.launch.cli", work / f"{model}_{label.replace(' ', '_')}", (*common, *launch))
                 got = losses(rows)
-                worst = max(abs(got[step] - loss) / abs(loss) for step, loss in reference.items())
+                worst = max(abs(got[step] - loss) / abs(loss) for step, loss in expected.items())
                 row = {
                     "model": model,
                     "layout": label,
                     "max_relative_loss_difference": worst,
-                    "within": worst <= tolerance and sorted(got) == sorted(reference),
-                    "held_vs_one_process": round(held_total(rows) / reference_held, 3),
+                    "tolerance": bound,
+                    "within": worst <= bound and sorted(got) == sorted(expected),
+                    "held_vs_one_process": round(held_total(rows) / expected_held, 3),
                 }
                 results[f"{model}: {label}"] = row
                 print(json.dumps(row), flush=True)

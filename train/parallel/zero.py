@@ -1,24 +1,26 @@
-"""ZeRO-1 (``parallel.zero=1``): the AdamW moments split over the ranks that hold the same copy of a parameter.
+"""ZeRO (``parallel.zero`` 1-3): the AdamW state, then the gradients, then the weights of a parameter split over
+the ranks that hold the same copy of it; this module is the optimizer side, train/parallel/fsdp.py the model side.
 
-Layout. A trained parameter of ``n`` elements held identically by ``k`` ranks (dense parameters: every rank of
-the job; expert shards under ``parallel.ep``: the ranks of their ``expert_dp_group``, or ``k = 1`` when there is
-none) is flattened and padded with zeros to ``n' = k * ceil(n / k)``; rank ``i`` of those ``k`` owns the flat
-range ``[i n'/k, (i + 1) n'/k)``. Its moments ``exp_avg`` / ``exp_avg_sq`` exist for that range only (fp32
-``[n'/k]``), and so does an fp32 working copy of the range, the ``var`` the fused Adam kernel updates in place.
+Layout (train/parallel/ranges.py). A trained parameter of ``n`` elements held identically by ``k`` ranks (dense
+parameters: every rank of the job, or of its shard group under ``parallel.shard_size``; expert shards under
+``parallel.ep``: the ranks of their ``expert_dp_group`` in the group, or ``k = 1``) is flattened and padded with
+zeros to ``n' = k * ceil(n / k)``; rank ``i`` of those ``k`` owns the flat range ``[i n'/k, (i + 1) n'/k)``. Its
+moments ``exp_avg`` / ``exp_avg_sq`` exist for that range only (fp32 ``[n'/k]``), and so does an fp32 copy of the
+range, the ``var`` the fused Adam kernel updates in place: a working copy read from the fp32 parameter every step,
+or with half-precision weights (``train.dtype``) the persistent fp32 master; a ZeRO-3 fp32 parameter, held as its
+range, is updated in place and needs none.
 
-A step (train/step.py), after backward and accumulation (whose buffers stay full size):
+A step (train/step.py):
 
-    gradients -> reduce-scatter over the k ranks (sum), times the mean's factor   this rank's ranges
-    |g|^2      = the ranges' squares summed, all-reduced over the world (each element is owned once; padding 0)
-    clipping as without ZeRO
-    working copy <- the parameter's range; the update of train/fused_adamw.py on it (decoupled decay, bias
-                    correction, ``update_scales`` mapped to the range's elements)
-    all-gather of the ranges -> the full parameter
+    gradients -> this rank's ranges of the mean gradient: reduce-scattered after the backward (stage 1) or inside
+                 it by the seams (stages 2-3); under hybrid sharding then all-reduced across the shard groups
+    |g|^2      = the ranges' squares summed, all-reduced over a shard group (each element is owned once there)
+    each range, one after the other: times the clipping factor, the update of train/fused_adamw.py (decoupled
+                 decay, bias correction, ``update_scales`` mapped to the range's elements)
+    the ranges -> the parameters: all-gathered (stages 1-2), cast into the held range (stage 3, half precision)
 
-The update is element-wise, so every range gets exactly the values :class:`FusedAdamW` gives it. The working
-copy is read from the parameter every step, so a resumed (``set_data``) parameter needs nothing else.
-Checkpoints see full moments: :class:`train.parallel.range_views.MomentView` gathers on ``asnumpy`` and slices
-on ``set_data``.
+The update is element-wise, so every range gets exactly the values :class:`FusedAdamW` gives it. Checkpoints see
+ranges as full tensors (:class:`train.parallel.range_views.MomentView`), written by their owners.
 """
 
 import logging
