@@ -11,7 +11,7 @@ reduces and what a rank holds between steps:
              cell reads it and drops the whole tensor after use, the backward reduce-scatters its gradient
 
 Both work through the seam every cell reads its parameters through (model/weights.py): this module replaces
-the identity seam with :class:`GradientToRange` (zero=2) or :class:`GatherRange` (zero=3), each a cell with a
+the identity seam with :class:`ToOwnedRange` (zero=2) or :class:`GatherRange` (zero=3), each a cell with a
 custom backward (``Cell.bprop``: MindSpore 2.9's AllGather differentiates into ReduceScatter, which the CPU
 backend lacks). A parameter that has no seam stays whole and is sharded as ``zero=1`` shards it.
 
@@ -42,17 +42,19 @@ class _RangeGradient(nn.Cell):
         return ops.zeros_like(weight), self.param_range.scatter(dout).astype(owned_range.dtype)
 
 
-class GradientToRange(nn.Cell):
-    """The zero=2 seam: the weight as held; its gradient reduce-scattered to the optimizer's range ``owned_range``
-    (held as a plain attribute: a cell attribute would add it to the model's parameters)."""
+class ToOwnedRange(nn.Cell):
+    """A seam whose backward hands the gradient to ``owned_range``, the optimizer's fp32 range of the parameter, held
+    as a plain attribute (a cell attribute would add it to the model's parameters); ``route``: the cell of
+    ``(held, owned_range) -> the weight`` whose ``bprop`` does so (:class:`_RangeGradient` for zero=2,
+    :class:`_GatheredToMaster` for zero=3 over half-precision weights)."""
 
-    def __init__(self, shard, owned_range):
+    def __init__(self, route, owned_range):
         super().__init__()
         object.__setattr__(self, "owned_range", owned_range)
-        self.route = _RangeGradient(shard)
+        self.route = route
 
-    def construct(self, weight):
-        return self.route(weight, self.owned_range)
+    def construct(self, held):
+        return self.route(held, self.owned_range)
 
 
 class GatherRange(nn.Cell):
@@ -85,20 +87,6 @@ class _GatheredToMaster(nn.Cell):
         return ops.zeros_like(owned_range), self.param_range.scatter(dout).astype(master.dtype)
 
 
-class GatherToMaster(nn.Cell):
-    """The zero=3 seam of a parameter stored in half precision: all-gathered from its ranges like
-    :class:`GatherRange`, its gradient reduce-scattered to its fp32 master in the optimizer (held as a plain
-    attribute, as :class:`GradientToRange` holds it)."""
-
-    def __init__(self, shard, master):
-        super().__init__()
-        object.__setattr__(self, "master", master)
-        self.route = _GatheredToMaster(shard)
-
-    def construct(self, owned_range):
-        return self.route(owned_range, self.master)
-
-
 def seamed_names(model) -> set:
     """The names of ``model``'s parameters read through a seam (model/weights.py)."""
     return set(seams(model))
@@ -126,10 +114,13 @@ def install(model, optimizer, collectives=None) -> int:
         cell, attribute = found[param.name]
         shard = ParamRange(optimizer.specs[i], collectives)
         if optimizer.stage == 2:
-            setattr(cell, attribute, GradientToRange(shard, optimizer.ranges[i]))
+            setattr(cell, attribute, ToOwnedRange(_RangeGradient(shard), optimizer.ranges[i]))
         else:
             # fp32 weights are their own masters; half-precision ones have theirs in the optimizer.
-            seam = GatherRange(shard) if optimizer.local[i] else GatherToMaster(shard, optimizer.ranges[i])
+            if optimizer.local[i]:
+                seam = GatherRange(shard)
+            else:
+                seam = ToOwnedRange(_GatheredToMaster(shard), optimizer.ranges[i])
             setattr(cell, attribute, seam)
             optimizer.shrink(i)
             held[param.name] = optimizer.specs[i]
